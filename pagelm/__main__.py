@@ -1,0 +1,3 @@
+from pagelm.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,159 @@
+"""Weights as views into the read-only model map, and the token embedding served from them.
+
+Owns `MappedTensor` (a tensor's bytes + page spans) and the two embedding modes; never parses
+files (it takes an open GGUFFile) and never does model math.
+"""
+
+from __future__ import annotations
+
+import mmap
+from typing import Callable, Literal
+
+import numpy as np
+
+from pagelm.errors import PagelmError, UnsupportedError
+from pagelm.formats.gguf import GGUFFile
+from pagelm.quant import DECODABLE, decode_bf16
+
+EmbeddingMode = Literal["mapped", "dense"]
+EMBEDDING_MODES: tuple[str, ...] = ("mapped", "dense")
+TOKEN_EMBEDDING = "token_embd.weight"
+# Bounds the fp32 temporaries of a decode (rows × dim × 4 bytes) while keeping numpy vectorised.
+DECODE_CHUNK_ROWS = 1024
+
+
+def page_spans(offset: int, row_nbytes: int, rows: np.ndarray, page_size: int = mmap.PAGESIZE):
+    """Page-aligned, coalesced (start, length) byte spans covering the given rows of a table
+    whose row 0 starts at file offset `offset`. Rows may repeat and come in any order."""
+    rows = np.unique(np.asarray(rows, dtype=np.int64))
+    if rows.size == 0:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    starts = (offset + rows * row_nbytes) // page_size * page_size
+    ends = -(-(offset + (rows + 1) * row_nbytes) // page_size) * page_size
+    # rows are sorted, so a span opens where a start lies past every end before it
+    reach = np.maximum.accumulate(ends)
+    opens = np.concatenate(([True], starts[1:] > reach[:-1]))
+    first = np.flatnonzero(opens)
+    last = np.concatenate((first[1:] - 1, [rows.size - 1]))
+    return starts[first], reach[last] - starts[first]
+
+
+class MappedTensor:
+    """A 2-D tensor (rows × row bytes) viewed in place in the read-only map of its file."""
+
+    def __init__(self, model: GGUFFile, name: str):
+        if name not in model.tensors:
+            raise PagelmError(f"{model.name}: tensor '{name}' not found")
+        info = model.tensors[name]
+        self.name = name
+        self.file_name = model.name
+        self.ggml_type = info.ggml_type
+        self.offset = info.offset
+        self.row_values = info.dims[0]
+        self.row_nbytes = info.row_nbytes
+        self.rows = info.n_elements // info.dims[0]
+        self.raw = model.tensor_data(name).reshape(self.rows, self.row_nbytes)
+        self._map = model.mmap
+
+    def advise(self, advice: int, starts=None, lengths=None) -> None:
+        """madvise the whole tensor's pages, or the given page-aligned spans. No-op without a map."""
+        if self._map is None:
+            return
+        if starts is None:  # the whole tensor: one "row" of all its bytes
+            starts, lengths = page_spans(self.offset, self.rows * self.row_nbytes, np.zeros(1, np.int64))
+        for start, length in zip(starts.tolist(), lengths.tolist()):
+            self._map.madvise(advice, start, length)
+
+
+class TokenEmbedding:
+    """Rows of the token embedding as bf16 bit patterns (uint16), shape (n, dim)."""
+
+    mode: EmbeddingMode
+
+    def __init__(self, tensor: MappedTensor):
+        self.tensor = tensor
+        self.vocab_size = tensor.rows
+        self.dim = tensor.row_values
+
+    def lookup(self, token_ids) -> np.ndarray:
+        raise NotImplementedError
+
+    def prefetch(self, token_ids) -> None:
+        """Hint the OS about the rows a prompt will read. Only meaningful for mapped rows."""
+
+    def _checked_ids(self, token_ids) -> np.ndarray:
+        ids = np.asarray(token_ids)
+        if ids.ndim == 0:
+            ids = ids.reshape(1)
+        if ids.size == 0:
+            return np.empty(0, np.int64)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise PagelmError(f"token ids must be a 1-D sequence of integers, got {ids.dtype} {ids.shape}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            bad = ids[(ids < 0) | (ids >= self.vocab_size)][0]
+            raise PagelmError(f"token id {int(bad)} out of range for vocabulary of {self.vocab_size}")
+        return ids.astype(np.int64, copy=False)
+
+
+class DenseTable(TokenEmbedding):
+    """The old way: the whole table unpacked to bf16 in anonymous memory at load."""
+
+    mode = "dense"
+
+    def __init__(self, tensor: MappedTensor, progress: Callable[[int], None] | None = None):
+        super().__init__(tensor)
+        self.table = np.empty((self.vocab_size, self.dim), np.uint16)
+        for lo in range(0, self.vocab_size, DECODE_CHUNK_ROWS):
+            hi = min(lo + DECODE_CHUNK_ROWS, self.vocab_size)
+            decode_bf16(tensor.raw[lo:hi], tensor.ggml_type, out=self.table[lo:hi])
+            if progress:
+                progress(hi - lo)
+
+    def lookup(self, token_ids) -> np.ndarray:
+        return self.table[self._checked_ids(token_ids)]
+
+
+class MappedRows(TokenEmbedding):
+    """pagelm's way: rows dequantized on demand from the read-only map, bit-identical to dense."""
+
+    mode = "mapped"
+
+    def __init__(self, tensor: MappedTensor):
+        super().__init__(tensor)
+        # one row per token, scattered across the table: read-ahead would only waste page cache
+        tensor.advise(mmap.MADV_RANDOM)
+
+    def lookup(self, token_ids) -> np.ndarray:
+        ids = self._checked_ids(token_ids)
+        raw, ggml_type = self.tensor.raw, self.tensor.ggml_type
+        if ids.size <= DECODE_CHUNK_ROWS:
+            return decode_bf16(raw[ids], ggml_type)
+        out = np.empty((ids.size, self.dim), np.uint16)
+        for lo in range(0, ids.size, DECODE_CHUNK_ROWS):
+            chunk = ids[lo : lo + DECODE_CHUNK_ROWS]
+            decode_bf16(raw[chunk], ggml_type, out=out[lo : lo + chunk.size])
+        return out
+
+    def prefetch(self, token_ids) -> None:
+        ids = self._checked_ids(token_ids)
+        starts, lengths = page_spans(self.tensor.offset, self.tensor.row_nbytes, ids)
+        self.tensor.advise(mmap.MADV_WILLNEED, starts, lengths)
+
+
+def load_token_embedding(
+    model: GGUFFile,
+    embedding: EmbeddingMode = "mapped",
+    progress: Callable[[int], None] | None = None,
+) -> TokenEmbedding:
+    """The model's token embedding in the chosen mode. `progress(rows)` reports dense unpacking."""
+    if embedding not in EMBEDDING_MODES:
+        raise PagelmError(f"embedding must be one of {', '.join(EMBEDDING_MODES)}, got {embedding!r}")
+    tensor = MappedTensor(model, TOKEN_EMBEDDING)
+    if tensor.ggml_type not in DECODABLE:
+        raise UnsupportedError(
+            f"{model.name}: tensor '{TOKEN_EMBEDDING}' has type {tensor.ggml_type.name}, "
+            f"which pagelm cannot decode (supported: {', '.join(sorted(t.name for t in DECODABLE))})"
+        )
+    if embedding == "dense":
+        return DenseTable(tensor, progress)
+    return MappedRows(tensor)

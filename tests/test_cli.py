@@ -1,0 +1,105 @@
+"""The `pagelm` command line, run as a real process and in-process where a fault is injected."""
+
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+from pagelm import cli
+from pagelm.weights import MappedRows
+
+
+def _pagelm(*args, check=True):
+    result = subprocess.run([sys.executable, "-m", "pagelm", *args], capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise AssertionError(result.stderr)
+    return result
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("models") / "tiny.gguf")
+    _pagelm("synth", "--shape", "tiny", "--embedding-only", "--seed", "3", path)
+    return path
+
+
+def test_help_explains_every_command():
+    out = _pagelm("--help").stdout
+    for command in ("synth", "verify-embeddings", "mem"):
+        assert command in out
+    assert "rows: <N> checked, <D> differing" in _pagelm("verify-embeddings", "--help").stdout
+
+
+def test_synth_writes_the_shape_gguf_py_can_read(tiny_model):
+    reader = gguf.GGUFReader(tiny_model)
+    (tensor,) = reader.tensors
+    assert tensor.name == "token_embd.weight"
+    assert tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    assert list(tensor.shape) == [256, 4096]
+    assert not os.path.exists(tiny_model + ".part")
+
+
+def test_synth_is_seeded(tmp_path, tiny_model):
+    again = str(tmp_path / "again.gguf")
+    other = str(tmp_path / "other.gguf")
+    _pagelm("synth", "--shape", "tiny", "--embedding-only", "--seed", "3", "--quiet", again)
+    _pagelm("synth", "--shape", "tiny", "--embedding-only", "--seed", "4", "--quiet", other)
+    original = open(tiny_model, "rb").read()
+    assert open(again, "rb").read() == original
+    assert open(other, "rb").read() != original
+
+
+def test_synth_without_embedding_only_says_why():
+    result = _pagelm("synth", "--shape", "tiny", "x.gguf", check=False)
+    assert result.returncode == 2 and "--embedding-only" in result.stderr
+    assert not os.path.exists("x.gguf")
+
+
+def test_verify_embeddings_passes_on_a_synthetic_model(tiny_model):
+    result = _pagelm("verify-embeddings", tiny_model, "--json")
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1] == "rows: 4096 checked, 0 differing"
+    report = json.loads(lines[-2])
+    assert report["rows_checked"] == 4096 and report["oracle_checked"] == 4096
+    assert report["oracle"].startswith("gguf ")
+
+
+def test_verify_embeddings_rows_option(tmp_path):
+    path = str(tmp_path / "q6k.gguf")
+    _pagelm("synth", "--shape", "tiny", "--embedding-only", "--embedding-type", "Q6_K", "--quiet", path)
+    lines = _pagelm("verify-embeddings", path, "--rows", "100").stdout.strip().splitlines()
+    assert "Q6_K" in lines[0]
+    assert lines[-1] == "rows: 100 checked, 0 differing"
+
+
+def test_verify_embeddings_fails_when_a_row_differs(tiny_model, monkeypatch, capsys):
+    honest = MappedRows.lookup
+
+    def one_bit_off(self, ids):
+        rows = honest(self, ids).copy()
+        rows[np.asarray(ids) == 1234, 0] ^= 1
+        return rows
+
+    monkeypatch.setattr(MappedRows, "lookup", one_bit_off)
+    assert cli.main(["verify-embeddings", tiny_model]) == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "rows: 4096 checked, 1 differing"
+
+
+def test_bad_model_files_get_a_clear_error(tmp_path, tiny_model):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(open(tiny_model, "rb").read()[:5000])
+    for path in (str(truncated), str(tmp_path / "missing.gguf")):
+        result = _pagelm("verify-embeddings", path, check=False)
+        assert result.returncode == 2
+        assert result.stderr.startswith("pagelm: error:") and os.path.basename(path) in result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_mem_reports_this_process_as_json():
+    figures = json.loads(_pagelm("mem", "--json").stdout)
+    assert figures["anonymous_mib"] > 0 and figures["peak_rss_mib"] >= figures["rss_mib"]
+    assert "file rss" in _pagelm("mem").stdout
