@@ -1,0 +1,1 @@
+"""Lean, read-only readers (and the matching writers) for model container files."""
