@@ -103,3 +103,12 @@ def test_mem_reports_this_process_as_json():
     figures = json.loads(_pagelm("mem", "--json").stdout)
     assert figures["anonymous_mib"] > 0 and figures["peak_rss_mib"] >= figures["rss_mib"]
     assert "file rss" in _pagelm("mem").stdout
+
+
+def test_real_qwen35_0_8b_geometry_verifies_every_row(tmp_path):
+    path = str(tmp_path / "qwen3.5-0.8b.gguf")
+    _pagelm("synth", "--shape", "qwen3.5-0.8b", "--embedding-only", "--quiet", path)
+    reader = gguf.GGUFReader(path)
+    assert [t.name for t in reader.tensors] == ["token_embd.weight"]  # tied: no output.weight
+    assert list(reader.tensors[0].shape) == [1024, 248320]
+    assert _pagelm("verify-embeddings", path).stdout.strip().splitlines()[-1] == "rows: 248320 checked, 0 differing"

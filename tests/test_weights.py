@@ -149,3 +149,13 @@ def test_random_rows_are_seeded():
     b = random_rows(np.random.default_rng(3), 4, 256, GGMLType.Q6_K)
     c = random_rows(np.random.default_rng(4), 4, 256, GGMLType.Q6_K)
     assert a.shape == (4, 210) and np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def test_untied_layout_embeds_from_token_embd_not_the_head(tmp_path):
+    path = _tiny_model(tmp_path, GGMLType.BF16, output_type=GGMLType.Q8_0)
+    with GGUFFile.open(path) as model:
+        assert model.tensors["output.weight"].ggml_type == GGMLType.Q8_0
+        mapped = load_token_embedding(model)
+        assert mapped.tensor.ggml_type == GGMLType.BF16
+        assert not np.array_equal(model.tensor_data("output.weight")[:64], model.tensor_data("token_embd.weight")[:64])
+        del mapped
