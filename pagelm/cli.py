@@ -16,35 +16,45 @@ from pagelm.errors import PagelmError
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from pagelm.quant.types import GGMLType
-    from pagelm.synth import SHAPES, SYNTH_TYPES, write_embedding_model
+    from dataclasses import replace
 
-    if not args.embedding_only:
-        raise PagelmError(
-            "full synthetic models (with layers) need the qwen35 engine, which is not built yet; "
-            "pass --embedding-only to write the embedding geometry alone"
-        )
+    from pagelm.quant.types import GGMLType
+    from pagelm.synth import (SHAPES, SYNTH_TYPES, embedding_nbytes, plan_model, plan_nbytes,
+                              write_embedding_model, write_model)
+
+    if args.seed < 0:
+        raise PagelmError(f"--seed must be >= 0, got {args.seed}")
     shape = SHAPES[args.shape]
     if args.embedding_type:
-        ggml_type = GGMLType[args.embedding_type]
+        try:
+            ggml_type = GGMLType[args.embedding_type.upper()]
+        except KeyError:
+            raise PagelmError(f"--embedding-type {args.embedding_type}: not a GGML type name") from None
         if ggml_type not in SYNTH_TYPES:
             raise PagelmError(f"--embedding-type {ggml_type.name} is not one pagelm can synthesise")
-        shape = type(shape)(shape.vocab, shape.dim, ggml_type, shape.output_type)
-    total = sum(_table_nbytes(shape, t) for t in (shape.embedding_type, shape.output_type) if t is not None)
+        shape = replace(shape, embedding_type=ggml_type)
+    layer_type = GGMLType[args.layer_type]
+    if not args.embedding_only and not shape.full:
+        full = ", ".join(name for name, s in SHAPES.items() if s.full)
+        raise PagelmError(f"shape '{args.shape}' has embedding geometry only: pass --embedding-only, "
+                          f"or pick a complete shape ({full})")
+    name = f"synthetic {args.shape}"
+    total = embedding_nbytes(shape) if args.embedding_only else plan_nbytes(plan_model(shape, layer_type))
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {os.path.basename(args.out)}",
               file=sys.stderr, disable=args.quiet) as bar:
-        write_embedding_model(args.out, shape, seed=args.seed, name=f"synthetic {args.shape}", progress=bar.update)
-    print(f"wrote {args.out}: {args.shape}, vocab {shape.vocab}, dim {shape.dim}, "
-          f"token_embd {shape.embedding_type.name}, "
-          + (f"output {shape.output_type.name}" if shape.output_type else "tied output head")
-          + f", {os.path.getsize(args.out)} bytes")
+        if args.embedding_only:
+            write_embedding_model(args.out, shape, seed=args.seed, name=name, progress=bar.update)
+        else:
+            plan = write_model(args.out, shape, layer_type, seed=args.seed, name=name, progress=bar.update)
+    head = f"output {shape.output_type.name}" if shape.output_type else "tied output head"
+    if args.embedding_only:
+        print(f"wrote {args.out}: {args.shape} embedding only, vocab {shape.vocab}, dim {shape.hidden}, "
+              f"token_embd {shape.embedding_type.name}, {head}, {os.path.getsize(args.out)} bytes")
+    else:
+        print(f"wrote {args.out}: {args.shape}, {shape.n_layers} layers, hidden {shape.hidden}, vocab {shape.vocab}, "
+              f"{len(plan)} tensors, layers {layer_type.name}, token_embd {shape.embedding_type.name}, {head}, "
+              f"{os.path.getsize(args.out)} bytes")
     return 0
-
-
-def _table_nbytes(shape, ggml_type) -> int:
-    from pagelm.quant.types import row_nbytes
-
-    return row_nbytes(ggml_type, shape.dim) * shape.vocab
 
 
 def _verify_embeddings(args: argparse.Namespace) -> int:
@@ -114,16 +124,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pagelm {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    from pagelm.synth import LAYER_TYPES
+
     synth = commands.add_parser(
         "synth", help="write a synthetic GGUF with a real model's geometry and random values",
-        description="Write a GGUF whose embedding geometry is a real model's (random, seeded values). "
-                    "The Qwen3.5 0.8b/2b/4b shapes have a tied Q8_0 token_embd and no output.weight; "
-                    "the 9b has a BF16 token_embd and a Q8_0 output.weight.")
-    synth.add_argument("--shape", required=True, choices=sorted(SHAPES), help="the geometry to copy")
+        description="Write a complete random llama.cpp `qwen35` model (every tensor and metadata key, "
+                    "random seeded values scaled to stay numerically healthy, peaked final logits), "
+                    "or with --embedding-only just its embedding tables. The Qwen3.5 0.8b/2b/4b shapes "
+                    "have a tied Q8_0 token_embd and no output.weight; the 9b has a BF16 token_embd and a "
+                    "Q8_0 output.weight. qwen3.5-tiny and qwen3.5-tiny-gqa (nv != nk) are small shapes "
+                    "for tests; 'tiny' is an embedding-only geometry.")
+    synth.add_argument("--shape", required=True, choices=list(SHAPES), help="the geometry to copy")
     synth.add_argument("out", metavar="OUT.gguf", help="file to write (written to OUT.part, then renamed)")
     synth.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    synth.add_argument("--layer-type", default="Q8_0", choices=sorted(t.name for t in LAYER_TYPES),
+                       help="type of the layers' 2-D matrices (default Q8_0); norms, ssm_a, ssm_dt.bias "
+                            "and ssm_conv1d are always F32")
     synth.add_argument("--embedding-only", action="store_true",
-                       help="write only the embedding tables (required until the engine lands)")
+                       help="write only the embedding tables (token_embd, and output when untied)")
     synth.add_argument("--embedding-type", metavar="TYPE",
                        help="override token_embd's type, e.g. Q6_K (as llama.cpp's Q4_K_M writes it)")
     synth.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -1,20 +1,31 @@
 """Synthetic models with real geometry and random, seeded values, written by pagelm's own GGUF writer.
 
-Owns the shape table and random block generation; for now it writes the embedding tables only.
+Owns the shape table, the tensor plan of llama.cpp's `qwen35` architecture (names, ggml dims,
+types and how each tensor's values are drawn) and random block generation. Writes either the
+embedding tables alone or complete models, streamed in bounded chunks.
+
+The values are random but shaped so that a forward pass stays numerically healthy through all
+layers and so that the last position's logits are peaked (see `_RESIDUAL_RMS` and
+`_TOP_GAP`); conventions follow design/qwen35.md (+1 folded into every norm except
+ssm_norm, ssm_a = -exp(A_log), ssm_conv1d ne = [kernel, channels]).
 """
 
 from __future__ import annotations
 
+import math
+import zlib
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Iterator
 
 import numpy as np
 
 from pagelm.formats.gguf import GGUFValueType, TensorToWrite, Typed, write_gguf
-from pagelm.quant import ENCODABLE, encode
-from pagelm.quant.types import BLOCK_LAYOUT, GGMLType
+from pagelm.quant import ENCODABLE, decode_f32, encode
+from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, row_nbytes
 
 QWEN35_VOCAB = 248_320
+ARCH = "qwen35"
 
 
 @dataclass(frozen=True)
@@ -25,12 +36,77 @@ class EmbeddingShape:
     output_type: GGMLType | None  # None: the output head is tied to token_embd
 
 
-SHAPES: dict[str, EmbeddingShape] = {
-    "qwen3.5-0.8b": EmbeddingShape(QWEN35_VOCAB, 1024, GGMLType.Q8_0, None),
-    "qwen3.5-2b": EmbeddingShape(QWEN35_VOCAB, 2048, GGMLType.Q8_0, None),
-    "qwen3.5-4b": EmbeddingShape(QWEN35_VOCAB, 2560, GGMLType.Q8_0, None),
-    "qwen3.5-9b": EmbeddingShape(QWEN35_VOCAB, 4096, GGMLType.BF16, GGMLType.Q8_0),
-    "tiny": EmbeddingShape(4096, 256, GGMLType.Q8_0, None),
+@dataclass(frozen=True)
+class Qwen35Shape:
+    """Every geometry field of a `qwen35` model; n_layers == 0 means embedding geometry only."""
+
+    vocab: int
+    hidden: int
+    embedding_type: GGMLType
+    output_type: GGMLType | None  # None: the output head is tied to token_embd
+    n_layers: int = 0
+    ffn: int = 0
+    n_head: int = 0  # attention query heads
+    n_head_kv: int = 0
+    head_dim: int = 0  # attention key = value head dim
+    rope_dim: int = 0  # rotated dims at the start of each attention head
+    rope_sections: tuple[int, int, int, int] = (0, 0, 0, 0)  # multimodal sections (pairs)
+    ssm_k_heads: int = 0  # DeltaNet key heads (nk, ssm.group_count)
+    ssm_v_heads: int = 0  # DeltaNet value heads (nv, ssm.time_step_rank)
+    ssm_head_dim: int = 0  # DeltaNet key = value head dim (ssm.state_size)
+    conv_kernel: int = 4
+    full_attention_interval: int = 4  # layer i is full attention when i % interval == interval - 1
+    context_length: int = 262_144
+    rms_eps: float = 1e-6
+    rope_theta: float = 1e7
+
+    @property
+    def dim(self) -> int:
+        return self.hidden
+
+    @property
+    def full(self) -> bool:
+        """True when the shape has layers (a complete model can be written)."""
+        return self.n_layers > 0
+
+    @property
+    def embedding(self) -> EmbeddingShape:
+        return EmbeddingShape(self.vocab, self.hidden, self.embedding_type, self.output_type)
+
+    def is_full_attention(self, layer: int) -> bool:
+        return layer % self.full_attention_interval == self.full_attention_interval - 1
+
+    @property
+    def ssm_qkv_channels(self) -> int:
+        """Channels of attn_qkv / ssm_conv1d: q and k (nk heads each), then v (nv heads)."""
+        return (2 * self.ssm_k_heads + self.ssm_v_heads) * self.ssm_head_dim
+
+    @property
+    def ssm_inner(self) -> int:
+        return self.ssm_v_heads * self.ssm_head_dim
+
+
+def _qwen35(vocab: int, hidden: int, n_layers: int, ffn: int, n_head: int, n_head_kv: int, nk: int, nv: int,
+            embedding_type: GGMLType = GGMLType.Q8_0, output_type: GGMLType | None = None,
+            head_dim: int = 256, rope_dim: int = 64, rope_sections=(11, 11, 10, 0), ssm_head_dim: int = 128,
+            context_length: int = 262_144) -> Qwen35Shape:
+    return Qwen35Shape(vocab, hidden, embedding_type, output_type, n_layers=n_layers, ffn=ffn, n_head=n_head,
+                       n_head_kv=n_head_kv, head_dim=head_dim, rope_dim=rope_dim, rope_sections=rope_sections,
+                       ssm_k_heads=nk, ssm_v_heads=nv, ssm_head_dim=ssm_head_dim, context_length=context_length)
+
+
+_TINY = dict(head_dim=64, rope_dim=16, rope_sections=(3, 3, 2, 0), ssm_head_dim=32, context_length=8192)
+
+SHAPES: dict[str, Qwen35Shape] = {
+    "qwen3.5-0.8b": _qwen35(QWEN35_VOCAB, 1024, 24, 3584, 8, 2, 16, 16),
+    "qwen3.5-2b": _qwen35(QWEN35_VOCAB, 2048, 24, 6144, 8, 2, 16, 16),
+    "qwen3.5-4b": _qwen35(QWEN35_VOCAB, 2560, 32, 9216, 16, 4, 16, 32),
+    "qwen3.5-9b": _qwen35(QWEN35_VOCAB, 4096, 32, 12288, 16, 4, 16, 32,
+                          embedding_type=GGMLType.BF16, output_type=GGMLType.Q8_0),
+    "qwen3.5-tiny": _qwen35(4096, 128, 4, 256, 4, 2, 2, 2, **_TINY),
+    "qwen3.5-tiny-gqa": _qwen35(4096, 128, 4, 256, 4, 2, 2, 4, **_TINY),
+    # Embedding geometry only (vocab 4096, dim 256): for the embedding tests.
+    "tiny": Qwen35Shape(4096, 256, GGMLType.Q8_0, None),
 }
 
 # Byte offsets of the fp16 scale fields (d, and m/dmin where present) inside one block. Random
@@ -46,7 +122,10 @@ _SCALE_FIELDS: dict[GGMLType, tuple[int, ...]] = {
     GGMLType.Q6_K: (208,),
 }
 SYNTH_TYPES = frozenset(_SCALE_FIELDS) | {GGMLType.F32, GGMLType.F16, GGMLType.BF16}
+# Types the layer matrices can be written in (they are drawn as floats, then encoded).
+LAYER_TYPES = frozenset(ENCODABLE)
 _CHUNK_ROWS = 2048
+_CHUNK_VALUES = 1 << 22  # values drawn at a time for the layer matrices (16 MiB of float32)
 
 
 def random_rows(rng: np.random.Generator, n_rows: int, n_values: int, ggml_type: GGMLType) -> np.ndarray:
@@ -71,12 +150,14 @@ def _table_chunks(seed: int, vocab: int, dim: int, ggml_type: GGMLType) -> Itera
 
 def write_embedding_model(
     path: str,
-    shape: EmbeddingShape,
+    shape: EmbeddingShape | Qwen35Shape,
     seed: int = 0,
     name: str = "synthetic",
     progress: Callable[[int], None] | None = None,
 ) -> None:
     """Write a qwen35-geometry GGUF holding the embedding (and the untied output head, if any)."""
+    if isinstance(shape, Qwen35Shape):
+        shape = shape.embedding
     tensors = [
         TensorToWrite("token_embd.weight", (shape.dim, shape.vocab), shape.embedding_type,
                       _table_chunks(seed, shape.vocab, shape.dim, shape.embedding_type))
@@ -87,7 +168,7 @@ def write_embedding_model(
                           _table_chunks(seed + 1, shape.vocab, shape.dim, shape.output_type))
         )
     metadata = {
-        "general.architecture": "qwen35",
+        "general.architecture": ARCH,
         "general.name": name,
         "qwen35.embedding_length": Typed(GGUFValueType.UINT32, shape.dim),
         "qwen35.vocab_size": Typed(GGUFValueType.UINT32, shape.vocab),
@@ -95,3 +176,252 @@ def write_embedding_model(
         "pagelm.synthetic.embedding_only": True,
     }
     write_gguf(path, metadata, tensors, progress=progress)
+
+
+def embedding_nbytes(shape: EmbeddingShape | Qwen35Shape) -> int:
+    """Bytes of the tensor data write_embedding_model writes (what its progress adds up to)."""
+    if isinstance(shape, Qwen35Shape):
+        shape = shape.embedding
+    types = [t for t in (shape.embedding_type, shape.output_type) if t is not None]
+    return sum(row_nbytes(t, shape.dim) * shape.vocab for t in types)
+
+
+# ------------------------------------------------------------------------- complete models
+
+# Scales of the random values. With every projection drawn as N(0, gain / sqrt(fan_in)), the
+# output of a projection of an RMS-normalised vector has rms ~ gain. The residual outputs
+# (attn_output, ssm_out, ffn_down) are scaled so that the 2·n_layers residual additions bring
+# the final hidden state to an rms of about _RESIDUAL_RMS: large against the input embedding
+# (rms ~0.17), so the tied head does not simply echo the input token. output_norm is scaled so
+# that the logits over the vocabulary have std _TOP_GAP · sqrt(2 ln vocab): the expected gap
+# between the two largest of `vocab` Gaussian logits is then about _TOP_GAP.
+_RESIDUAL_RMS = 8.0
+_BRANCH_RMS = 0.6  # rough rms of the vector entering a residual output projection (MLP, DeltaNet)
+_ATTN_BRANCH_RMS = 0.3  # the same for attention: softmax averages v over positions, then the gate
+_TOP_GAP = 6.0
+_NORM_NOISE = 0.05  # norm weights are 1 + N(0, _NORM_NOISE) (times a scale for output_norm)
+
+
+@dataclass(frozen=True)
+class Init:
+    """How one tensor's values are drawn.
+
+    normal: center + scale · N(0, 1); uniform: U(low, high); neg_exp_uniform: -exp(U(low, high));
+    table: the embedding tables' generator (random_rows) with seed + seed_offset.
+    """
+
+    kind: str
+    scale: float = 0.0
+    center: float = 0.0
+    low: float = 0.0
+    high: float = 0.0
+    seed_offset: int = 0
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    dims: tuple[int, ...]  # ggml order, ne0 first
+    ggml_type: GGMLType
+    init: Init
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """numpy order: the dims reversed."""
+        return self.dims[::-1]
+
+    @property
+    def nbytes(self) -> int:
+        return row_nbytes(self.ggml_type, self.dims[0]) * math.prod(self.dims[1:])
+
+
+@lru_cache(maxsize=None)
+def table_value_std(ggml_type: GGMLType) -> float:
+    """Std of the values random_rows draws for a table of this type (measured on a fixed sample)."""
+    sample = random_rows(np.random.default_rng(0x5EED), 64, 1024, ggml_type)
+    return float(np.sqrt(np.mean(np.square(decode_f32(sample, ggml_type), dtype=np.float64))))
+
+
+def _normal(scale: float, center: float = 0.0) -> Init:
+    return Init("normal", scale=scale, center=center)
+
+
+def _norm(center: float = 1.0) -> Init:
+    return Init("normal", scale=_NORM_NOISE * center, center=center)
+
+
+def plan_model(
+    shape: Qwen35Shape,
+    layer_type: GGMLType = GGMLType.Q8_0,
+    embedding_type: GGMLType | None = None,
+    embedding_only: bool = False,
+) -> list[PlannedTensor]:
+    """Every tensor of the model in file order: name, ggml dims, type and value distribution.
+
+    Lists without writing or drawing anything (cheap for the multi-GB shapes).
+    """
+    emb_type = embedding_type or shape.embedding_type
+    if emb_type not in SYNTH_TYPES:
+        raise ValueError(f"synthetic tables of type {emb_type.name} are not supported")
+    d, v = shape.hidden, shape.vocab
+    plan = [PlannedTensor("token_embd.weight", (d, v), emb_type, Init("table", seed_offset=0))]
+    output = None
+    if shape.output_type is not None:
+        output = PlannedTensor("output.weight", (d, v), shape.output_type, Init("table", seed_offset=1))
+    if embedding_only:
+        return plan + ([output] if output else [])
+    if not shape.full:
+        raise ValueError("this shape has embedding geometry only; it cannot make a complete model")
+    if layer_type not in LAYER_TYPES:
+        raise ValueError(f"layer matrices of type {layer_type.name} are not supported "
+                         f"(supported: {', '.join(sorted(t.name for t in LAYER_TYPES))})")
+
+    residual = _RESIDUAL_RMS / math.sqrt(2 * shape.n_layers)  # rms each residual branch adds
+    F32 = GGMLType.F32
+
+    def matrix(name: str, n_in: int, n_out: int, gain: float = 1.0) -> PlannedTensor:
+        return PlannedTensor(name, (n_in, n_out), layer_type, _normal(gain / math.sqrt(n_in)))
+
+    for i in range(shape.n_layers):
+        b = f"blk.{i}."
+        plan.append(PlannedTensor(b + "attn_norm.weight", (d,), F32, _norm()))
+        if shape.is_full_attention(i):
+            hd = shape.head_dim
+            plan += [
+                matrix(b + "attn_q.weight", d, shape.n_head * 2 * hd),  # per head: query, then gate
+                matrix(b + "attn_k.weight", d, shape.n_head_kv * hd),
+                matrix(b + "attn_v.weight", d, shape.n_head_kv * hd),
+                PlannedTensor(b + "attn_q_norm.weight", (hd,), F32, _norm()),
+                PlannedTensor(b + "attn_k_norm.weight", (hd,), F32, _norm()),
+                matrix(b + "attn_output.weight", shape.n_head * hd, d, residual / _ATTN_BRANCH_RMS),
+            ]
+        else:
+            nv, k = shape.ssm_v_heads, shape.conv_kernel
+            plan += [
+                matrix(b + "attn_qkv.weight", d, shape.ssm_qkv_channels),
+                matrix(b + "attn_gate.weight", d, shape.ssm_inner),
+                matrix(b + "ssm_beta.weight", d, nv),
+                matrix(b + "ssm_alpha.weight", d, nv, 0.5),
+                PlannedTensor(b + "ssm_conv1d.weight", (k, shape.ssm_qkv_channels), F32,
+                              _normal(1 / math.sqrt(k))),
+                # decay per step exp(ssm_a · softplus(alpha + dt_bias)): mostly 0.4 .. 0.95
+                PlannedTensor(b + "ssm_dt.bias", (nv,), F32, Init("uniform", low=-2.0, high=-0.5)),
+                PlannedTensor(b + "ssm_a", (nv,), F32, Init("neg_exp_uniform", low=-1.0, high=0.5)),
+                PlannedTensor(b + "ssm_norm.weight", (shape.ssm_head_dim,), F32, _norm()),
+                matrix(b + "ssm_out.weight", shape.ssm_inner, d, residual / _BRANCH_RMS),
+            ]
+        plan += [
+            PlannedTensor(b + "post_attention_norm.weight", (d,), F32, _norm()),
+            matrix(b + "ffn_gate.weight", d, shape.ffn),
+            matrix(b + "ffn_up.weight", d, shape.ffn),
+            matrix(b + "ffn_down.weight", shape.ffn, d, residual / _BRANCH_RMS),
+        ]
+    head_type = shape.output_type or emb_type
+    logit_std = _TOP_GAP * math.sqrt(2 * math.log(v))
+    out_scale = logit_std / (table_value_std(head_type) * math.sqrt(d))
+    plan.append(PlannedTensor("output_norm.weight", (d,), F32, _norm(out_scale)))
+    return plan + ([output] if output else [])
+
+
+def plan_nbytes(plan: list[PlannedTensor]) -> int:
+    """Bytes of tensor data (without alignment padding): what a writer's progress adds up to."""
+    return sum(t.nbytes for t in plan)
+
+
+_FILE_TYPE = {  # llama_ftype of a file whose layer matrices have this type
+    GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q4_0: 2, GGMLType.Q4_1: 3, GGMLType.Q8_0: 7, GGMLType.BF16: 32,
+}
+
+
+def model_metadata(shape: Qwen35Shape, layer_type: GGMLType = GGMLType.Q8_0, seed: int = 0,
+                   name: str = "synthetic") -> dict:
+    """The GGUF metadata of a complete model, with the value types llama.cpp reads them as."""
+    u32 = lambda v: Typed(GGUFValueType.UINT32, v)  # noqa: E731
+    f32 = lambda v: Typed(GGUFValueType.FLOAT32, v)  # noqa: E731
+    a = ARCH
+    return {
+        "general.architecture": a,
+        "general.name": name,
+        "general.file_type": u32(_FILE_TYPE[layer_type]),
+        "general.quantization_version": u32(2),
+        f"{a}.vocab_size": u32(shape.vocab),
+        f"{a}.block_count": u32(shape.n_layers),
+        f"{a}.context_length": u32(shape.context_length),
+        f"{a}.embedding_length": u32(shape.hidden),
+        f"{a}.feed_forward_length": u32(shape.ffn),
+        f"{a}.attention.head_count": u32(shape.n_head),
+        f"{a}.attention.head_count_kv": u32(shape.n_head_kv),
+        f"{a}.attention.key_length": u32(shape.head_dim),
+        f"{a}.attention.value_length": u32(shape.head_dim),
+        f"{a}.attention.layer_norm_rms_epsilon": f32(shape.rms_eps),
+        f"{a}.rope.freq_base": f32(shape.rope_theta),
+        f"{a}.rope.dimension_count": u32(shape.rope_dim),
+        f"{a}.rope.dimension_sections": Typed(GGUFValueType.ARRAY, (GGUFValueType.INT32, list(shape.rope_sections))),
+        f"{a}.ssm.conv_kernel": u32(shape.conv_kernel),
+        f"{a}.ssm.state_size": u32(shape.ssm_head_dim),
+        f"{a}.ssm.group_count": u32(shape.ssm_k_heads),
+        f"{a}.ssm.time_step_rank": u32(shape.ssm_v_heads),
+        f"{a}.ssm.inner_size": u32(shape.ssm_inner),
+        f"{a}.full_attention_interval": u32(shape.full_attention_interval),
+        # No vocabulary yet: token ids only. llama.cpp loads such files and evaluates token ids.
+        "tokenizer.ggml.model": "none",
+        "pagelm.synthetic.seed": Typed(GGUFValueType.UINT64, seed),
+        "pagelm.synthetic.embedding_only": False,
+    }
+
+
+def _tensor_rng(seed: int, name: str) -> np.random.Generator:
+    # Keyed by name, so each tensor's values are independent of the others and of the plan order.
+    return np.random.default_rng([seed & (2**64 - 1), zlib.crc32(name.encode())])
+
+
+def tensor_chunks(t: PlannedTensor, seed: int) -> Iterator[np.ndarray]:
+    """The encoded bytes of one planned tensor, in row chunks of bounded size."""
+    init = t.init
+    if init.kind == "table":
+        yield from _table_chunks(seed + init.seed_offset, t.dims[1], t.dims[0], t.ggml_type)
+        return
+    rng = _tensor_rng(seed, t.name)
+    n_in, n_rows = t.dims[0], math.prod(t.dims[1:])
+    step = max(1, _CHUNK_VALUES // n_in)
+    for lo in range(0, n_rows, step):
+        size = (min(step, n_rows - lo), n_in)
+        if init.kind == "normal":
+            values = rng.standard_normal(size, np.float32)
+            values *= np.float32(init.scale)
+            values += np.float32(init.center)
+        elif init.kind == "uniform":
+            values = rng.uniform(init.low, init.high, size).astype(np.float32)
+        elif init.kind == "neg_exp_uniform":
+            values = -np.exp(rng.uniform(init.low, init.high, size)).astype(np.float32)
+        else:
+            raise ValueError(f"unknown init kind {init.kind!r}")
+        yield encode(values, t.ggml_type)
+
+
+def write_model(
+    path: str,
+    shape: Qwen35Shape,
+    layer_type: GGMLType = GGMLType.Q8_0,
+    seed: int = 0,
+    name: str = "synthetic",
+    embedding_type: GGMLType | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[PlannedTensor]:
+    """Write a complete random `qwen35` model (every tensor llama.cpp loads); returns its plan.
+
+    Streams each tensor in chunks (memory stays bounded whatever the shape) to `path.part`,
+    renamed onto `path` when complete. The same seed gives the same bytes; token_embd (and
+    output) are byte-identical to write_embedding_model's tables for that seed.
+    """
+    plan = plan_model(shape, layer_type, embedding_type)
+    tensors = [TensorToWrite(t.name, t.dims, t.ggml_type, tensor_chunks(t, seed)) for t in plan]
+    write_gguf(path, model_metadata(shape, layer_type, seed, name), tensors, progress=progress)
+    return plan
+
+
+__all__ = [
+    "EmbeddingShape", "Init", "LAYER_TYPES", "PlannedTensor", "Qwen35Shape", "SHAPES", "SYNTH_TYPES",
+    "embedding_nbytes", "model_metadata", "plan_model", "plan_nbytes", "random_rows", "table_value_std",
+    "tensor_chunks", "write_embedding_model", "write_model",
+]

@@ -13,11 +13,16 @@ import numpy as np
 
 from pagelm.errors import PagelmError, UnsupportedError
 from pagelm.formats.gguf import GGUFFile
-from pagelm.quant import DECODABLE, decode_bf16
+from pagelm.quant import DECODABLE, decode_bf16, decode_f32
+from pagelm.quant.kernels import gather_rows_bf16, head_logits
 
 EmbeddingMode = Literal["mapped", "dense"]
 EMBEDDING_MODES: tuple[str, ...] = ("mapped", "dense")
+RowFormat = Literal["bf16", "f32"]
+ROW_FORMATS: tuple[str, ...] = ("bf16", "f32")
+_ROW_DTYPES = {"bf16": np.uint16, "f32": np.float32}
 TOKEN_EMBEDDING = "token_embd.weight"
+OUTPUT_HEAD = "output.weight"
 # Bounds the fp32 temporaries of a decode (rows × dim × 4 bytes) while keeping numpy vectorised.
 DECODE_CHUNK_ROWS = 1024
 
@@ -66,12 +71,16 @@ class MappedTensor:
 
 
 class TokenEmbedding:
-    """Rows of the token embedding as bf16 bit patterns (uint16), shape (n, dim)."""
+    """Rows of the token embedding, shape (n, dim): bf16 bit patterns (uint16) by default, or
+    float32 for float32 compute. Both modes give the same bits for the same row format."""
 
     mode: EmbeddingMode
 
-    def __init__(self, tensor: MappedTensor):
+    def __init__(self, tensor: MappedTensor, rows: RowFormat):
+        if rows not in ROW_FORMATS:
+            raise PagelmError(f"row format must be one of {', '.join(ROW_FORMATS)}, got {rows!r}")
         self.tensor = tensor
+        self.rows = rows
         self.vocab_size = tensor.rows
         self.dim = tensor.row_values
 
@@ -89,23 +98,25 @@ class TokenEmbedding:
             return np.empty(0, np.int64)
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
             raise PagelmError(f"token ids must be a 1-D sequence of integers, got {ids.dtype} {ids.shape}")
-        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
             bad = ids[(ids < 0) | (ids >= self.vocab_size)][0]
             raise PagelmError(f"token id {int(bad)} out of range for vocabulary of {self.vocab_size}")
         return ids.astype(np.int64, copy=False)
 
 
 class DenseTable(TokenEmbedding):
-    """The old way: the whole table unpacked to bf16 in anonymous memory at load."""
+    """The old way: the whole table unpacked (to bf16) in anonymous memory at load."""
 
     mode = "dense"
 
-    def __init__(self, tensor: MappedTensor, progress: Callable[[int], None] | None = None):
-        super().__init__(tensor)
-        self.table = np.empty((self.vocab_size, self.dim), np.uint16)
+    def __init__(self, tensor: MappedTensor, rows: RowFormat = "bf16",
+                 progress: Callable[[int], None] | None = None):
+        super().__init__(tensor, rows)
+        decode = decode_bf16 if rows == "bf16" else decode_f32
+        self.table = np.empty((self.vocab_size, self.dim), _ROW_DTYPES[rows])
         for lo in range(0, self.vocab_size, DECODE_CHUNK_ROWS):
             hi = min(lo + DECODE_CHUNK_ROWS, self.vocab_size)
-            decode_bf16(tensor.raw[lo:hi], tensor.ggml_type, out=self.table[lo:hi])
+            decode(tensor.raw[lo:hi], tensor.ggml_type, out=self.table[lo:hi])
             if progress:
                 progress(hi - lo)
 
@@ -118,20 +129,20 @@ class MappedRows(TokenEmbedding):
 
     mode = "mapped"
 
-    def __init__(self, tensor: MappedTensor):
-        super().__init__(tensor)
+    def __init__(self, tensor: MappedTensor, rows: RowFormat = "bf16"):
+        super().__init__(tensor, rows)
         # one row per token, scattered across the table: read-ahead would only waste page cache
         tensor.advise(mmap.MADV_RANDOM)
 
     def lookup(self, token_ids) -> np.ndarray:
         ids = self._checked_ids(token_ids)
         raw, ggml_type = self.tensor.raw, self.tensor.ggml_type
-        if ids.size <= DECODE_CHUNK_ROWS:
-            return decode_bf16(raw[ids], ggml_type)
-        out = np.empty((ids.size, self.dim), np.uint16)
+        if self.rows == "bf16":
+            return gather_rows_bf16(raw, ggml_type, ids)
+        out = np.empty((ids.size, self.dim), np.float32)
         for lo in range(0, ids.size, DECODE_CHUNK_ROWS):
             chunk = ids[lo : lo + DECODE_CHUNK_ROWS]
-            decode_bf16(raw[chunk], ggml_type, out=out[lo : lo + chunk.size])
+            decode_f32(raw[chunk], ggml_type, out=out[lo : lo + chunk.size])
         return out
 
     def prefetch(self, token_ids) -> None:
@@ -143,9 +154,11 @@ class MappedRows(TokenEmbedding):
 def load_token_embedding(
     model: GGUFFile,
     embedding: EmbeddingMode = "mapped",
+    rows: RowFormat = "bf16",
     progress: Callable[[int], None] | None = None,
 ) -> TokenEmbedding:
-    """The model's token embedding in the chosen mode. `progress(rows)` reports dense unpacking."""
+    """The model's token embedding in the chosen mode and row format. `progress(rows)` reports
+    dense unpacking."""
     if embedding not in EMBEDDING_MODES:
         raise PagelmError(f"embedding must be one of {', '.join(EMBEDDING_MODES)}, got {embedding!r}")
     tensor = MappedTensor(model, TOKEN_EMBEDDING)
@@ -155,5 +168,29 @@ def load_token_embedding(
             f"which pagelm cannot decode (supported: {', '.join(sorted(t.name for t in DECODABLE))})"
         )
     if embedding == "dense":
-        return DenseTable(tensor, progress)
-    return MappedRows(tensor)
+        return DenseTable(tensor, rows, progress)
+    return MappedRows(tensor, rows)
+
+
+class OutputHead:
+    """Logits computed straight from the mapped output table (tied token_embd or output.weight):
+    fp32 accumulation over the quantized bytes, no vocab × dim float copy anywhere."""
+
+    def __init__(self, tensor: MappedTensor):
+        if tensor.ggml_type not in DECODABLE:
+            raise UnsupportedError(f"{tensor.file_name}: output head '{tensor.name}' has type "
+                                   f"{tensor.ggml_type.name}, which pagelm cannot decode")
+        self.tensor = tensor
+        self.vocab_size = tensor.rows
+        self.dim = tensor.row_values
+        # every token reads the whole table: ask for all of it now, in the background
+        tensor.advise(mmap.MADV_WILLNEED)
+
+    def logits(self, hidden: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        return head_logits(self.tensor.raw, self.tensor.ggml_type, np.ascontiguousarray(hidden, np.float32), out)
+
+
+def load_output_head(model: GGUFFile) -> OutputHead:
+    """The untied `output.weight` when the file has one, else the tied token embedding table."""
+    name = OUTPUT_HEAD if OUTPUT_HEAD in model.tensors else TOKEN_EMBEDDING
+    return OutputHead(MappedTensor(model, name))

@@ -1,0 +1,209 @@
+"""Benchmark: generation on a synthetic Qwen3.5 model, pagelm dense vs mapped (and llama.cpp).
+
+One fresh process per configuration: load, a 2,600-token prompt (TTFT), 128 greedy decode steps,
+then memory. Each configuration runs --runs times; the table shows medians. Also the output-head
+GEMV alone: pagelm's kernel over the mapped table vs torch.mv over an unpacked bf16 copy.
+
+    python bench/generate.py [--shapes qwen3.5-0.8b] [--runs 3] [--dtype bfloat16]
+
+Models are written by `pagelm synth --shape S` into --models-dir when missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+MIB = 1024 * 1024
+
+
+def _prompt(vocab: int, n: int):
+    import numpy as np
+
+    return np.random.default_rng(0).integers(0, min(vocab, 248_044), n).tolist()
+
+
+def pagelm_worker(path: str, mode: str, dtype: str, prompt_tokens: int, new_tokens: int) -> dict:
+    import torch
+
+    torch.set_num_threads(2)
+    import pagelm
+    from pagelm.measure.memory import read_memory
+    from pagelm.sampling import SamplingParams
+
+    start = time.perf_counter()
+    model = pagelm.load(path, embedding=mode, dtype=dtype)
+    load_s = time.perf_counter() - start
+    session = model.session(max_len=prompt_tokens + new_tokens + 8)
+    prompt = _prompt(model.config.vocab, prompt_tokens)
+    params = SamplingParams(max_tokens=new_tokens)
+    start = time.perf_counter()
+    stream = session.generate(prompt, params)
+    tokens = [next(stream)]
+    ttft = time.perf_counter() - start
+    start = time.perf_counter()
+    tokens.extend(stream)
+    decode_s = time.perf_counter() - start
+    memory = read_memory()
+    return {"load_s": load_s, "ttft_s": ttft, "decode_tok_s": (len(tokens) - 1) / decode_s,
+            "anon_mib": memory.anonymous / MIB, "peak_rss_mib": memory.peak_rss / MIB, "tokens": tokens}
+
+
+def llama_cpp_worker(path: str, prompt_tokens: int, new_tokens: int) -> dict:
+    import llama_cpp
+    import numpy as np
+
+    from pagelm.formats.gguf import GGUFFile
+    from pagelm.measure.memory import read_memory
+
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+    def without_amx():  # peers.md: the AMX matmul path crashes on these machines
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    llama_cpp.llama_cpp.llama_model_default_params = without_amx
+    llama_cpp.llama_model_default_params = without_amx
+    with GGUFFile.open(path) as f:
+        vocab = f.tensors["token_embd.weight"].shape[0]
+    start = time.perf_counter()
+    llm = llama_cpp.Llama(path, n_ctx=prompt_tokens + new_tokens + 8, n_threads=2, n_threads_batch=2,
+                          n_batch=512, verbose=False)
+    load_s = time.perf_counter() - start
+    prompt = _prompt(vocab, prompt_tokens)
+    start = time.perf_counter()
+    n_vocab = llm.n_vocab()
+
+    def last_logits():  # llama-cpp-python keeps no logits itself unless logits_all
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+
+    llm.eval(prompt)
+    token = int(last_logits().argmax())
+    ttft = time.perf_counter() - start
+    tokens = [token]
+    start = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        llm.eval([token])
+        token = int(last_logits().argmax())
+        tokens.append(token)
+    decode_s = time.perf_counter() - start
+    memory = read_memory()
+    return {"load_s": load_s, "ttft_s": ttft, "decode_tok_s": (new_tokens - 1) / decode_s,
+            "anon_mib": memory.anonymous / MIB, "peak_rss_mib": memory.peak_rss / MIB, "tokens": tokens}
+
+
+def head_worker(path: str, repeats: int = 30) -> dict:
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(2)
+    from pagelm.formats.gguf import GGUFFile
+    from pagelm.quant import decode_bf16
+    from pagelm.weights import load_output_head
+
+    model = GGUFFile.open(path)
+    head = load_output_head(model)
+    x = np.random.default_rng(1).standard_normal(head.dim).astype(np.float32)
+    table = torch.empty((head.vocab_size, head.dim), dtype=torch.bfloat16)
+    for lo in range(0, head.vocab_size, 4096):
+        rows = decode_bf16(head.tensor.raw[lo : lo + 4096], head.tensor.ggml_type)
+        table[lo : lo + rows.shape[0]] = torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
+    xt = torch.from_numpy(x).to(torch.bfloat16)
+
+    def median_ms(fn):
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+    out = np.empty(head.vocab_size, np.float32)
+    mapped_ms = median_ms(lambda: head.logits(x, out))
+    torch_ms = median_ms(lambda: torch.mv(table, xt))
+    return {"type": head.tensor.ggml_type.name, "vocab": head.vocab_size, "dim": head.dim,
+            "mapped_ms": mapped_ms, "torch_bf16_ms": torch_ms, "ratio": mapped_ms / torch_ms}
+
+
+def _run_worker(*args: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--worker", *args], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def ensure_model(shape: str, models_dir: str) -> str:
+    path = os.path.join(models_dir, f"{shape}-q8_0.gguf")
+    if not os.path.exists(path):
+        os.makedirs(models_dir, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pagelm", "synth", "--shape", shape, "--layer-type", "Q8_0", path],
+                       check=True)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["qwen3.5-0.8b"])
+    parser.add_argument("--models-dir", default=os.path.join(os.path.dirname(__file__), "models"))
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--prompt-tokens", type=int, default=2600)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when installed")
+    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        kind, path, *rest = args.worker
+        if kind == "pagelm":
+            result = pagelm_worker(path, rest[0], args.dtype, args.prompt_tokens, args.new_tokens)
+        elif kind == "llama.cpp":
+            result = llama_cpp_worker(path, args.prompt_tokens, args.new_tokens)
+        else:
+            result = head_worker(path)
+        print(json.dumps(result))
+        return
+
+    try:
+        import llama_cpp  # noqa: F401
+
+        have_llama_cpp = not args.no_llama_cpp
+    except ImportError:
+        have_llama_cpp = False
+    print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} greedy new tokens, 2 threads, "
+          f"pagelm dtype {args.dtype}, median of {args.runs} fresh processes\n")
+    print("| shape | runtime | embedding | load s | TTFT s | decode tok/s | anon MiB after | peak RSS MiB |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    head_rows = []
+    for shape in args.shapes:
+        path = ensure_model(shape, args.models_dir)
+        configs = [("pagelm", "dense"), ("pagelm", "mapped")] + ([("llama.cpp", "-")] if have_llama_cpp else [])
+        tokens = {}
+        for runtime, mode in configs:
+            runs = [_run_worker(runtime, path, *([mode] if runtime == "pagelm" else []),
+                                "--dtype", args.dtype, "--prompt-tokens", str(args.prompt_tokens),
+                                "--new-tokens", str(args.new_tokens)) for _ in range(args.runs)]
+            tokens[(runtime, mode)] = runs[0]["tokens"]
+            med = {k: statistics.median(r[k] for r in runs) for k in ("load_s", "ttft_s", "decode_tok_s",
+                                                                      "anon_mib", "peak_rss_mib")}
+            print(f"| {shape} | {runtime} | {mode} | {med['load_s']:.1f} | {med['ttft_s']:.2f} "
+                  f"| {med['decode_tok_s']:.1f} | {med['anon_mib']:.0f} | {med['peak_rss_mib']:.0f} |", flush=True)
+        same = tokens[("pagelm", "dense")] == tokens[("pagelm", "mapped")]
+        print(f"\n{shape}: dense and mapped generated {'identical' if same else 'DIFFERENT'} tokens", flush=True)
+        if have_llama_cpp:
+            agree = sum(a == b for a, b in zip(tokens[("pagelm", "mapped")], tokens[("llama.cpp", "-")]))
+            print(f"{shape}: pagelm and llama.cpp agree on {agree} of {args.new_tokens} greedy tokens", flush=True)
+        head_rows.append((shape, _run_worker("head", path)))
+    print("\n| shape | head table | pagelm mapped head ms | torch.mv bf16 ms | ratio |")
+    print("|---|---|---:|---:|---:|")
+    for shape, h in head_rows:
+        print(f"| {shape} | {h['type']} {h['vocab']} × {h['dim']} | {h['mapped_ms']:.1f} | {h['torch_bf16_ms']:.1f} "
+              f"| {h['ratio']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

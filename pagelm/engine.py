@@ -1,0 +1,124 @@
+"""Generation over a loaded model: a session's prefill → decode loop, sampling, cancel, checkpoints.
+
+Owns the loop and the token bookkeeping; it never parses files (weights and models do) and never
+knows which embedding mode is active.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from pagelm.errors import PagelmError, UnsupportedError
+from pagelm.formats.gguf import GGUFFile
+from pagelm.models.qwen35 import Qwen35Config, Qwen35Model
+from pagelm.sampling import Sampler, SamplingParams
+from pagelm.weights import EmbeddingMode, load_output_head, load_token_embedding
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class Model:
+    """A model file opened for generation: mapped embedding and head, network weights, config."""
+
+    def __init__(self, path: str, embedding: EmbeddingMode = "mapped", dtype: str = "bfloat16",
+                 device: str = "cpu"):
+        if dtype not in DTYPES:
+            raise PagelmError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        self.file = GGUFFile.open(path)
+        architecture = self.file.require("general.architecture")
+        if architecture != "qwen35":
+            raise UnsupportedError(f"{self.file.name}: architecture {architecture!r} is not supported (qwen35 is)")
+        self.config = Qwen35Config.from_gguf(self.file)
+        # float32 compute takes float32 rows so nothing is rounded on the way in; bf16 takes bf16
+        self.embedding = load_token_embedding(self.file, embedding, rows="f32" if dtype == "float32" else "bf16")
+        self.head = load_output_head(self.file)
+        self.network = Qwen35Model(self.config, self.file, dtype=DTYPES[dtype], device=device)
+        eos = self.file.metadata.get("tokenizer.ggml.eos_token_id")
+        self.eos_tokens: tuple[int, ...] = () if eos is None else (int(eos),)
+
+    def session(self, max_len: int = 4096) -> "Session":
+        return Session(self, max_len)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    tokens: tuple[int, ...]
+    state: object  # the network's own checkpoint (KV[:pos] + conv + recurrent)
+    logits: np.ndarray | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.nbytes + (0 if self.logits is None else self.logits.nbytes)
+
+
+class Session:
+    """One conversation's state over a model: the tokens fed so far and the last logits."""
+
+    def __init__(self, model: Model, max_len: int):
+        self.model = model
+        self.max_len = max_len
+        self.state = model.network.new_state(max_len)
+        self.tokens: list[int] = []
+        self.logits: np.ndarray | None = None
+
+    def _check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if len(self.tokens) + ids.size > self.max_len:
+            raise PagelmError(f"context overflow: {len(self.tokens)} tokens held + {ids.size} new "
+                              f"> context length {self.max_len}")
+        return ids
+
+    @torch.inference_mode()
+    def prefill(self, tokens: Sequence[int]) -> np.ndarray:
+        """Feed tokens (a prompt, or the rest of one after restore); returns the last position's logits."""
+        ids = self._check_tokens(tokens)
+        if ids.size == 0:
+            raise PagelmError("prefill needs at least one token")
+        embedding = self.model.embedding
+        embedding.prefetch(ids)
+        rows = embedding.lookup(ids)
+        x = torch.from_numpy(rows) if embedding.rows == "f32" else torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
+        hidden = self.model.network.forward(x, self.state)
+        self.tokens.extend(ids.tolist())
+        self.logits = self.model.head.logits(hidden[-1].float().cpu().numpy())
+        return self.logits
+
+    def decode(self, token: int) -> np.ndarray:
+        """Feed one token (normally the one just sampled); returns the next logits."""
+        return self.prefill([token])
+
+    def checkpoint(self) -> Checkpoint:
+        logits = None if self.logits is None else self.logits.copy()
+        return Checkpoint(tuple(self.tokens), self.state.checkpoint(), logits)
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        self.state.restore(checkpoint.state)
+        self.tokens = list(checkpoint.tokens)
+        self.logits = None if checkpoint.logits is None else checkpoint.logits.copy()
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
+                 cancel: threading.Event | None = None) -> Iterator[int]:
+        """Prefill `prompt` (may be empty to continue from the current state), then yield sampled
+        tokens until a stop token, max_tokens, the context end, or `cancel` is set (checked
+        before every step). A stop token is yielded, then generation ends."""
+        sampler = Sampler(params)
+        stops = set(params.stop_tokens) | set(self.model.eos_tokens)
+        logits = self.prefill(prompt) if len(prompt) else self.logits
+        if logits is None:
+            raise PagelmError("generate needs a prompt or a prefilled session")
+        seen = Counter(self.tokens)
+        for _ in range(params.max_tokens):
+            if cancel is not None and cancel.is_set():
+                return
+            token = sampler.sample(logits, seen)
+            yield token
+            if token in stops or len(self.tokens) >= self.max_len:
+                return
+            seen[token] += 1
+            logits = self.decode(token)

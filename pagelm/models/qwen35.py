@@ -1,0 +1,536 @@
+"""Qwen3.5 (dense) text decoder: gated attention every Nth layer, Gated DeltaNet in the others.
+
+Owns the qwen35 math in its GGUF conventions (see design/qwen35.md) and the decode state (KV
+caches, conv and recurrent states, checkpoints); never parses files itself (weights come
+through `models.loading`), never embeds tokens and never computes the output head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagelm.errors import ModelFormatError, PagelmError
+from pagelm.formats.gguf import GGUFFile
+from pagelm.models.loading import dequantize_tensor, metadata_float, metadata_int, stack_rows, tensor_info
+
+ARCH = "qwen35"
+CHUNK = 64  # tokens per chunk of the chunked gated-delta rule
+L2_EPS = 1e-6  # the L2 normalisation of DeltaNet q and k (fla's constant, not the rms eps)
+
+
+# ---------------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class Qwen35Config:
+    hidden: int
+    n_layers: int
+    ffn: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_dim: int
+    rope_base: float
+    rms_eps: float
+    conv_kernel: int
+    linear_key_dim: int  # DeltaNet key (and query) head dim: ssm.state_size
+    n_key_heads: int  # ssm.group_count
+    n_value_heads: int  # ssm.time_step_rank
+    linear_value_dim: int  # ssm.inner_size // n_value_heads
+    full_attention_interval: int
+    vocab: int  # rows of token_embd
+
+    @classmethod
+    def from_gguf(cls, model: GGUFFile) -> Qwen35Config:
+        arch = model.require("general.architecture")
+        if arch != ARCH:
+            raise ModelFormatError(f"{model.name}: metadata key 'general.architecture' is {arch!r:.40}, expected '{ARCH}'")
+
+        def i(key: str) -> int:
+            return metadata_int(model, f"{ARCH}.{key}")
+
+        hidden = i("embedding_length")
+        n_value_heads = i("ssm.time_step_rank")
+        inner = i("ssm.inner_size")
+        embd = tensor_info(model, "token_embd.weight")
+        if len(embd.dims) != 2 or embd.dims[0] != hidden:
+            raise ModelFormatError(
+                f"{model.name}: tensor 'token_embd.weight' has dims {embd.dims} (ne0 first), expected ({hidden}, vocab)"
+            )
+        if n_value_heads < 1 or inner % n_value_heads:
+            raise ModelFormatError(
+                f"{model.name}: metadata key '{ARCH}.ssm.inner_size' ({inner}) is not a multiple of "
+                f"'{ARCH}.ssm.time_step_rank' ({n_value_heads})"
+            )
+        config = cls(
+            hidden=hidden,
+            n_layers=i("block_count"),
+            ffn=i("feed_forward_length"),
+            n_heads=i("attention.head_count"),
+            n_kv_heads=i("attention.head_count_kv"),
+            head_dim=i("attention.key_length"),
+            rope_dim=i("rope.dimension_count"),
+            rope_base=metadata_float(model, f"{ARCH}.rope.freq_base"),
+            rms_eps=metadata_float(model, f"{ARCH}.attention.layer_norm_rms_epsilon"),
+            conv_kernel=i("ssm.conv_kernel"),
+            linear_key_dim=i("ssm.state_size"),
+            n_key_heads=i("ssm.group_count"),
+            n_value_heads=n_value_heads,
+            linear_value_dim=inner // n_value_heads,
+            full_attention_interval=i("full_attention_interval"),
+            vocab=embd.dims[1],
+        )
+        if f"{ARCH}.attention.value_length" in model.metadata:
+            value_length = metadata_int(model, f"{ARCH}.attention.value_length")
+            if value_length != config.head_dim:
+                raise ModelFormatError(
+                    f"{model.name}: metadata key '{ARCH}.attention.value_length' is {value_length}, "
+                    f"expected the key length {config.head_dim}"
+                )
+        config.validate(model.name)
+        return config
+
+    def validate(self, where: str = "qwen35 config") -> None:
+        for name, value in vars(self).items():
+            if name not in ("rope_base", "rms_eps") and value < 1:
+                raise ModelFormatError(f"{where}: {name} is {value}, expected >= 1")
+        checks = (
+            (self.n_heads % self.n_kv_heads == 0, f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}"),
+            (self.n_value_heads % self.n_key_heads == 0, f"ssm.time_step_rank {self.n_value_heads} is not a multiple of ssm.group_count {self.n_key_heads}"),
+            (self.rope_dim % 2 == 0 and self.rope_dim <= self.head_dim, f"rope.dimension_count {self.rope_dim} must be even and <= key_length {self.head_dim}"),
+            (self.rope_base > 0, f"rope.freq_base {self.rope_base} must be > 0"),
+            (self.rms_eps > 0, f"attention.layer_norm_rms_epsilon {self.rms_eps} must be > 0"),
+            (self.conv_kernel >= 2, f"ssm.conv_kernel {self.conv_kernel} must be >= 2"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ModelFormatError(f"{where}: {message}")
+
+    def is_attention_layer(self, i: int) -> bool:
+        return i % self.full_attention_interval == self.full_attention_interval - 1
+
+    @property
+    def conv_channels(self) -> int:
+        """DeltaNet q | k | v channels: the conv1d width."""
+        return 2 * self.n_key_heads * self.linear_key_dim + self.n_value_heads * self.linear_value_dim
+
+
+# ---------------------------------------------------------------------------------- state
+
+
+@dataclass
+class KVCache:
+    k: torch.Tensor  # (n_kv_heads, max_len, head_dim), model dtype, rope applied
+    v: torch.Tensor
+
+
+@dataclass
+class DeltaNetCache:
+    conv: torch.Tensor  # (kernel - 1, channels) fp32: the last inputs of the conv, oldest first
+    recurrent: torch.Tensor  # (n_value_heads, key_dim, value_dim) fp32
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class Qwen35Checkpoint:
+    """A deep copy of a state at `pos`: KV[:pos] of attention layers, conv and recurrent states."""
+
+    pos: int
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(t for pair in self.layers for t in pair)
+
+
+class Qwen35State:
+    """Per-layer decode state, preallocated for `max_len` positions; `pos` tokens are in it."""
+
+    def __init__(self, config: Qwen35Config, max_len: int, dtype: torch.dtype, device: torch.device):
+        if max_len < 1:
+            raise PagelmError(f"max_len {max_len} must be >= 1")
+        self.pos, self.max_len = 0, max_len
+        c = config
+        self.layers: list[KVCache | DeltaNetCache] = []
+        for i in range(c.n_layers):
+            if c.is_attention_layer(i):
+                shape = (c.n_kv_heads, max_len, c.head_dim)
+                self.layers.append(KVCache(torch.zeros(shape, dtype=dtype, device=device),
+                                           torch.zeros(shape, dtype=dtype, device=device)))
+            else:
+                conv = torch.zeros(c.conv_kernel - 1, c.conv_channels, device=device)
+                rec = torch.zeros(c.n_value_heads, c.linear_key_dim, c.linear_value_dim, device=device)
+                self.layers.append(DeltaNetCache(conv, rec))
+
+    def _tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(s.k, s.v) if isinstance(s, KVCache) else (s.conv, s.recurrent) for s in self.layers]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(t for pair in self._tensors() for t in pair)
+
+    def checkpoint(self) -> Qwen35Checkpoint:
+        with torch.inference_mode():
+            layers = tuple(
+                (s.k[:, : self.pos].clone(), s.v[:, : self.pos].clone()) if isinstance(s, KVCache)
+                else (s.conv.clone(), s.recurrent.clone())
+                for s in self.layers
+            )
+        return Qwen35Checkpoint(self.pos, layers)
+
+    def restore(self, ckpt: Qwen35Checkpoint) -> None:
+        """Return exactly to the state `ckpt` was taken from (of this state or one like it)."""
+        if len(ckpt.layers) != len(self.layers) or ckpt.pos > self.max_len:
+            raise PagelmError(
+                f"checkpoint of {len(ckpt.layers)} layers at pos {ckpt.pos} does not fit a state of "
+                f"{len(self.layers)} layers and max_len {self.max_len}"
+            )
+        for i, (dst, src) in enumerate(zip(self._tensors(), ckpt.layers)):
+            kv = isinstance(self.layers[i], KVCache)
+            for d, s in zip(dst, src):
+                want = (d.shape[0], ckpt.pos, d.shape[2]) if kv else tuple(d.shape)
+                if tuple(s.shape) != want or s.dtype != d.dtype:
+                    raise PagelmError(f"checkpoint layer {i}: tensor {tuple(s.shape)} {s.dtype} does not match the state's {want} {d.dtype}")
+        with torch.inference_mode():
+            for (d0, d1), (s0, s1), layer in zip(self._tensors(), ckpt.layers, self.layers):
+                if isinstance(layer, KVCache):
+                    d0[:, : ckpt.pos].copy_(s0)
+                    d1[:, : ckpt.pos].copy_(s1)
+                else:
+                    d0.copy_(s0)
+                    d1.copy_(s1)
+        self.pos = ckpt.pos
+
+
+# ---------------------------------------------------------------------------------- math
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ wᵀ in w's dtype; one row goes through mv, which CPU bf16 runs far faster than a 1-row GEMM."""
+    x = x.to(w.dtype)
+    if x.shape[0] == 1:
+        return torch.mv(w, x[0])[None]
+    return F.linear(x, w)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x²) + eps) * w over the last axis (GGUF form: any +1 is already in w)."""
+    return F.rms_norm(x, w.shape, w, eps)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """NeoX (rotate-half) rope, in place, on the first 2·cos.shape[-1] dims of x (T, heads, D)."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    c, s = cos[:, None], sin[:, None]
+    r1 = x1 * c - x2 * s
+    x2.mul_(c).addcmul_(x1, s)
+    x1.copy_(r1)
+
+
+def causal_conv1d_silu(x: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """SiLU of the depthwise causal conv of x (T, C) with w (K, C), tap K-1 on the current
+    token; state (K-1, C) holds the previous K-1 inputs, oldest first, and is advanced in place."""
+    T, K = x.shape[0], w.shape[0]
+    xp = torch.cat((state, x))  # (K - 1 + T, C)
+    out = x * w[K - 1]
+    for j in range(K - 1):
+        out.addcmul_(xp[j : j + T], w[j])
+    state.copy_(xp[T:])
+    return F.silu(out, inplace=True)
+
+
+def _tile_heads(x: torch.Tensor, n: int) -> torch.Tensor:
+    """(..., nk, d) -> (..., n, d): head j is x's head j mod nk (GGUF's tiled value-head order)."""
+    r = n // x.shape[-2]
+    return x if r == 1 else x.repeat(*([1] * (x.dim() - 2)), r, 1)
+
+
+def gated_delta_rule_recurrent(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule token by token; advances `state` (nv, dk, dv) in place.
+
+    q, k: (T, nk, dk) normalised (q also scaled); v: (T, nv, dv); g (log decay), beta: (T, nv);
+    all fp32. Value head j reads key head j mod nk. Per token: S = e^g·S; δ = β(v − Sᵀk);
+    S += k δᵀ; o = Sᵀq, computed as o = e^g·S₀ᵀq + (k·q)δ from one read of the old state.
+    Returns o (T, nv, dv).
+    """
+    T, nv, dv = v.shape
+    out = torch.empty(T, nv, dv, dtype=torch.float32, device=v.device)
+    decay = g.exp()
+    for t in range(T):
+        kq = torch.stack((k[t], q[t]), 1)  # (nk, 2, dk)
+        if nv != kq.shape[0]:
+            kq = kq.repeat(nv // kq.shape[0], 1, 1)  # (nv, 2, dk), tiled
+        read = torch.bmm(kq, state)  # (nv, 2, dv): S₀ᵀk, S₀ᵀq
+        e = decay[t, :, None]
+        delta = (v[t] - e * read[:, 0]).mul_(beta[t, :, None])
+        kdotq = (kq[:, 0] * kq[:, 1]).sum(-1, keepdim=True)
+        torch.addcmul(e * read[:, 1], kdotq, delta, out=out[t])
+        state.mul_(e[:, :, None]).baddbmm_(kq[:, 0, :, None], delta[:, None])
+    return out
+
+
+def gated_delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """The same result as `gated_delta_rule_recurrent`, `chunk` tokens at a time (WY/UT form).
+
+    Within a chunk with cumulative log decay γ (and Δ the rows δ_t):
+      (I + A) Δ = βV − diag(β e^γ) K S₀, A[t,s] = β_t e^{γ_t−γ_s} k_t·k_s for s < t
+      O = diag(e^γ) Q S₀ + M Δ,          M[t,s] = e^{γ_t−γ_s} q_t·k_s for s ≤ t
+      S = e^{γ_C} S₀ + (diag(e^{γ_C−γ}) K)ᵀ Δ
+    so one triangular solve per chunk (for all chunks at once) and a short scan over chunks.
+    """
+    T, nv, dv = v.shape
+    dk = k.shape[-1]
+    f32 = torch.float32
+    # head-major, value heads tiled over key heads, padded to whole chunks (padding: k = v = 0,
+    # g = 0, beta = 0, so it neither decays nor writes the state)
+    pad = -T % chunk
+    n = (T + pad) // chunk
+
+    def heads(x, width):
+        x = _tile_heads(x, nv).transpose(0, 1)  # (nv, T, d)
+        return F.pad(x, (0, 0, 0, pad)).reshape(nv, n, chunk, width)
+
+    q, k, v = heads(q, dk), heads(k, dk), heads(v, dv)
+    g = F.pad(g.T, (0, pad)).reshape(nv, n, chunk)
+    beta = F.pad(beta.T, (0, pad)).reshape(nv, n, chunk, 1)
+
+    gamma = g.cumsum(-1)  # (nv, n, C)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).triu(1)
+    pair_decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
+    k_beta = k * beta
+    a = (k_beta @ k.transpose(-1, -2)).mul_(pair_decay)  # only the strict lower part is read
+    m = (q @ k.transpose(-1, -2)).mul_(pair_decay)
+    del pair_decay
+    e_gamma = gamma.exp()[..., None]
+    rhs = torch.cat((v * beta, k_beta * e_gamma), -1)  # (nv, n, C, dv + dk)
+    sol = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
+    u, w = sol[..., :dv], sol[..., dv:]
+    q_decayed = q * e_gamma
+    k_decayed = k * (gamma[..., -1:] - gamma).exp()[..., None]
+    chunk_decay = gamma[..., -1].exp()[..., None, None]  # (nv, n, 1, 1)
+
+    out = torch.empty(n, nv, chunk, dv, dtype=f32, device=v.device)
+    s = state
+    for i in range(n):
+        delta = torch.baddbmm(u[:, i], w[:, i], s, alpha=-1)  # (nv, C, dv)
+        o = torch.bmm(q_decayed[:, i], s, out=out[i])
+        o.baddbmm_(m[:, i], delta)
+        s.mul_(chunk_decay[:, i]).baddbmm_(k_decayed[:, i].transpose(-1, -2), delta)
+    return out.transpose(1, 2).reshape(n * chunk, nv, dv)[:T]
+
+
+# ---------------------------------------------------------------------------------- weights
+
+
+@dataclass
+class MLPWeights:
+    gate_up: torch.Tensor  # (2·ffn, hidden): ffn_gate rows then ffn_up rows
+    down: torch.Tensor  # (hidden, ffn)
+
+
+@dataclass
+class AttentionWeights:
+    qkv: torch.Tensor  # (2·H·D + 2·G·D, hidden): attn_q (per head query then gate), attn_k, attn_v
+    q_norm: torch.Tensor  # (D,) fp32
+    k_norm: torch.Tensor
+    out: torch.Tensor  # (hidden, H·D)
+
+
+@dataclass
+class DeltaNetWeights:
+    in_proj: torch.Tensor  # (channels + nv·dv + 2·nv, hidden): attn_qkv, attn_gate (z), ssm_beta, ssm_alpha
+    conv: torch.Tensor  # (K, channels) fp32: ssm_conv1d transposed, tap K-1 is the current token
+    a: torch.Tensor  # (nv,) fp32: ssm_a = −exp(A_log)
+    dt_bias: torch.Tensor  # (nv,) fp32
+    norm: torch.Tensor  # (dv,) fp32, plain (no +1)
+    out: torch.Tensor  # (hidden, nv·dv)
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # (hidden,) fp32
+    post_norm: torch.Tensor
+    mixer: AttentionWeights | DeltaNetWeights
+    mlp: MLPWeights
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.attn_norm, self.post_norm, *vars(self.mixer).values(), *vars(self.mlp).values()]
+
+
+def load_layer(config: Qwen35Config, model: GGUFFile, i: int, dtype: torch.dtype) -> LayerWeights:
+    c, p = config, f"blk.{i}."
+
+    def vec(name: str, n: int) -> torch.Tensor:
+        return dequantize_tensor(model, p + name, torch.float32, shape=(n,))
+
+    def mat(name: str, rows: int, cols: int) -> torch.Tensor:
+        return dequantize_tensor(model, p + name, dtype, shape=(rows, cols))
+
+    def fused(*parts: tuple[str, int]) -> torch.Tensor:
+        return stack_rows(model, [p + name for name, _ in parts], dtype, [(rows, c.hidden) for _, rows in parts])
+
+    if c.is_attention_layer(i):
+        hd = c.n_heads * c.head_dim
+        kvd = c.n_kv_heads * c.head_dim
+        mixer = AttentionWeights(
+            qkv=fused(("attn_q.weight", 2 * hd), ("attn_k.weight", kvd), ("attn_v.weight", kvd)),
+            q_norm=vec("attn_q_norm.weight", c.head_dim),
+            k_norm=vec("attn_k_norm.weight", c.head_dim),
+            out=mat("attn_output.weight", c.hidden, hd),
+        )
+    else:
+        vd = c.n_value_heads * c.linear_value_dim
+        nv = c.n_value_heads
+        conv = dequantize_tensor(model, p + "ssm_conv1d.weight", torch.float32, shape=(c.conv_channels, c.conv_kernel))
+        mixer = DeltaNetWeights(
+            in_proj=fused(("attn_qkv.weight", c.conv_channels), ("attn_gate.weight", vd),
+                          ("ssm_beta.weight", nv), ("ssm_alpha.weight", nv)),
+            conv=conv.T.contiguous(),
+            a=dequantize_tensor(model, p + "ssm_a", torch.float32, shape=(nv,)),
+            dt_bias=vec("ssm_dt.bias", nv),
+            norm=vec("ssm_norm.weight", c.linear_value_dim),
+            out=mat("ssm_out.weight", c.hidden, vd),
+        )
+    return LayerWeights(
+        attn_norm=vec("attn_norm.weight", c.hidden),
+        post_norm=vec("post_attention_norm.weight", c.hidden),
+        mixer=mixer,
+        mlp=MLPWeights(gate_up=fused(("ffn_gate.weight", c.ffn), ("ffn_up.weight", c.ffn)),
+                       down=mat("ffn_down.weight", c.hidden, c.ffn)),
+    )
+
+
+# ---------------------------------------------------------------------------------- model
+
+
+class Qwen35Model:
+    """The decoder stack (every layer, then output_norm); token_embd and output stay in the file.
+
+    `forward(x, state)` maps input embeddings (T, hidden) to final hidden states (T, hidden)
+    fp32. Matmuls run in `dtype`; norms, rope, gates and the DeltaNet state in fp32; the
+    residual stream is fp32. T > 1 is a prefill (chunked delta rule, causal attention over
+    KV[:pos+T]), processed in segments of at most `segment` tokens to bound the temporaries.
+    """
+
+    segment = 384
+
+    def __init__(self, config: Qwen35Config, model: GGUFFile, dtype: torch.dtype = torch.float32, device="cpu"):
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.layers = [self._to_device(load_layer(config, model, i, dtype)) for i in range(config.n_layers)]
+        self.output_norm = dequantize_tensor(model, "output_norm.weight", torch.float32, shape=(config.hidden,)).to(self.device)
+        rd = config.rope_dim
+        # as transformers computes it, in fp32
+        self.inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, rd, 2, dtype=torch.float32, device=self.device) / rd))
+
+    def _to_device(self, layer: LayerWeights) -> LayerWeights:
+        if self.device.type == "cpu":
+            return layer
+        for part in (layer, layer.mixer, layer.mlp):
+            for name, value in vars(part).items():
+                if isinstance(value, torch.Tensor):
+                    setattr(part, name, value.to(self.device))
+        return layer
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the dequantized layer weights (and output_norm) this model holds."""
+        return _nbytes(t for layer in self.layers for t in layer.tensors()) + _nbytes([self.output_norm])
+
+    def new_state(self, max_len: int) -> Qwen35State:
+        return Qwen35State(self.config, max_len, self.dtype, self.device)
+
+    def forward(self, x: torch.Tensor, state: Qwen35State) -> torch.Tensor:
+        c = self.config
+        if x.dim() != 2 or x.shape[1] != c.hidden:
+            raise PagelmError(f"forward: input of shape {tuple(x.shape)}, expected (T, {c.hidden})")
+        T = x.shape[0]
+        if state.pos + T > state.max_len:
+            raise PagelmError(f"forward: pos {state.pos} + {T} tokens exceeds the state's max_len {state.max_len}")
+        if T == 0:
+            return torch.empty(0, c.hidden, dtype=torch.float32, device=self.device)
+        with torch.inference_mode():
+            if T <= self.segment:
+                return self._forward(x, state)
+            out = torch.empty(T, c.hidden, dtype=torch.float32, device=self.device)
+            for lo in range(0, T, self.segment):
+                out[lo : lo + self.segment] = self._forward(x[lo : lo + self.segment], state)
+        return out
+
+    __call__ = forward
+
+    def _forward(self, x: torch.Tensor, state: Qwen35State) -> torch.Tensor:
+        c, pos, T = self.config, state.pos, x.shape[0]
+        h = x.to(device=self.device, dtype=torch.float32, copy=True)
+        freqs = torch.arange(pos, pos + T, dtype=torch.float32, device=self.device)[:, None] * self.inv_freq
+        cos, sin = freqs.cos(), freqs.sin()
+        for layer, cache in zip(self.layers, state.layers):
+            y = rms_norm(h, layer.attn_norm, c.rms_eps)
+            if isinstance(cache, KVCache):
+                h += self._attention(layer.mixer, y, cache, pos, cos, sin)
+            else:
+                h += self._deltanet(layer.mixer, y, cache)
+            y = rms_norm(h, layer.post_norm, c.rms_eps)
+            h += self._mlp(layer.mlp, y)  # the mixers and the MLP return `dtype`, h stays fp32
+        state.pos = pos + T
+        return rms_norm(h, self.output_norm, c.rms_eps)
+
+    def _mlp(self, w: MLPWeights, y: torch.Tensor) -> torch.Tensor:
+        gu = linear(y, w.gate_up)
+        gate, up = gu.chunk(2, -1)
+        return linear(F.silu(gate).mul_(up), w.down)
+
+    def _attention(self, w: AttentionWeights, y, cache: KVCache, pos: int, cos, sin) -> torch.Tensor:
+        c, T = self.config, y.shape[0]
+        H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
+        proj = linear(y, w.qkv).float()
+        qg = proj[:, : 2 * H * D].view(T, H, 2, D)
+        q = rms_norm(qg[:, :, 0], w.q_norm, c.rms_eps)  # (T, H, D)
+        gate = qg[:, :, 1].reshape(T, H * D)
+        k = rms_norm(proj[:, 2 * H * D : (2 * H + G) * D].view(T, G, D), w.k_norm, c.rms_eps)
+        v = proj[:, (2 * H + G) * D :].view(T, G, D)
+        apply_rope_(q, cos, sin)
+        apply_rope_(k, cos, sin)
+        cache.k[:, pos : pos + T] = k.transpose(0, 1)
+        cache.v[:, pos : pos + T] = v.transpose(0, 1)
+        keys, values = cache.k[None, :, : pos + T], cache.v[None, :, : pos + T]  # (1, G, S, D)
+        q = q.to(self.dtype).transpose(0, 1)  # (H, T, D)
+        if T == 1:  # the H/G query heads of one kv head form its query rows
+            o = F.scaled_dot_product_attention(q.reshape(1, G, H // G, D), keys, values, scale=D**-0.5)
+            o = o.reshape(1, H * D)
+        else:
+            if pos == 0:
+                o = F.scaled_dot_product_attention(q[None], keys, values, is_causal=True, scale=D**-0.5, enable_gqa=True)
+            else:
+                i = torch.arange(T, device=self.device)[:, None]
+                mask = torch.arange(pos + T, device=self.device)[None, :] <= i + pos
+                o = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, scale=D**-0.5, enable_gqa=True)
+            o = o[0].transpose(0, 1).reshape(T, H * D)
+        return linear(o * torch.sigmoid(gate), w.out)
+
+    def _deltanet(self, w: DeltaNetWeights, y, cache: DeltaNetCache) -> torch.Tensor:
+        c, T = self.config, y.shape[0]
+        nk, nv, dk, dv = c.n_key_heads, c.n_value_heads, c.linear_key_dim, c.linear_value_dim
+        C, V = c.conv_channels, nv * dv
+        proj = linear(y, w.in_proj).float()
+        qkv = causal_conv1d_silu(proj[:, :C], cache.conv, w.conv)
+        z = proj[:, C : C + V].view(T, nv, dv)
+        beta = torch.sigmoid(proj[:, C + V : C + V + nv])
+        g = w.a * F.softplus(proj[:, C + V + nv :] + w.dt_bias)
+        qk = l2_normalize(qkv[:, : 2 * nk * dk].view(T, 2 * nk, dk))
+        q, k = qk[:, :nk] * dk**-0.5, qk[:, nk:]
+        v = qkv[:, 2 * nk * dk :].view(T, nv, dv)
+        rule = gated_delta_rule_recurrent if T == 1 else gated_delta_rule_chunked
+        o = rule(q, k, v, g, beta, cache.recurrent)
+        o = rms_norm(o, w.norm, c.rms_eps).mul_(F.silu(z))
+        return linear(o.reshape(T, V), w.out)

@@ -1,0 +1,344 @@
+"""Numba kernels over GGML block bytes: output-head logits (GEMV) and row gathers to bf16.
+
+Kernels read the uint8 (rows, row_nbytes) views they are handed; they never open files, copy or write the table.
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import carray, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from pagelm.errors import ModelFormatError, UnsupportedError
+from pagelm.quant.codecs import DECODABLE, decode_bf16, decode_f32
+from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
+
+_T = GGMLType
+
+# The head kernels hint the table this many bytes ahead of the block they multiply (about 7
+# rows of 1,024 Q8_0 values): the hardware prefetcher stops at each 4 KiB page, hints do not.
+_AHEAD = 8192
+# The fallback head decodes about this many values at a time.
+_CHUNK = 1 << 16
+
+# fp16 bits -> float32, exactly as numpy converts (the same conversion decode_* uses).
+_F16_TO_F32 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+_F16_TO_F32.flags.writeable = False
+
+
+# --- codegen helpers ----------------------------------------------------------------
+
+
+@intrinsic
+def _wide_vectors(typingctx):
+    """Lets LLVM vectorize the calling function with 512-bit registers.
+
+    LLVM's tuning for AVX-512 cores prefers 256-bit vectors. This sets the function attribute
+    that overrides it for one function, so no environment variable (which numba would only read
+    at its import) is involved and import order does not matter. Call it inside each prange
+    body: parfors compile the body as a function of its own.
+    """
+
+    def codegen(context, builder, signature, args):
+        # llvmlite only accepts its list of known attributes; string attributes are valid IR.
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, array, offset):
+    """Hints the cache line at byte `offset` of `array`'s data into cache; never faults."""
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(array)(context, builder, args[0]).data
+        ptr = builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [args[1]])
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]), "llvm.prefetch.p0"
+        )
+        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])  # read, keep in all levels, data
+        return context.get_dummy_value()
+
+    return types.void(array, types.intp), codegen
+
+
+@intrinsic
+def _stack_f32x32(typingctx):
+    """32 float32 on the stack: unlike a heap array, LLVM can keep them in registers."""
+
+    def codegen(context, builder, signature, args):
+        return cgutils.alloca_once(builder, ir.FloatType(), size=32)
+
+    return types.CPointer(types.float32)(), codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, value):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@njit(inline="always")
+def _bf16(f):
+    """bf16 bits of float32 `f`: round to nearest even; NaN keeps sign and upper bits, quieted."""
+    u = _f32_bits(f)
+    if f != f:
+        return (u >> 16) | 0x0040
+    return (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+
+
+@njit(inline="always")
+def _f16(f16, row, o):
+    """The little-endian fp16 at row[o : o + 2], as float32."""
+    return f16[row[o] | np.uint16(row[o + 1]) << 8]
+
+
+@njit(inline="always")
+def _q6(lo, hi, top):
+    """The four 6-bit values (minus 32) held by low bytes ql[l], ql[l+32] and high bits qh[l].
+
+    Truncating to int8 (exact: -32..31) lets LLVM vectorize the bit twiddling in bytes.
+    """
+    return (
+        np.int8((lo & 15 | (top & 3) << 4) - 32),
+        np.int8((hi & 15 | (top >> 2 & 3) << 4) - 32),
+        np.int8((lo >> 4 | (top >> 4 & 3) << 4) - 32),
+        np.int8((hi >> 4 | (top >> 6) << 4) - 32),
+    )
+
+
+@njit(inline="always")
+def _sum32(acc):
+    """acc[0] + ... + acc[31] as a tree, which vectorizes, rather than a chain of 31 adds."""
+    for w in (16, 8, 4, 2, 1):
+        for j in range(w):
+            acc[j] += acc[j + w]
+    return acc[0]
+
+
+# --- head: out[v] = sum_k dequant(table[v])[k] * x[k] ------------------------------
+
+
+@njit(inline="always")
+def _prefetch_ahead(table, at):
+    if at + _AHEAD < table.size:
+        _prefetch(table, at + _AHEAD)
+
+
+@njit(parallel=True, cache=True, fastmath={"contract"})
+def _head_q8_0(table, x, f16, out):
+    for v in prange(table.shape[0]):
+        _wide_vectors()
+        row = table[v]
+        acc = carray(_stack_f32x32(), 32)
+        acc[:] = 0
+        for b in range(len(row) // 34):
+            o = b * 34
+            # One hint per 68 bytes, about one per cache line; a burst of hints per row stalls.
+            if b % 2 == 0:
+                _prefetch_ahead(table, v * len(row) + o)
+            d = _f16(f16, row, o)
+            for j in range(32):
+                acc[j] += d * (np.float32(np.int8(row[o + 2 + j])) * x[b * 32 + j])
+        out[v] = _sum32(acc)
+
+
+@njit(parallel=True, cache=True, fastmath={"contract"})
+def _head_q6_k(table, x, f16, out):
+    for v in prange(table.shape[0]):
+        _wide_vectors()
+        row = table[v]
+        acc = carray(_stack_f32x32(), 32)
+        acc[:] = 0
+        for b in range(len(row) // 210):
+            o = b * 210
+            d = _f16(f16, row, o + 208)
+            for h in range(2):
+                ql, qh, sc, xo = o + 64 * h, o + 128 + 32 * h, o + 192 + 8 * h, 256 * b + 128 * h
+                # Lanes 0-15 and 16-31 of each 32-value group have their own scale.
+                for p in range(2):
+                    _prefetch_ahead(table, v * len(row) + o + 128 * h + 64 * p)
+                    s0 = d * np.float32(np.int8(row[sc + p]))
+                    s1 = d * np.float32(np.int8(row[sc + 2 + p]))
+                    s2 = d * np.float32(np.int8(row[sc + 4 + p]))
+                    s3 = d * np.float32(np.int8(row[sc + 6 + p]))
+                    for j in range(16):
+                        l = 16 * p + j
+                        q0, q1, q2, q3 = _q6(row[ql + l], row[ql + 32 + l], row[qh + l])
+                        acc[l] += s0 * (np.float32(q0) * x[xo + l])
+                        acc[l] += s1 * (np.float32(q1) * x[xo + 32 + l])
+                        acc[l] += s2 * (np.float32(q2) * x[xo + 64 + l])
+                        acc[l] += s3 * (np.float32(q3) * x[xo + 96 + l])
+        out[v] = _sum32(acc)
+
+
+# --- gather: out[i] = bf16(dequant(table[ids[i]])), bit-identical to decode_bf16 -----
+
+
+@njit(cache=True)
+def _first_bad_id(ids, rows):
+    for i in range(len(ids)):
+        if not 0 <= ids[i] < rows:
+            return i
+    return -1
+
+
+@njit(cache=True)
+def _gather_q8_0(table, ids, f16, out):
+    bad = _first_bad_id(ids, table.shape[0])
+    if bad >= 0:
+        return bad
+    _wide_vectors()
+    for i in range(len(ids)):
+        row = table[ids[i]]
+        for b in range(len(row) // 34):
+            o = b * 34
+            d = _f16(f16, row, o)
+            for j in range(32):
+                out[i, b * 32 + j] = _bf16(np.float32(np.int8(row[o + 2 + j])) * d)
+    return -1
+
+
+@njit(cache=True)
+def _gather_q6_k(table, ids, f16, out):
+    bad = _first_bad_id(ids, table.shape[0])
+    if bad >= 0:
+        return bad
+    _wide_vectors()
+    for i in range(len(ids)):
+        row = table[ids[i]]
+        for b in range(len(row) // 210):
+            o = b * 210
+            d = _f16(f16, row, o + 208)
+            for h in range(2):
+                ql, qh, sc, yo = o + 64 * h, o + 128 + 32 * h, o + 192 + 8 * h, 256 * b + 128 * h
+                for p in range(2):
+                    s0 = d * np.float32(np.int8(row[sc + p]))
+                    s1 = d * np.float32(np.int8(row[sc + 2 + p]))
+                    s2 = d * np.float32(np.int8(row[sc + 4 + p]))
+                    s3 = d * np.float32(np.int8(row[sc + 6 + p]))
+                    for j in range(16):
+                        l = 16 * p + j
+                        q0, q1, q2, q3 = _q6(row[ql + l], row[ql + 32 + l], row[qh + l])
+                        out[i, yo + l] = _bf16(np.float32(q0) * s0)
+                        out[i, yo + 32 + l] = _bf16(np.float32(q1) * s1)
+                        out[i, yo + 64 + l] = _bf16(np.float32(q2) * s2)
+                        out[i, yo + 96 + l] = _bf16(np.float32(q3) * s3)
+    return -1
+
+
+_HEAD = {_T.Q8_0: _head_q8_0, _T.Q6_K: _head_q6_k}
+_GATHER = {_T.Q8_0: _gather_q8_0, _T.Q6_K: _gather_q6_k}
+
+
+# --- public API ---------------------------------------------------------------------
+
+
+# Kernels are compiled for one set of argument types: a read-only table (as mapped) and
+# writeable small inputs (x, ids), which are copied in the rare case they are read-only.
+
+
+def _readonly(table: np.ndarray) -> np.ndarray:
+    if table.flags.writeable:
+        table = table.view()
+        table.flags.writeable = False
+    return table
+
+
+def _writeable(a: np.ndarray) -> np.ndarray:
+    return a if a.flags.writeable else a.copy()
+
+
+def _check_table(table: np.ndarray, ggml_type: int) -> tuple[GGMLType, int]:
+    """The type and the values per row of a (rows, row_nbytes) table."""
+    t = as_ggml_type(ggml_type)
+    if t not in DECODABLE:
+        raise UnsupportedError(f"no kernel or decoder for GGML type {t.name}")
+    if not isinstance(table, np.ndarray) or table.dtype != np.uint8 or table.ndim != 2 or not table.flags.c_contiguous:
+        raise ValueError(
+            f"table must be a C-contiguous 2-D uint8 array (rows, row_nbytes), got "
+            f"{getattr(table, 'dtype', type(table).__name__)} with shape {getattr(table, 'shape', None)}"
+        )
+    block_values, block_bytes = BLOCK_LAYOUT[t]
+    if table.shape[1] % block_bytes:
+        raise ModelFormatError(
+            f"{t.name}: a row of {table.shape[1]} bytes is not a whole number of {block_bytes}-byte blocks"
+        )
+    return t, table.shape[1] // block_bytes * block_values
+
+
+def _check_out(out: np.ndarray | None, shape: tuple, dtype) -> np.ndarray:
+    if out is None:
+        return np.empty(shape, dtype)
+    if not isinstance(out, np.ndarray) or out.dtype != dtype or out.shape != shape or not out.flags.c_contiguous:
+        raise ValueError(
+            f"out must be a C-contiguous {np.dtype(dtype).name} array of shape {shape}, "
+            f"got {getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', None)}"
+        )
+    if not out.flags.writeable:
+        raise ValueError("out must be writeable")
+    return out
+
+
+def head_logits(table: np.ndarray, ggml_type: int, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """logits[v] = dequant(table[v]) . x in float32 for a (vocab, row_nbytes) table and x (dim,).
+
+    Q8_0 and Q6_K run a kernel over the bytes on numba's threads (numba.set_num_threads); other
+    decodable types decode chunks of rows and multiply them with numpy.
+    """
+    t, dim = _check_table(table, ggml_type)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.shape != (dim,):
+        raise ValueError(f"x must have shape ({dim},) for this table, got {x.shape}")
+    out = _check_out(out, (table.shape[0],), np.float32)
+    kernel = _HEAD.get(t)
+    if kernel is not None:
+        kernel(_readonly(table), _writeable(x), _F16_TO_F32, out)
+        return out
+    step = max(1, _CHUNK // max(dim, 1))
+    scratch = np.empty((min(step, len(table)), dim), np.float32)
+    for i in range(0, len(table), step):
+        part = table[i : i + step]
+        s = scratch[: len(part)]
+        decode_f32(part, t, out=s)
+        np.matmul(s, x, out=out[i : i + step])
+    return out
+
+
+def gather_rows_bf16(
+    table: np.ndarray, ggml_type: int, ids: np.ndarray, out: np.ndarray | None = None
+) -> np.ndarray:
+    """bf16 bits (n, dim) of rows `ids` of a table: the same bits as decode_bf16(table[ids]).
+
+    Raises IndexError, before reading any row, if an id is outside [0, rows).
+    """
+    t, dim = _check_table(table, ggml_type)
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if ids.ndim != 1:
+        raise ValueError(f"ids must be 1-D, got shape {ids.shape}")
+    out = _check_out(out, (len(ids), dim), np.uint16)
+    kernel = _GATHER.get(t)
+    if kernel is not None:
+        bad = kernel(_readonly(table), _writeable(ids), _F16_TO_F32, out)
+    else:
+        bad = _first_bad_id(_writeable(ids), len(table))
+        if bad < 0:
+            decode_bf16(table[ids], t, out=out)
+    if bad >= 0:
+        raise IndexError(f"ids[{bad}] = {ids[bad]} is outside the table's {len(table)} rows")
+    return out
+
+
+def warmup() -> None:
+    """Compiles the kernels, or loads them from numba's cache, so that no request waits for it."""
+    ids = np.zeros(1, np.int64)
+    for t in _HEAD:
+        values, nbytes = BLOCK_LAYOUT[t]
+        table = np.zeros((1, nbytes), np.uint8)
+        head_logits(table, t, np.zeros(values, np.float32))
+        gather_rows_bf16(table, t, ids)
+    _first_bad_id(ids, 1)  # as called by the numpy gather path
