@@ -159,3 +159,19 @@ def test_untied_layout_embeds_from_token_embd_not_the_head(tmp_path):
         assert mapped.tensor.ggml_type == GGMLType.BF16
         assert not np.array_equal(model.tensor_data("output.weight")[:64], model.tensor_data("token_embd.weight")[:64])
         del mapped
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.Q6_K, GGMLType.BF16], ids=lambda t: t.name)
+def test_float32_rows_are_identical_in_both_modes_and_exact(tmp_path, ggml_type):
+    with GGUFFile.open(_tiny_model(tmp_path, ggml_type)) as model:
+        dense = load_token_embedding(model, "dense", rows="f32")
+        mapped = load_token_embedding(model, "mapped", rows="f32")
+        ids = np.random.default_rng(2).integers(0, 300, 1500)
+        got = mapped.lookup(ids)
+        assert got.dtype == np.float32
+        assert np.array_equal(got.view(np.uint32), dense.lookup(ids).view(np.uint32))
+        oracle = gguf.quants.dequantize(np.ascontiguousarray(mapped.tensor.raw), ggml_type)
+        assert np.array_equal(got.view(np.uint32), oracle[ids].view(np.uint32))
+        with pytest.raises(PagelmError, match="row format"):
+            load_token_embedding(model, "mapped", rows="f16")
+        del dense, mapped, got
