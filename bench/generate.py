@@ -182,18 +182,26 @@ def main() -> None:
     for shape in args.shapes:
         path = ensure_model(shape, args.models_dir)
         configs = [("pagelm", "dense"), ("pagelm", "mapped")] + ([("llama.cpp", "-")] if have_llama_cpp else [])
-        tokens = {}
-        for runtime, mode in configs:
-            runs = [_run_worker(runtime, path, *([mode] if runtime == "pagelm" else []),
-                                "--dtype", args.dtype, "--prompt-tokens", str(args.prompt_tokens),
-                                "--new-tokens", str(args.new_tokens)) for _ in range(args.runs)]
-            tokens[(runtime, mode)] = runs[0]["tokens"]
-            med = {k: statistics.median(r[k] for r in runs) for k in ("load_s", "ttft_s", "decode_tok_s",
-                                                                      "anon_mib", "peak_rss_mib")}
+        runs: dict[tuple[str, str], list[dict]] = {c: [] for c in configs}
+        for _ in range(args.runs):  # interleaved, so drift in the machine's load hits every configuration alike
+            for runtime, mode in configs:
+                runs[(runtime, mode)].append(_run_worker(
+                    runtime, path, *([mode] if runtime == "pagelm" else []), "--dtype", args.dtype,
+                    "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)))
+        tokens = {c: r[0]["tokens"] for c, r in runs.items()}
+        for (runtime, mode), results in runs.items():
+            med = {k: statistics.median(r[k] for r in results)
+                   for k in ("load_s", "ttft_s", "decode_tok_s", "anon_mib", "peak_rss_mib")}
             print(f"| {shape} | {runtime} | {mode} | {med['load_s']:.1f} | {med['ttft_s']:.2f} "
                   f"| {med['decode_tok_s']:.1f} | {med['anon_mib']:.0f} | {med['peak_rss_mib']:.0f} |", flush=True)
+        dense, mapped = runs[("pagelm", "dense")], runs[("pagelm", "mapped")]
+        ratio = lambda key: statistics.median(r[key] for r in mapped) / statistics.median(r[key] for r in dense)
+        print(f"\n{shape}: mapped/dense TTFT {ratio('ttft_s'):.3f}, decode {ratio('decode_tok_s'):.3f}, "
+              f"anonymous memory {statistics.median(r['anon_mib'] for r in dense) - statistics.median(r['anon_mib'] for r in mapped):.0f} MiB lower; "
+              f"TTFT per run dense {[round(r['ttft_s'], 2) for r in dense]}, mapped {[round(r['ttft_s'], 2) for r in mapped]}",
+              flush=True)
         same = tokens[("pagelm", "dense")] == tokens[("pagelm", "mapped")]
-        print(f"\n{shape}: dense and mapped generated {'identical' if same else 'DIFFERENT'} tokens", flush=True)
+        print(f"{shape}: dense and mapped generated {'identical' if same else 'DIFFERENT'} tokens", flush=True)
         if have_llama_cpp:
             agree = sum(a == b for a, b in zip(tokens[("pagelm", "mapped")], tokens[("llama.cpp", "-")]))
             print(f"{shape}: pagelm and llama.cpp agree on {agree} of {args.new_tokens} greedy tokens", flush=True)

@@ -17,6 +17,7 @@ import torch
 from pagelm.errors import PagelmError, UnsupportedError
 from pagelm.formats.gguf import GGUFFile
 from pagelm.models.qwen35 import Qwen35Config, Qwen35Model
+from pagelm.quant import kernels
 from pagelm.sampling import Sampler, SamplingParams
 from pagelm.weights import EmbeddingMode, load_output_head, load_token_embedding
 
@@ -39,6 +40,7 @@ class Model:
         self.embedding = load_token_embedding(self.file, embedding, rows="f32" if dtype == "float32" else "bf16")
         self.head = load_output_head(self.file)
         self.network = Qwen35Model(self.config, self.file, dtype=DTYPES[dtype], device=device)
+        kernels.warmup()  # load the compiled kernels now rather than inside the first request
         eos = self.file.metadata.get("tokenizer.ggml.eos_token_id")
         self.eos_tokens: tuple[int, ...] = () if eos is None else (int(eos),)
 
