@@ -22,18 +22,10 @@ import numpy as np
 
 from pagelm.formats.gguf import GGUFValueType, TensorToWrite, Typed, write_gguf
 from pagelm.quant import ENCODABLE, decode_f32, encode
-from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, row_nbytes
+from pagelm.quant.types import BLOCK_LAYOUT, SCALE_FIELDS, GGMLType, row_nbytes
 
 QWEN35_VOCAB = 248_320
 ARCH = "qwen35"
-
-
-@dataclass(frozen=True)
-class EmbeddingShape:
-    vocab: int
-    dim: int
-    embedding_type: GGMLType
-    output_type: GGMLType | None  # None: the output head is tied to token_embd
 
 
 @dataclass(frozen=True)
@@ -68,10 +60,6 @@ class Qwen35Shape:
     def full(self) -> bool:
         """True when the shape has layers (a complete model can be written)."""
         return self.n_layers > 0
-
-    @property
-    def embedding(self) -> EmbeddingShape:
-        return EmbeddingShape(self.vocab, self.hidden, self.embedding_type, self.output_type)
 
     def is_full_attention(self, layer: int) -> bool:
         return layer % self.full_attention_interval == self.full_attention_interval - 1
@@ -109,19 +97,9 @@ SHAPES: dict[str, Qwen35Shape] = {
     "tiny": Qwen35Shape(4096, 256, GGMLType.Q8_0, None),
 }
 
-# Byte offsets of the fp16 scale fields (d, and m/dmin where present) inside one block. Random
-# bytes elsewhere are valid codes; the scales are drawn so that values stay small and finite.
-_SCALE_FIELDS: dict[GGMLType, tuple[int, ...]] = {
-    GGMLType.Q8_0: (0,),
-    GGMLType.Q4_0: (0,),
-    GGMLType.Q4_1: (0, 2),
-    GGMLType.Q5_0: (0,),
-    GGMLType.Q5_1: (0, 2),
-    GGMLType.Q4_K: (0, 2),
-    GGMLType.Q5_K: (0, 2),
-    GGMLType.Q6_K: (208,),
-}
-SYNTH_TYPES = frozenset(_SCALE_FIELDS) | {GGMLType.F32, GGMLType.F16, GGMLType.BF16}
+# Random bytes are valid codes for the block types; only their fp16 scale fields (SCALE_FIELDS)
+# are drawn so that values stay small and finite.
+SYNTH_TYPES = frozenset(SCALE_FIELDS) | {GGMLType.F32, GGMLType.F16, GGMLType.BF16}
 # Types the layer matrices can be written in (they are drawn as floats, then encoded).
 LAYER_TYPES = frozenset(ENCODABLE)
 _CHUNK_ROWS = 2048
@@ -130,10 +108,10 @@ _CHUNK_VALUES = 1 << 22  # values drawn at a time for the layer matrices (16 MiB
 
 def random_rows(rng: np.random.Generator, n_rows: int, n_values: int, ggml_type: GGMLType) -> np.ndarray:
     """n_rows encoded rows (uint8, n_rows × row bytes) of random values of a plausible scale."""
-    if ggml_type in _SCALE_FIELDS:
+    if ggml_type in SCALE_FIELDS:
         per_block, block_bytes = BLOCK_LAYOUT[ggml_type]
         blocks = rng.integers(0, 256, (n_rows * (n_values // per_block), block_bytes), np.uint8)
-        for at in _SCALE_FIELDS[ggml_type]:
+        for at in SCALE_FIELDS[ggml_type]:
             scales = rng.uniform(2e-4, 4e-3, blocks.shape[0]).astype(np.float16)
             blocks[:, at : at + 2] = scales.view(np.uint8).reshape(-1, 2)
         return blocks.reshape(n_rows, -1)
@@ -150,14 +128,12 @@ def _table_chunks(seed: int, vocab: int, dim: int, ggml_type: GGMLType) -> Itera
 
 def write_embedding_model(
     path: str,
-    shape: EmbeddingShape | Qwen35Shape,
+    shape: Qwen35Shape,
     seed: int = 0,
     name: str = "synthetic",
     progress: Callable[[int], None] | None = None,
 ) -> None:
     """Write a qwen35-geometry GGUF holding the embedding (and the untied output head, if any)."""
-    if isinstance(shape, Qwen35Shape):
-        shape = shape.embedding
     tensors = [
         TensorToWrite("token_embd.weight", (shape.dim, shape.vocab), shape.embedding_type,
                       _table_chunks(seed, shape.vocab, shape.dim, shape.embedding_type))
@@ -178,10 +154,8 @@ def write_embedding_model(
     write_gguf(path, metadata, tensors, progress=progress)
 
 
-def embedding_nbytes(shape: EmbeddingShape | Qwen35Shape) -> int:
+def embedding_nbytes(shape: Qwen35Shape) -> int:
     """Bytes of the tensor data write_embedding_model writes (what its progress adds up to)."""
-    if isinstance(shape, Qwen35Shape):
-        shape = shape.embedding
     types = [t for t in (shape.embedding_type, shape.output_type) if t is not None]
     return sum(row_nbytes(t, shape.dim) * shape.vocab for t in types)
 
@@ -421,7 +395,7 @@ def write_model(
 
 
 __all__ = [
-    "EmbeddingShape", "Init", "LAYER_TYPES", "PlannedTensor", "Qwen35Shape", "SHAPES", "SYNTH_TYPES",
+    "Init", "LAYER_TYPES", "PlannedTensor", "Qwen35Shape", "SHAPES", "SYNTH_TYPES",
     "embedding_nbytes", "model_metadata", "plan_model", "plan_nbytes", "random_rows", "table_value_std",
     "tensor_chunks", "write_embedding_model", "write_model",
 ]

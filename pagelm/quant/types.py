@@ -90,6 +90,20 @@ BLOCK_LAYOUT: dict[GGMLType, tuple[int, int]] = {
 }
 
 
+# Byte offsets of the fp16 scale fields (d, and m / dmin where present) inside one block of the
+# decodable block types; every other byte of a block is a code.
+SCALE_FIELDS: dict[GGMLType, tuple[int, ...]] = {
+    GGMLType.Q8_0: (0,),
+    GGMLType.Q4_0: (0,),
+    GGMLType.Q4_1: (0, 2),
+    GGMLType.Q5_0: (0,),
+    GGMLType.Q5_1: (0, 2),
+    GGMLType.Q4_K: (0, 2),
+    GGMLType.Q5_K: (0, 2),
+    GGMLType.Q6_K: (208,),
+}
+
+
 def as_ggml_type(type_id: int) -> GGMLType:
     """The GGMLType of a type id read from a file; UnsupportedError for ids ggml lacks."""
     if type(type_id) is GGMLType:

@@ -20,30 +20,12 @@ from pagelm.quant import (
     f32_to_bf16,
 )
 from pagelm.quant import codecs
+from pagelm.quant.types import SCALE_FIELDS
+from special_scales import F16_SPECIALS
 
 T = GGMLType
 
-# Byte offsets of the fp16 scale fields (d, dmin / m) inside one block.
-SCALE_FIELDS = {
-    T.Q8_0: (0,),
-    T.Q4_0: (0,),
-    T.Q5_0: (0,),
-    T.Q4_1: (0, 2),
-    T.Q5_1: (0, 2),
-    T.Q4_K: (0, 2),
-    T.Q5_K: (0, 2),
-    T.Q6_K: (208,),
-}
 
-F16_SPECIALS = np.array(
-    [
-        0x0001, 0x03FF, 0x8001, 0x8200,  # subnormals
-        0x7C00, 0xFC00,  # +Inf, -Inf
-        0x7E00, 0xFE00, 0x7C01, 0x7D55,  # quiet / signalling NaNs with payloads
-        0x0000, 0x8000, 0x7BFF, 0x3C00,  # 0, -0, max finite, 1
-    ],
-    np.uint16,
-)  # fmt: skip
 
 F32_SPECIALS = np.array(
     [
