@@ -1,7 +1,8 @@
 """Benchmark: token embedding memory and speed, dense (unpack all) vs mapped (rows on demand).
 
-For each shape, one fresh process per mode: open the file, load the embedding, prefetch + look up
-a 2,600-token prompt, then 256 single-token lookups. Prints one markdown table.
+For each shape, one fresh process per mode: load pagelm's compiled kernels, open the file (the
+"empty" baseline), load the embedding, prefetch + look up a 2,600-token prompt, then 256
+single-token lookups. Prints one markdown table.
 
     python bench/embedding.py [--shapes qwen3.5-0.8b ...] [--models-dir bench/models]
 """
@@ -25,8 +26,10 @@ def worker(model_path: str, mode: str, prompt_tokens: int, single_lookups: int) 
 
     from pagelm.formats.gguf import GGUFFile
     from pagelm.measure.memory import read_memory
+    from pagelm.quant import kernels
     from pagelm.weights import load_token_embedding
 
+    kernels.warmup()  # compiled code is the runtime's, not the table's: load it before the baseline
     model = GGUFFile.open(model_path)
     vocab = model.tensors["token_embd.weight"].shape[0]
     rng = np.random.default_rng(0)
