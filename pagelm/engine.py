@@ -6,6 +6,7 @@ knows which embedding mode is active.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -16,12 +17,24 @@ import torch
 
 from pagelm.errors import PagelmError, UnsupportedError
 from pagelm.formats.gguf import GGUFFile
-from pagelm.models.qwen35 import Qwen35Config, Qwen35Model
 from pagelm.quant import kernels
 from pagelm.sampling import Sampler, SamplingParams
 from pagelm.weights import EmbeddingMode, load_output_head, load_token_embedding
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# GGUF general.architecture -> (module, config class, model class); imported only when used
+ARCHITECTURES = {"qwen35": ("pagelm.models.qwen35", "Qwen35Config", "Qwen35Model")}
+
+
+def architecture(file: GGUFFile):
+    """(ConfigClass, ModelClass) for the file's `general.architecture`."""
+    name = file.require("general.architecture")
+    if name not in ARCHITECTURES:
+        raise UnsupportedError(f"{file.name}: architecture {name!r} is not supported "
+                               f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    module_name, config_name, model_name = ARCHITECTURES[name]
+    module = importlib.import_module(module_name)
+    return getattr(module, config_name), getattr(module, model_name)
 
 
 class Model:
@@ -32,14 +45,12 @@ class Model:
         if dtype not in DTYPES:
             raise PagelmError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.file = GGUFFile.open(path)
-        architecture = self.file.require("general.architecture")
-        if architecture != "qwen35":
-            raise UnsupportedError(f"{self.file.name}: architecture {architecture!r} is not supported (qwen35 is)")
-        self.config = Qwen35Config.from_gguf(self.file)
+        config_class, model_class = architecture(self.file)
+        self.config = config_class.from_gguf(self.file)
         # float32 compute takes float32 rows so nothing is rounded on the way in; bf16 takes bf16
         self.embedding = load_token_embedding(self.file, embedding, rows="f32" if dtype == "float32" else "bf16")
         self.head = load_output_head(self.file)
-        self.network = Qwen35Model(self.config, self.file, dtype=DTYPES[dtype], device=device)
+        self.network = model_class(self.config, self.file, dtype=DTYPES[dtype], device=device)
         kernels.warmup()  # load the compiled kernels now rather than inside the first request
         eos = self.file.metadata.get("tokenizer.ggml.eos_token_id")
         self.eos_tokens: tuple[int, ...] = () if eos is None else (int(eos),)
