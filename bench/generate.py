@@ -40,7 +40,7 @@ def pagelm_worker(path: str, mode: str, dtype: str, prompt_tokens: int, new_toke
     model = pagelm.load(path, embedding=mode, dtype=dtype)
     load_s = time.perf_counter() - start
     session = model.session(max_len=prompt_tokens + new_tokens + 8)
-    prompt = _prompt(model.config.vocab, prompt_tokens)
+    prompt = _prompt(model.embedding.vocab_size, prompt_tokens)
     params = SamplingParams(max_tokens=new_tokens)
     start = time.perf_counter()
     stream = session.generate(prompt, params)
@@ -146,13 +146,15 @@ def ensure_model(shape: str, models_dir: str) -> str:
     return path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=["qwen3.5-0.8b"])
+def main(doc: str = __doc__, default_shapes=("qwen3.5-0.8b",), default_models=(), prompt_tokens: int = 2600) -> None:
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="*", default=list(default_shapes), help="synthetic shapes (pagelm synth)")
+    parser.add_argument("--models", nargs="*", default=list(default_models),
+                        help="store names (pulled when missing) or .gguf paths")
     parser.add_argument("--models-dir", default=os.path.join(os.path.dirname(__file__), "models"))
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--prompt-tokens", type=int, default=2600)
+    parser.add_argument("--prompt-tokens", type=int, default=prompt_tokens)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even when installed")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
@@ -176,11 +178,14 @@ def main() -> None:
         have_llama_cpp = False
     print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} greedy new tokens, 2 threads, "
           f"pagelm dtype {args.dtype}, median of {args.runs} fresh processes\n")
-    print("| shape | runtime | embedding | load s | TTFT s | decode tok/s | anon MiB after | peak RSS MiB |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print("| model | runtime | embedding | load s | TTFT s | prompt tok/s | decode tok/s | anon MiB after | peak RSS MiB |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    from pagelm import store
+
+    targets = [(shape, ensure_model(shape, args.models_dir)) for shape in args.shapes]
+    targets += [(name, str(store.pull(name))) for name in args.models]
     head_rows = []
-    for shape in args.shapes:
-        path = ensure_model(shape, args.models_dir)
+    for shape, path in targets:
         configs = [("pagelm", "dense"), ("pagelm", "mapped")] + ([("llama.cpp", "-")] if have_llama_cpp else [])
         runs: dict[tuple[str, str], list[dict]] = {c: [] for c in configs}
         for _ in range(args.runs):  # interleaved, so drift in the machine's load hits every configuration alike
@@ -193,7 +198,8 @@ def main() -> None:
             med = {k: statistics.median(r[k] for r in results)
                    for k in ("load_s", "ttft_s", "decode_tok_s", "anon_mib", "peak_rss_mib")}
             print(f"| {shape} | {runtime} | {mode} | {med['load_s']:.1f} | {med['ttft_s']:.2f} "
-                  f"| {med['decode_tok_s']:.1f} | {med['anon_mib']:.0f} | {med['peak_rss_mib']:.0f} |", flush=True)
+                  f"| {args.prompt_tokens / med['ttft_s']:.0f} | {med['decode_tok_s']:.1f} | {med['anon_mib']:.0f} "
+                  f"| {med['peak_rss_mib']:.0f} |", flush=True)
         dense, mapped = runs[("pagelm", "dense")], runs[("pagelm", "mapped")]
         ratio = lambda key: statistics.median(r[key] for r in mapped) / statistics.median(r[key] for r in dense)
         print(f"\n{shape}: mapped/dense TTFT {ratio('ttft_s'):.3f}, decode {ratio('decode_tok_s'):.3f}, "
@@ -206,7 +212,7 @@ def main() -> None:
             agree = sum(a == b for a, b in zip(tokens[("pagelm", "mapped")], tokens[("llama.cpp", "-")]))
             print(f"{shape}: pagelm and llama.cpp agree on {agree} of {args.new_tokens} greedy tokens", flush=True)
         head_rows.append((shape, _run_worker("head", path)))
-    print("\n| shape | head table | pagelm mapped head ms | torch.mv bf16 ms | ratio |")
+    print("\n| model | head table | pagelm mapped head ms | torch.mv bf16 ms | ratio |")
     print("|---|---|---:|---:|---:|")
     for shape, h in head_rows:
         print(f"| {shape} | {h['type']} {h['vocab']} × {h['dim']} | {h['mapped_ms']:.1f} | {h['torch_bf16_ms']:.1f} "
