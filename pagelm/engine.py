@@ -23,7 +23,11 @@ from pagelm.weights import EmbeddingMode, load_output_head, load_token_embedding
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # GGUF general.architecture -> (module, config class, model class); imported only when used
-ARCHITECTURES = {"qwen35": ("pagelm.models.qwen35", "Qwen35Config", "Qwen35Model")}
+ARCHITECTURES = {
+    "qwen35": ("pagelm.models.qwen35", "Qwen35Config", "Qwen35Model"),
+    "llama": ("pagelm.models.llama", "LlamaConfig", "LlamaModel"),
+    "gemma3": ("pagelm.models.gemma3", "Gemma3Config", "Gemma3Model"),
+}
 
 
 def architecture(file: GGUFFile):

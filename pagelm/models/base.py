@@ -1,0 +1,129 @@
+"""Pieces shared by the plain-attention decoders (llama, gemma3): KV-cache state with
+checkpoints, rope tables and GQA attention over a preallocated cache (causal, optionally
+sliding-window).
+
+The elementwise helpers (`linear`, `rms_norm`, `apply_rope_`) are qwen35's, re-exported here so
+every architecture uses the same ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagelm.errors import PagelmError
+from pagelm.models.qwen35 import apply_rope_, linear, rms_norm
+
+__all__ = ["KVCheckpoint", "KVState", "apply_rope_", "attention", "inv_freq", "linear", "rms_norm", "rope_tables"]
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class KVCheckpoint:
+    """A deep copy of a KVState at `pos`: each layer's K[:, :pos] and V[:, :pos]."""
+
+    pos: int
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(t for pair in self.layers for t in pair)
+
+
+class KVState:
+    """One (K, V) cache pair per layer, each (n_kv_heads, max_len, head_dim) in the model dtype
+    with rope applied to K; `pos` tokens are in it."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device):
+        if max_len < 1:
+            raise PagelmError(f"max_len {max_len} must be >= 1")
+        self.pos, self.max_len = 0, max_len
+        shape = (n_kv_heads, max_len, head_dim)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(n_layers)
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(t for pair in self.layers for t in pair)
+
+    def checkpoint(self) -> KVCheckpoint:
+        with torch.inference_mode():
+            layers = tuple((k[:, : self.pos].clone(), v[:, : self.pos].clone()) for k, v in self.layers)
+        return KVCheckpoint(self.pos, layers)
+
+    def restore(self, ckpt: KVCheckpoint) -> None:
+        """Return exactly to the state `ckpt` was taken from (of this state or one like it)."""
+        if len(ckpt.layers) != len(self.layers) or ckpt.pos > self.max_len:
+            raise PagelmError(
+                f"checkpoint of {len(ckpt.layers)} layers at pos {ckpt.pos} does not fit a state of "
+                f"{len(self.layers)} layers and max_len {self.max_len}"
+            )
+        for i, (dst, src) in enumerate(zip(self.layers, ckpt.layers)):
+            for d, s in zip(dst, src):
+                want = (d.shape[0], ckpt.pos, d.shape[2])
+                if tuple(s.shape) != want or s.dtype != d.dtype:
+                    raise PagelmError(f"checkpoint layer {i}: tensor {tuple(s.shape)} {s.dtype} does not match "
+                                      f"the state's {want} {d.dtype}")
+        with torch.inference_mode():
+            for (dk, dv), (sk, sv) in zip(self.layers, ckpt.layers):
+                dk[:, : ckpt.pos].copy_(sk)
+                dv[:, : ckpt.pos].copy_(sv)
+        self.pos = ckpt.pos
+
+
+def inv_freq(base: float, dim: int, device=None, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Rope inverse frequencies base^(-2i/dim), i < dim/2, in fp32 as transformers computes them;
+    divided by per-pair `freq_factors` (GGUF's rope_freqs tensor) when given."""
+    f = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    return f if freq_factors is None else f / freq_factors.to(device=device, dtype=torch.float32)
+
+
+def rope_tables(inv: torch.Tensor, pos: int, T: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (T, dim/2) fp32 for positions pos..pos+T-1 (divided by a linear scaling `scale`)."""
+    positions = torch.arange(pos, pos + T, dtype=torch.float32, device=inv.device)
+    if scale != 1.0:
+        positions = positions / scale
+    freqs = positions[:, None] * inv
+    return freqs.cos(), freqs.sin()
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+              pos: int, scale: float, window: int | None = None) -> torch.Tensor:
+    """GQA attention of T new queries over the cache after writing the new keys and values.
+
+    q (T, H, D), k and v (T, G, D) with rope already applied (any float dtype; stored in the
+    cache's dtype). Query t (absolute position pos + t) sees keys j ≤ pos + t, and with `window`
+    only those with pos + t − j < window (transformers' and llama.cpp's sliding window).
+    Returns (T, H·D) in the cache dtype.
+    """
+    ck, cv = cache
+    T, H, D = q.shape
+    G = k.shape[1]
+    end = pos + T
+    ck[:, pos:end] = k.transpose(0, 1)
+    cv[:, pos:end] = v.transpose(0, 1)
+    # the first key any query can see
+    lo = 0 if window is None else max(0, pos + 1 - window)
+    keys, values = ck[None, :, lo:end], cv[None, :, lo:end]  # (1, G, S, D)
+    q = q.to(ck.dtype).transpose(0, 1)  # (H, T, D)
+    if T == 1:  # the H/G query heads of one kv head form its query rows
+        o = F.scaled_dot_product_attention(q.reshape(1, G, H // G, D), keys, values, scale=scale)
+        return o.reshape(1, H * D)
+    if lo == 0 and pos == 0 and (window is None or T <= window):
+        o = F.scaled_dot_product_attention(q[None], keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        qi = torch.arange(pos, end, device=q.device)[:, None]
+        kj = torch.arange(lo, end, device=q.device)[None, :]
+        mask = kj <= qi
+        if window is not None:
+            mask &= qi - kj < window
+        o = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1).reshape(T, H * D)

@@ -1,0 +1,274 @@
+"""Gemma 3 text decoder (llama.cpp's `gemma3` architecture: Gemma 3 270M, 1B, and the text
+stack of the larger ones).
+
+Owns the gemma3 math in its GGUF conventions and its KV state; never parses files (weights come
+through `models.loading`), never embeds tokens and never computes the output head.
+
+GGUF conventions handled here:
+- Every `*norm.weight` (attn_norm, post_attention_norm, ffn_norm, post_ffw_norm, attn_q_norm,
+  attn_k_norm, output_norm) already has Gemma's +1 folded in by llama.cpp's converter
+  (transformers' GGUF loader subtracts 1 again), so all norms are plain x·rsqrt(·)·w.
+- q/k rows are *not* permuted (gemma uses NeoX rope in ggml), so rotate-half rope applies as is.
+- Layer i is global (full attention, rope base `gemma3.rope.freq_base`, 1e6) when
+  i % pattern == pattern − 1 (pattern 6, `gemma3.attention.sliding_window_pattern` if an
+  integer is present), else local: sliding window `gemma3.attention.sliding_window`, rope base
+  `gemma3.rope.freq_base_swa` (absent in the files seen; 10,000 as in transformers).
+- Linear rope scaling (`gemma3.rope.scaling.*`) applies to global layers only.
+- Query scale is query_pre_attn_scalar^-0.5; GGUF has no key for it: like llama.cpp we take
+  head_dim (256 for 270M, 1B, 4B, 12B), and hidden / heads (168) for the 62-layer 27B.
+  (transformers' GGUF loader always leaves its default 256, wrong only for 27B.)
+- `final_logit_softcapping` is exposed on the config (None for gemma3) for whoever computes
+  logits: `softcap_logits`; attention softcapping (gemma2 only) is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
+from pagelm.formats.gguf import GGUFFile
+from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, linear, rms_norm, rope_tables
+from pagelm.models.loading import dequantize_tensor, metadata_float, metadata_int, stack_rows, tensor_info
+
+ARCH_NAME = "gemma3"
+DEFAULT_PATTERN = 6
+DEFAULT_LOCAL_BASE = 10_000.0
+
+
+@dataclass(frozen=True)
+class Gemma3Config:
+    hidden: int
+    n_layers: int
+    ffn: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_base: float  # global layers
+    rope_local_base: float  # sliding-window layers
+    rope_scale: float  # linear scaling of the global layers' positions; 1.0 for none
+    sliding_window: int
+    sliding_window_pattern: int
+    query_scale: float  # query_pre_attn_scalar ** -0.5
+    rms_eps: float
+    final_logit_softcapping: float | None
+    vocab: int  # rows of token_embd
+
+    @classmethod
+    def from_gguf(cls, model: GGUFFile) -> Gemma3Config:
+        arch = model.require("general.architecture")
+        if arch != ARCH_NAME:
+            raise ModelFormatError(f"{model.name}: metadata key 'general.architecture' is {arch!r:.40}, expected '{ARCH_NAME}'")
+
+        def key(k: str) -> str:
+            return f"{ARCH_NAME}.{k}"
+
+        def i(k: str) -> int:
+            return metadata_int(model, key(k))
+
+        def has(k: str) -> bool:
+            return key(k) in model.metadata
+
+        hidden, n_heads = i("embedding_length"), i("attention.head_count")
+        embd = tensor_info(model, "token_embd.weight")
+        if len(embd.dims) != 2 or embd.dims[0] != hidden:
+            raise ModelFormatError(
+                f"{model.name}: tensor 'token_embd.weight' has dims {embd.dims} (ne0 first), expected ({hidden}, vocab)"
+            )
+        head_dim = i("attention.key_length") if has("attention.key_length") else 256
+        if has("attention.value_length") and i("attention.value_length") != head_dim:
+            raise UnsupportedError(f"{model.name}: attention.value_length differs from the key length {head_dim}")
+        if has("attn_logit_softcapping"):
+            raise UnsupportedError(f"{model.name}: attention logit softcapping is not supported")
+        scaling = model.metadata.get(key("rope.scaling.type"))
+        rope_scale = 1.0
+        if scaling not in (None, "none"):
+            if scaling != "linear":
+                raise UnsupportedError(f"{model.name}: rope scaling {scaling!r:.40} is not supported (none, linear are)")
+            rope_scale = metadata_float(model, key("rope.scaling.factor"))
+        pattern = model.metadata.get(key("attention.sliding_window_pattern"))
+        if pattern is not None and not isinstance(pattern, (int, np.integer)):
+            raise UnsupportedError(f"{model.name}: a per-layer sliding_window_pattern array is not supported")
+        n_layers = i("block_count")
+        if has("attention.query_pre_attn_scalar"):
+            qpas = metadata_float(model, key("attention.query_pre_attn_scalar"))
+        else:  # llama.cpp's rule: head_dim, except 27B (62 layers), whose scalar is hidden / heads
+            qpas = hidden / n_heads if n_layers == 62 else head_dim
+        config = cls(
+            hidden=hidden,
+            n_layers=n_layers,
+            ffn=i("feed_forward_length"),
+            n_heads=n_heads,
+            n_kv_heads=i("attention.head_count_kv") if has("attention.head_count_kv") else n_heads,
+            head_dim=head_dim,
+            rope_base=metadata_float(model, key("rope.freq_base")) if has("rope.freq_base") else 1_000_000.0,
+            rope_local_base=metadata_float(model, key("rope.freq_base_swa")) if has("rope.freq_base_swa") else DEFAULT_LOCAL_BASE,
+            rope_scale=rope_scale,
+            sliding_window=i("attention.sliding_window"),
+            sliding_window_pattern=DEFAULT_PATTERN if pattern is None else int(pattern),
+            query_scale=float(qpas) ** -0.5,
+            rms_eps=metadata_float(model, key("attention.layer_norm_rms_epsilon")),
+            final_logit_softcapping=metadata_float(model, key("final_logit_softcapping")) if has("final_logit_softcapping") else None,
+            vocab=embd.dims[1],
+        )
+        config.validate(model.name)
+        return config
+
+    def validate(self, where: str = "gemma3 config") -> None:
+        for name in ("hidden", "n_layers", "ffn", "n_heads", "n_kv_heads", "head_dim", "sliding_window",
+                     "sliding_window_pattern", "vocab"):
+            if getattr(self, name) < 1:
+                raise ModelFormatError(f"{where}: {name} is {getattr(self, name)}, expected >= 1")
+        checks = (
+            (self.n_heads % self.n_kv_heads == 0, f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}"),
+            (self.head_dim % 2 == 0, f"head dim {self.head_dim} must be even"),
+            (self.rope_base > 0 and self.rope_local_base > 0, "rope bases must be > 0"),
+            (self.rope_scale > 0, f"rope.scaling.factor {self.rope_scale} must be > 0"),
+            (self.rms_eps > 0, f"attention.layer_norm_rms_epsilon {self.rms_eps} must be > 0"),
+            (self.final_logit_softcapping is None or self.final_logit_softcapping > 0, "final_logit_softcapping must be > 0"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ModelFormatError(f"{where}: {message}")
+
+    def is_global_layer(self, i: int) -> bool:
+        return i % self.sliding_window_pattern == self.sliding_window_pattern - 1
+
+    @property
+    def embedding_scale(self) -> float:
+        return math.sqrt(self.hidden)
+
+
+def softcap_logits(logits: np.ndarray, cap: float | None) -> np.ndarray:
+    """cap·tanh(logits / cap) in place (no-op for None): Gemma's final logit softcapping."""
+    if cap is not None:
+        np.tanh(logits / cap, out=logits)
+        logits *= cap
+    return logits
+
+
+@dataclass
+class Gemma3Layer:
+    attn_norm: torch.Tensor  # (hidden,) fp32, +1 folded in (as every norm below)
+    qkv: torch.Tensor  # (H·D + 2·G·D, hidden): attn_q, attn_k, attn_v
+    q_norm: torch.Tensor  # (D,) fp32
+    k_norm: torch.Tensor
+    out: torch.Tensor  # (hidden, H·D)
+    post_attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    gate_up: torch.Tensor  # (2·ffn, hidden): ffn_gate then ffn_up
+    down: torch.Tensor  # (hidden, ffn)
+    post_ffn_norm: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(vars(self).values())
+
+
+def load_layer(c: Gemma3Config, model: GGUFFile, i: int, dtype: torch.dtype) -> Gemma3Layer:
+    p = f"blk.{i}."
+    hd, kvd = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+
+    def vec(name: str, n: int) -> torch.Tensor:
+        return dequantize_tensor(model, p + name, torch.float32, shape=(n,))
+
+    def fused(*parts: tuple[str, int]) -> torch.Tensor:
+        return stack_rows(model, [p + name for name, _ in parts], dtype, [(rows, c.hidden) for _, rows in parts])
+
+    return Gemma3Layer(
+        attn_norm=vec("attn_norm.weight", c.hidden),
+        qkv=fused(("attn_q.weight", hd), ("attn_k.weight", kvd), ("attn_v.weight", kvd)),
+        q_norm=vec("attn_q_norm.weight", c.head_dim),
+        k_norm=vec("attn_k_norm.weight", c.head_dim),
+        out=dequantize_tensor(model, p + "attn_output.weight", dtype, shape=(c.hidden, hd)),
+        post_attn_norm=vec("post_attention_norm.weight", c.hidden),
+        ffn_norm=vec("ffn_norm.weight", c.hidden),
+        gate_up=fused(("ffn_gate.weight", c.ffn), ("ffn_up.weight", c.ffn)),
+        down=dequantize_tensor(model, p + "ffn_down.weight", dtype, shape=(c.hidden, c.ffn)),
+        post_ffn_norm=vec("post_ffw_norm.weight", c.hidden),
+    )
+
+
+class Gemma3Model:
+    """The decoder stack (every layer, then output_norm); token_embd and output stay in the file.
+
+    `forward(x, state)` maps the *raw* token_embd rows (T, hidden) — exactly what the engine
+    looks up, unscaled — to final hidden states (T, hidden) fp32. The Gemma embedding scale
+    sqrt(hidden) is applied inside forward, in fp32. Matmuls and the KV cache run in `dtype`;
+    norms and rope in fp32; the residual stream is fp32. Sliding-window layers keep a
+    full-length cache and mask by the window. T > 1 is a prefill, processed in segments of at
+    most `segment` tokens to bound the temporaries.
+    """
+
+    segment = 512
+
+    def __init__(self, config: Gemma3Config, model: GGUFFile, dtype: torch.dtype = torch.float32, device="cpu"):
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.layers = [self._to_device(load_layer(config, model, i, dtype)) for i in range(config.n_layers)]
+        self.output_norm = dequantize_tensor(model, "output_norm.weight", torch.float32,
+                                             shape=(config.hidden,)).to(self.device)
+        self.inv_freq_global = inv_freq(config.rope_base, config.head_dim, self.device)
+        self.inv_freq_local = inv_freq(config.rope_local_base, config.head_dim, self.device)
+
+    def _to_device(self, layer: Gemma3Layer) -> Gemma3Layer:
+        if self.device.type != "cpu":
+            for name, value in vars(layer).items():
+                setattr(layer, name, value.to(self.device))
+        return layer
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the dequantized layer weights (and output_norm) this model holds."""
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors()) + \
+            self.output_norm.numel() * 4
+
+    def new_state(self, max_len: int) -> KVState:
+        c = self.config
+        return KVState(c.n_layers, c.n_kv_heads, c.head_dim, max_len, self.dtype, self.device)
+
+    def forward(self, x: torch.Tensor, state: KVState) -> torch.Tensor:
+        c = self.config
+        if x.dim() != 2 or x.shape[1] != c.hidden:
+            raise PagelmError(f"forward: input of shape {tuple(x.shape)}, expected (T, {c.hidden})")
+        T = x.shape[0]
+        if state.pos + T > state.max_len:
+            raise PagelmError(f"forward: pos {state.pos} + {T} tokens exceeds the state's max_len {state.max_len}")
+        if T == 0:
+            return torch.empty(0, c.hidden, dtype=torch.float32, device=self.device)
+        with torch.inference_mode():
+            if T <= self.segment:
+                return self._forward(x, state)
+            out = torch.empty(T, c.hidden, dtype=torch.float32, device=self.device)
+            for lo in range(0, T, self.segment):
+                out[lo : lo + self.segment] = self._forward(x[lo : lo + self.segment], state)
+        return out
+
+    __call__ = forward
+
+    def _forward(self, x: torch.Tensor, state: KVState) -> torch.Tensor:
+        c, pos, T = self.config, state.pos, x.shape[0]
+        H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
+        h = x.to(device=self.device, dtype=torch.float32, copy=True).mul_(c.embedding_scale)
+        rope_global = rope_tables(self.inv_freq_global, pos, T, c.rope_scale)
+        rope_local = rope_tables(self.inv_freq_local, pos, T)
+        for i, (w, cache) in enumerate(zip(self.layers, state.layers)):
+            is_global = c.is_global_layer(i)
+            cos, sin = rope_global if is_global else rope_local
+            y = rms_norm(h, w.attn_norm, c.rms_eps)
+            proj = linear(y, w.qkv).float()
+            q = rms_norm(proj[:, : H * D].view(T, H, D), w.q_norm, c.rms_eps)
+            k = rms_norm(proj[:, H * D : (H + G) * D].view(T, G, D), w.k_norm, c.rms_eps)
+            v = proj[:, (H + G) * D :].view(T, G, D)
+            apply_rope_(q, cos, sin)
+            apply_rope_(k, cos, sin)
+            o = attention(q, k, v, cache, pos, c.query_scale, None if is_global else c.sliding_window)
+            h += rms_norm(linear(o, w.out).float(), w.post_attn_norm, c.rms_eps)
+            y = rms_norm(h, w.ffn_norm, c.rms_eps)
+            gate, up = linear(y, w.gate_up).chunk(2, -1)
+            m = linear(F.gelu(gate, approximate="tanh").mul_(up), w.down)
+            h += rms_norm(m.float(), w.post_ffn_norm, c.rms_eps)
+        state.pos = pos + T
+        return rms_norm(h, self.output_norm, c.rms_eps)

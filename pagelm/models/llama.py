@@ -1,0 +1,225 @@
+"""Llama text decoder (llama.cpp's `llama` architecture: SmolLM2, Llama 2/3, ...).
+
+Owns the llama math in its GGUF conventions and its KV state; never parses files (weights come
+through `models.loading`), never embeds tokens and never computes the output head.
+
+GGUF conventions handled here:
+- llama.cpp's converter permutes the rows of attn_q / attn_k within each head so that ggml's
+  *normal* rope (adjacent pairs (2i, 2i+1)) applies. We undo that permutation at load (the same
+  reverse permute transformers' GGUF loader applies) and use NeoX / rotate-half rope (pairs
+  (i, i + D/2)) like transformers, so q/k rows are in the HF order.
+- RMSNorm weights are used as stored (no +1); no embedding scale.
+- rope scaling: `llama.rope.scaling.type` none or linear, and the llama3-style per-pair
+  frequency factors tensor `rope_freqs.weight` when present; other scalings are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
+from pagelm.formats.gguf import GGUFFile
+from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, linear, rms_norm, rope_tables
+from pagelm.models.loading import dequantize_tensor, metadata_float, metadata_int, stack_rows, tensor_info
+
+ARCH_NAME = "llama"
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    hidden: int
+    n_layers: int
+    ffn: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_base: float
+    rope_scale: float  # linear rope scaling factor (positions are divided by it); 1.0 for none
+    rms_eps: float
+    vocab: int  # rows of token_embd
+
+    @classmethod
+    def from_gguf(cls, model: GGUFFile) -> LlamaConfig:
+        arch = model.require("general.architecture")
+        if arch != ARCH_NAME:
+            raise ModelFormatError(f"{model.name}: metadata key 'general.architecture' is {arch!r:.40}, expected '{ARCH_NAME}'")
+
+        def i(key: str) -> int:
+            return metadata_int(model, f"{ARCH_NAME}.{key}")
+
+        def opt(key: str):
+            return model.metadata.get(f"{ARCH_NAME}.{key}")
+
+        hidden, n_heads = i("embedding_length"), i("attention.head_count")
+        embd = tensor_info(model, "token_embd.weight")
+        if len(embd.dims) != 2 or embd.dims[0] != hidden:
+            raise ModelFormatError(
+                f"{model.name}: tensor 'token_embd.weight' has dims {embd.dims} (ne0 first), expected ({hidden}, vocab)"
+            )
+        head_dim = i("attention.key_length") if opt("attention.key_length") is not None else hidden // max(n_heads, 1)
+        if opt("attention.value_length") is not None and i("attention.value_length") != head_dim:
+            raise UnsupportedError(f"{model.name}: attention.value_length differs from the key length {head_dim}")
+        if opt("rope.dimension_count") is not None and i("rope.dimension_count") != head_dim:
+            raise UnsupportedError(f"{model.name}: partial rope ({i('rope.dimension_count')} of {head_dim} dims) is not supported")
+        scaling = opt("rope.scaling.type")
+        rope_scale = 1.0
+        if scaling not in (None, "none"):
+            if scaling != "linear":
+                raise UnsupportedError(f"{model.name}: rope scaling {scaling!r:.40} is not supported (none, linear are)")
+            rope_scale = metadata_float(model, f"{ARCH_NAME}.rope.scaling.factor")
+        n_kv = i("attention.head_count_kv") if opt("attention.head_count_kv") is not None else n_heads
+        config = cls(
+            hidden=hidden,
+            n_layers=i("block_count"),
+            ffn=i("feed_forward_length"),
+            n_heads=n_heads,
+            n_kv_heads=n_kv,
+            head_dim=head_dim,
+            rope_base=metadata_float(model, f"{ARCH_NAME}.rope.freq_base") if opt("rope.freq_base") is not None else 10000.0,
+            rope_scale=rope_scale,
+            rms_eps=metadata_float(model, f"{ARCH_NAME}.attention.layer_norm_rms_epsilon"),
+            vocab=embd.dims[1],
+        )
+        config.validate(model.name)
+        return config
+
+    def validate(self, where: str = "llama config") -> None:
+        for name, value in vars(self).items():
+            if name not in ("rope_base", "rope_scale", "rms_eps") and value < 1:
+                raise ModelFormatError(f"{where}: {name} is {value}, expected >= 1")
+        checks = (
+            (self.n_heads % self.n_kv_heads == 0, f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}"),
+            (self.head_dim % 2 == 0, f"head dim {self.head_dim} must be even"),
+            (self.rope_base > 0, f"rope.freq_base {self.rope_base} must be > 0"),
+            (self.rope_scale > 0, f"rope.scaling.factor {self.rope_scale} must be > 0"),
+            (self.rms_eps > 0, f"attention.layer_norm_rms_epsilon {self.rms_eps} must be > 0"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ModelFormatError(f"{where}: {message}")
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation, in place: per head, GGUF row 2i+j (j ∈ {0, 1}) is
+    HF row i + j·D/2 (transformers' `_reverse_permute_weights`)."""
+    rows, cols = w.shape
+    d2 = rows // n_heads // 2
+    w.copy_(w.view(n_heads, d2, 2, cols).transpose(1, 2).reshape(rows, cols))
+    return w
+
+
+@dataclass
+class LlamaLayer:
+    attn_norm: torch.Tensor  # (hidden,) fp32
+    qkv: torch.Tensor  # (H·D + 2·G·D, hidden): attn_q, attn_k (both un-permuted), attn_v
+    out: torch.Tensor  # (hidden, H·D)
+    ffn_norm: torch.Tensor
+    gate_up: torch.Tensor  # (2·ffn, hidden): ffn_gate then ffn_up
+    down: torch.Tensor  # (hidden, ffn)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(vars(self).values())
+
+
+def load_layer(c: LlamaConfig, model: GGUFFile, i: int, dtype: torch.dtype) -> LlamaLayer:
+    p = f"blk.{i}."
+    hd, kvd = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+
+    def vec(name: str) -> torch.Tensor:
+        return dequantize_tensor(model, p + name, torch.float32, shape=(c.hidden,))
+
+    def fused(*parts: tuple[str, int]) -> torch.Tensor:
+        return stack_rows(model, [p + name for name, _ in parts], dtype, [(rows, c.hidden) for _, rows in parts])
+
+    qkv = fused(("attn_q.weight", hd), ("attn_k.weight", kvd), ("attn_v.weight", kvd))
+    unpermute_rope_rows(qkv[:hd], c.n_heads)
+    unpermute_rope_rows(qkv[hd : hd + kvd], c.n_kv_heads)
+    return LlamaLayer(
+        attn_norm=vec("attn_norm.weight"),
+        qkv=qkv,
+        out=dequantize_tensor(model, p + "attn_output.weight", dtype, shape=(c.hidden, hd)),
+        ffn_norm=vec("ffn_norm.weight"),
+        gate_up=fused(("ffn_gate.weight", c.ffn), ("ffn_up.weight", c.ffn)),
+        down=dequantize_tensor(model, p + "ffn_down.weight", dtype, shape=(c.hidden, c.ffn)),
+    )
+
+
+class LlamaModel:
+    """The decoder stack (every layer, then output_norm); token_embd and output stay in the file.
+
+    `forward(x, state)` maps input embeddings (T, hidden) — the raw token_embd rows, no scale —
+    to final hidden states (T, hidden) fp32. Matmuls and the KV cache run in `dtype`; norms and
+    rope in fp32; the residual stream is fp32. T > 1 is a prefill, processed in segments of at
+    most `segment` tokens to bound the temporaries.
+    """
+
+    segment = 512
+
+    def __init__(self, config: LlamaConfig, model: GGUFFile, dtype: torch.dtype = torch.float32, device="cpu"):
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.layers = [self._to_device(load_layer(config, model, i, dtype)) for i in range(config.n_layers)]
+        self.output_norm = dequantize_tensor(model, "output_norm.weight", torch.float32,
+                                             shape=(config.hidden,)).to(self.device)
+        factors = None
+        if "rope_freqs.weight" in model.tensors:  # llama3-style rope scaling, per pair
+            factors = dequantize_tensor(model, "rope_freqs.weight", torch.float32, shape=(config.head_dim // 2,))
+        self.inv_freq = inv_freq(config.rope_base, config.head_dim, self.device, factors)
+
+    def _to_device(self, layer: LlamaLayer) -> LlamaLayer:
+        if self.device.type != "cpu":
+            for name, value in vars(layer).items():
+                setattr(layer, name, value.to(self.device))
+        return layer
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the dequantized layer weights (and output_norm) this model holds."""
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors()) + \
+            self.output_norm.numel() * 4
+
+    def new_state(self, max_len: int) -> KVState:
+        c = self.config
+        return KVState(c.n_layers, c.n_kv_heads, c.head_dim, max_len, self.dtype, self.device)
+
+    def forward(self, x: torch.Tensor, state: KVState) -> torch.Tensor:
+        c = self.config
+        if x.dim() != 2 or x.shape[1] != c.hidden:
+            raise PagelmError(f"forward: input of shape {tuple(x.shape)}, expected (T, {c.hidden})")
+        T = x.shape[0]
+        if state.pos + T > state.max_len:
+            raise PagelmError(f"forward: pos {state.pos} + {T} tokens exceeds the state's max_len {state.max_len}")
+        if T == 0:
+            return torch.empty(0, c.hidden, dtype=torch.float32, device=self.device)
+        with torch.inference_mode():
+            if T <= self.segment:
+                return self._forward(x, state)
+            out = torch.empty(T, c.hidden, dtype=torch.float32, device=self.device)
+            for lo in range(0, T, self.segment):
+                out[lo : lo + self.segment] = self._forward(x[lo : lo + self.segment], state)
+        return out
+
+    __call__ = forward
+
+    def _forward(self, x: torch.Tensor, state: KVState) -> torch.Tensor:
+        c, pos, T = self.config, state.pos, x.shape[0]
+        H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
+        h = x.to(device=self.device, dtype=torch.float32, copy=True)
+        cos, sin = rope_tables(self.inv_freq, pos, T, c.rope_scale)
+        scale = D**-0.5
+        for w, cache in zip(self.layers, state.layers):
+            y = rms_norm(h, w.attn_norm, c.rms_eps)
+            proj = linear(y, w.qkv).float()
+            q = proj[:, : H * D].view(T, H, D)
+            k = proj[:, H * D : (H + G) * D].view(T, G, D)
+            v = proj[:, (H + G) * D :].view(T, G, D)
+            apply_rope_(q, cos, sin)
+            apply_rope_(k, cos, sin)
+            h += linear(attention(q, k, v, cache, pos, scale), w.out)
+            y = rms_norm(h, w.ffn_norm, c.rms_eps)
+            gate, up = linear(y, w.gate_up).chunk(2, -1)
+            h += linear(F.silu(gate).mul_(up), w.down)
+        state.pos = pos + T
+        return rms_norm(h, self.output_norm, c.rms_eps)
