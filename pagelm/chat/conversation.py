@@ -1,0 +1,113 @@
+"""A conversation over a model: messages → chat template → tokens → generation → reasoning/content.
+
+Owns the turn loop and the reuse of the already-processed prompt prefix; sampling and compute
+belong to the engine, text ↔ tokens to the tokenizer, rendering to the template.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Iterator
+
+from pagelm.chat.reasoning import ReasoningSplitter
+from pagelm.chat.template import ChatTemplate
+from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
+from pagelm.engine import Model
+from pagelm.errors import PagelmError
+from pagelm.sampling import SamplingParams
+
+
+@dataclass
+class Turn:
+    """One answered message: the split text, the generated ids and what it cost."""
+
+    content: str = ""
+    reasoning: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    finish_reason: str = "stop"
+
+    @property
+    def prompt_tok_s(self) -> float:
+        new = self.prompt_tokens - self.reused_tokens
+        return new / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return (len(self.token_ids) - 1) / self.decode_s if self.decode_s and len(self.token_ids) > 1 else 0.0
+
+
+class Conversation:
+    """Chat history plus one engine session whose state is reused whenever the next rendered
+    prompt starts with everything the session has already processed."""
+
+    def __init__(self, model: Model, tokenizer: Tokenizer, template: ChatTemplate, max_len: int = 4096,
+                 system: str | None = None, think: bool = False):
+        self.model, self.tokenizer, self.template = model, tokenizer, template
+        self.max_len = max_len
+        self.system = system
+        self.think = think
+        self.messages: list[dict] = []
+        self.session = model.session(max_len)
+        self.last: Turn | None = None
+
+    def clear(self) -> None:
+        self.messages = []
+
+    def _prompt_ids(self) -> list[int]:
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+        text = self.template.render(messages, add_generation_prompt=True, enable_thinking=self.think)
+        return self.tokenizer.encode(text, add_special=True)
+
+    def _reuse_or_reset(self, prompt: list[int]) -> int:
+        held = self.session.tokens
+        if len(held) < len(prompt) and prompt[: len(held)] == held:
+            return len(held)
+        self.session = self.model.session(self.max_len)
+        return 0
+
+    def ask(self, text: str, params: SamplingParams = SamplingParams(),
+            cancel: threading.Event | None = None) -> Iterator[tuple[str, str]]:
+        """Add a user message and stream the answer as (reasoning_delta, content_delta) pairs.
+        The finished turn is in `self.last`; the assistant message joins the history."""
+        self.messages.append({"role": "user", "content": text})
+        prompt = self._prompt_ids()
+        if len(prompt) >= self.max_len:
+            self.messages.pop()
+            raise PagelmError(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_len}")
+        turn = Turn(prompt_tokens=len(prompt))
+        turn.reused_tokens = self._reuse_or_reset(prompt)
+        stops = tuple(params.stop_tokens) + self.tokenizer.eos_ids
+        params = replace(params, stop_tokens=stops, max_tokens=min(params.max_tokens, self.max_len - len(prompt)))
+        splitter = ReasoningSplitter(think_open=self.template.think_open(prompt_text=None, enable_thinking=self.think))
+        decoder = StreamDecoder(self.tokenizer)
+        start = time.perf_counter()
+        for token in self.session.generate(prompt[turn.reused_tokens:], params, cancel=cancel):
+            if not turn.token_ids:
+                turn.prefill_s = time.perf_counter() - start
+                start = time.perf_counter()
+            turn.token_ids.append(token)
+            if token in stops:
+                break
+            reasoning, content = splitter.push(decoder.push(token))
+            turn.reasoning += reasoning
+            turn.content += content
+            if reasoning or content:
+                yield reasoning, content
+        turn.decode_s = time.perf_counter() - start
+        if cancel is not None and cancel.is_set():
+            turn.finish_reason = "cancelled"
+        elif not turn.token_ids or turn.token_ids[-1] not in stops:
+            turn.finish_reason = "length"
+        reasoning, content = splitter.finish()
+        turn.reasoning += reasoning
+        turn.content += content
+        if reasoning or content:
+            yield reasoning, content
+        self.messages.append({"role": "assistant", "content": turn.content})
+        self.last = turn

@@ -1,0 +1,51 @@
+"""`pagelm run` as a user types it: real processes, the real SmolLM2 file from the store."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(*args, stdin=None):
+    result = subprocess.run([sys.executable, "-m", "pagelm", "run", *args], input=stdin,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_one_shot_answers_with_paris_on_stdout_only(smollm2_gguf):
+    result = _run(smollm2_gguf, "What is the capital of France?", "--max-tokens", "32", "--stats")
+    assert "Paris" in result.stdout
+    assert "loading" not in result.stdout and "tok/s" in result.stderr
+
+
+def test_a_lone_prompt_goes_to_the_default_model(smollm2_gguf):
+    # the fixture has pulled smollm2-135m into the default store, so this finds it there
+    result = _run("What is the capital of France?", "--max-tokens", "32")
+    assert "Paris" in result.stdout and "smollm2-135m.gguf" in result.stderr
+
+
+def test_json_is_the_last_line(smollm2_gguf):
+    last = _run(smollm2_gguf, "Say hi", "--json", "--max-tokens", "8").stdout.strip().splitlines()[-1]
+    report = json.loads(last)
+    assert report["completion_tokens"] == len(report["token_ids"]) <= 8
+    assert report["prompt_tokens"] > 0 and isinstance(report["content"], str) and report["reasoning"] == ""
+
+
+def test_the_repl_keeps_history_and_reuses_the_processed_prompt(smollm2_gguf):
+    script = "What is the capital of France?\n/stats\nAnd of Italy?\n/stats\n/set temperature x\n/nonsense\n/bye\n"
+    result = _run(smollm2_gguf, "--max-tokens", "24", stdin=script)
+    assert "Paris" in result.stdout and "Rome" in result.stdout
+    stats = [line for line in result.stderr.splitlines() if line.startswith("[prompt")]
+    assert "(0 reused)" in stats[0] and "(0 reused)" not in stats[1]
+    assert "not set" in result.stderr and "unknown command" in result.stderr
+
+
+@pytest.mark.parametrize("embedding", ["mapped", "dense"])
+def test_both_embedding_modes_give_the_same_answer(smollm2_gguf, embedding):
+    out = _run(smollm2_gguf, "Name a color.", "--json", "--max-tokens", "12", "--embedding", embedding).stdout
+    tokens = json.loads(out.strip().splitlines()[-1])["token_ids"]
+    reference = json.loads(_run(smollm2_gguf, "Name a color.", "--json", "--max-tokens", "12").stdout
+                           .strip().splitlines()[-1])["token_ids"]
+    assert tokens == reference
