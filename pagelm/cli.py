@@ -113,13 +113,17 @@ def _mem(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pull(args: argparse.Namespace) -> int:
+def _pull_with_progress(name: str):
     from pagelm import store
 
-    known = store.KNOWN_MODELS.get(args.model)
-    with tqdm(total=known.size if known else 0, unit="B", unit_scale=True, desc=f"pulling {args.model}",
-              file=sys.stderr, disable=known is None or store.stored_path(args.model).is_file()) as bar:
-        path = store.pull(args.model, progress=bar.update)
+    known = store.KNOWN_MODELS.get(name)
+    with tqdm(total=known.size if known else 0, unit="B", unit_scale=True, desc=f"pulling {name}",
+              file=sys.stderr, disable=known is None or store.stored_path(name).is_file()) as bar:
+        return store.pull(name, progress=bar.update)
+
+
+def _pull(args: argparse.Namespace) -> int:
+    path = _pull_with_progress(args.model)
     print(f"{args.model}: {path} ({path.stat().st_size} bytes)")
     return 0
 
@@ -153,7 +157,7 @@ def _open_chat(args: argparse.Namespace):
     from pagelm.engine import Model
     from pagelm.sampling import SamplingParams
 
-    path = store.pull(args.model) if args.model in store.KNOWN_MODELS else store.resolve(args.model)
+    path = _pull_with_progress(args.model) if args.model in store.KNOWN_MODELS else store.resolve(args.model)
     print(f"loading {path} (embedding {args.embedding}, {args.dtype})", file=sys.stderr)
     model = Model(str(path), embedding=args.embedding, dtype=args.dtype)
     tokenizer = Tokenizer.from_gguf(model.file)
