@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from pagelm.chat.qwen35_template import QWEN35_TEMPLATE
 from pagelm.formats.gguf import GGUFValueType, TensorToWrite, Typed, write_gguf
 from pagelm.quant import ENCODABLE, decode_f32, encode
 from pagelm.quant.types import BLOCK_LAYOUT, SCALE_FIELDS, GGMLType, row_nbytes
@@ -186,6 +187,7 @@ def tokenizer_metadata(vocab: int) -> dict:
         "tokenizer.ggml.eot_token_id": u32(im_end),
         "tokenizer.ggml.padding_token_id": u32(endoftext),
         "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.chat_template": QWEN35_TEMPLATE,
     }
 
 

@@ -49,3 +49,25 @@ def test_both_embedding_modes_give_the_same_answer(smollm2_gguf, embedding):
     reference = json.loads(_run(smollm2_gguf, "Name a color.", "--json", "--max-tokens", "12").stdout
                            .strip().splitlines()[-1])["token_ids"]
     assert tokens == reference
+
+
+@pytest.fixture(scope="module")
+def synthetic_qwen(tmp_path_factory):
+    """A random Qwen3.5-0.8B-geometry model with the real vocabulary and chat template."""
+    path = str(tmp_path_factory.mktemp("qwen") / "qwen3.5-0.8b.gguf")
+    subprocess.run([sys.executable, "-m", "pagelm", "synth", "--shape", "qwen3.5-0.8b", "--layer-type", "Q4_0",
+                    "--quiet", path], check=True, capture_output=True)
+    return path
+
+
+def test_think_on_returns_reasoning_apart_and_think_off_answers_directly(synthetic_qwen):
+    def ask(flag):
+        out = _run(synthetic_qwen, "Hello there", flag, "--json", "--max-tokens", "8").stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    thinking, direct = ask("--think"), ask("--no-think")
+    # on: the prompt leaves "<think>\n" open, so what follows is reasoning until "</think>"
+    assert thinking["reasoning"] and thinking["content"] == ""
+    # off: the template closes an empty think block ("<think>\n\n</think>\n\n", 2 more tokens)
+    assert direct["content"] and direct["reasoning"] == ""
+    assert direct["prompt_tokens"] == thinking["prompt_tokens"] + 2
