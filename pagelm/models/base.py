@@ -14,13 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from pagelm.errors import PagelmError
+from pagelm.models.decoder import nbytes
 from pagelm.models.qwen35 import apply_rope_, linear, rms_norm
 
 __all__ = ["KVCheckpoint", "KVState", "apply_rope_", "attention", "inv_freq", "linear", "rms_norm", "rope_tables"]
 
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass(frozen=True)
@@ -32,7 +30,7 @@ class KVCheckpoint:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(t for pair in self.layers for t in pair)
+        return nbytes(t for pair in self.layers for t in pair)
 
 
 class KVState:
@@ -52,7 +50,7 @@ class KVState:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(t for pair in self.layers for t in pair)
+        return nbytes(t for pair in self.layers for t in pair)
 
     def checkpoint(self) -> KVCheckpoint:
         with torch.inference_mode():

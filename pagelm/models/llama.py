@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
+from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.formats.gguf import GGUFFile
 from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, linear, rms_norm, rope_tables
+from pagelm.models.decoder import Decoder
 from pagelm.models.loading import dequantize_tensor, metadata_float, metadata_int, stack_rows, tensor_info
 
 ARCH_NAME = "llama"
@@ -147,7 +148,7 @@ def load_layer(c: LlamaConfig, model: GGUFFile, i: int, dtype: torch.dtype) -> L
     )
 
 
-class LlamaModel:
+class LlamaModel(Decoder):
     """The decoder stack (every layer, then output_norm); token_embd and output stay in the file.
 
     `forward(x, state)` maps input embeddings (T, hidden) — the raw token_embd rows, no scale —
@@ -168,40 +169,9 @@ class LlamaModel:
             factors = dequantize_tensor(model, "rope_freqs.weight", torch.float32, shape=(config.head_dim // 2,))
         self.inv_freq = inv_freq(config.rope_base, config.head_dim, self.device, factors)
 
-    def _to_device(self, layer: LlamaLayer) -> LlamaLayer:
-        if self.device.type != "cpu":
-            for name, value in vars(layer).items():
-                setattr(layer, name, value.to(self.device))
-        return layer
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the dequantized layer weights (and output_norm) this model holds."""
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors()) + \
-            self.output_norm.numel() * 4
-
     def new_state(self, max_len: int) -> KVState:
         c = self.config
         return KVState(c.n_layers, c.n_kv_heads, c.head_dim, max_len, self.dtype, self.device)
-
-    def forward(self, x: torch.Tensor, state: KVState) -> torch.Tensor:
-        c = self.config
-        if x.dim() != 2 or x.shape[1] != c.hidden:
-            raise PagelmError(f"forward: input of shape {tuple(x.shape)}, expected (T, {c.hidden})")
-        T = x.shape[0]
-        if state.pos + T > state.max_len:
-            raise PagelmError(f"forward: pos {state.pos} + {T} tokens exceeds the state's max_len {state.max_len}")
-        if T == 0:
-            return torch.empty(0, c.hidden, dtype=torch.float32, device=self.device)
-        with torch.inference_mode():
-            if T <= self.segment:
-                return self._forward(x, state)
-            out = torch.empty(T, c.hidden, dtype=torch.float32, device=self.device)
-            for lo in range(0, T, self.segment):
-                out[lo : lo + self.segment] = self._forward(x[lo : lo + self.segment], state)
-        return out
-
-    __call__ = forward
 
     def _forward(self, x: torch.Tensor, state: KVState) -> torch.Tensor:
         c, pos, T = self.config, state.pos, x.shape[0]

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from pagelm.errors import ModelFormatError, PagelmError
 from pagelm.formats.gguf import GGUFFile
+from pagelm.models.decoder import Decoder, nbytes
 from pagelm.models.loading import dequantize_tensor, metadata_float, metadata_int, stack_rows, tensor_info
 
 ARCH = "qwen35"
@@ -133,9 +134,6 @@ class DeltaNetCache:
     recurrent: torch.Tensor  # (n_value_heads, key_dim, value_dim) fp32
 
 
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
 
 @dataclass(frozen=True)
 class Qwen35Checkpoint:
@@ -146,7 +144,7 @@ class Qwen35Checkpoint:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(t for pair in self.layers for t in pair)
+        return nbytes(t for pair in self.layers for t in pair)
 
 
 class Qwen35State:
@@ -173,7 +171,7 @@ class Qwen35State:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(t for pair in self._tensors() for t in pair)
+        return nbytes(t for pair in self._tensors() for t in pair)
 
     def checkpoint(self) -> Qwen35Checkpoint:
         with torch.inference_mode():
@@ -414,7 +412,7 @@ def load_layer(config: Qwen35Config, model: GGUFFile, i: int, dtype: torch.dtype
 # ---------------------------------------------------------------------------------- model
 
 
-class Qwen35Model:
+class Qwen35Model(Decoder):
     """The decoder stack (every layer, then output_norm); token_embd and output stay in the file.
 
     `forward(x, state)` maps input embeddings (T, hidden) to final hidden states (T, hidden)
@@ -442,32 +440,8 @@ class Qwen35Model:
                     setattr(part, name, value.to(self.device))
         return layer
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the dequantized layer weights (and output_norm) this model holds."""
-        return _nbytes(t for layer in self.layers for t in layer.tensors()) + _nbytes([self.output_norm])
-
     def new_state(self, max_len: int) -> Qwen35State:
         return Qwen35State(self.config, max_len, self.dtype, self.device)
-
-    def forward(self, x: torch.Tensor, state: Qwen35State) -> torch.Tensor:
-        c = self.config
-        if x.dim() != 2 or x.shape[1] != c.hidden:
-            raise PagelmError(f"forward: input of shape {tuple(x.shape)}, expected (T, {c.hidden})")
-        T = x.shape[0]
-        if state.pos + T > state.max_len:
-            raise PagelmError(f"forward: pos {state.pos} + {T} tokens exceeds the state's max_len {state.max_len}")
-        if T == 0:
-            return torch.empty(0, c.hidden, dtype=torch.float32, device=self.device)
-        with torch.inference_mode():
-            if T <= self.segment:
-                return self._forward(x, state)
-            out = torch.empty(T, c.hidden, dtype=torch.float32, device=self.device)
-            for lo in range(0, T, self.segment):
-                out[lo : lo + self.segment] = self._forward(x[lo : lo + self.segment], state)
-        return out
-
-    __call__ = forward
 
     def _forward(self, x: torch.Tensor, state: Qwen35State) -> torch.Tensor:
         c, pos, T = self.config, state.pos, x.shape[0]
