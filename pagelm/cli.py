@@ -152,20 +152,13 @@ def _open_chat(args: argparse.Namespace):
     """(conversation, sampling params) for `run`: resolves the model, pulling the default one."""
     from pagelm import store
     from pagelm.chat.conversation import Conversation
-    from pagelm.chat.template import ChatTemplate
-    from pagelm.chat.tokenizer import Tokenizer
-    from pagelm.engine import Model
+    from pagelm.chat.model import ChatModel
     from pagelm.sampling import SamplingParams
 
     path = _pull_with_progress(args.model) if args.model in store.KNOWN_MODELS else store.resolve(args.model)
     print(f"loading {path} (embedding {args.embedding}, {args.dtype})", file=sys.stderr)
-    model = Model(str(path), embedding=args.embedding, dtype=args.dtype)
-    tokenizer = Tokenizer.from_gguf(model.file)
-    metadata = model.file.metadata
-    template = ChatTemplate(metadata.get("tokenizer.chat_template"), name=args.model,
-                            bos_token=tokenizer.decode([tokenizer.bos_id], skip_special=False) if tokenizer.bos_id is not None else "",
-                            eos_token=tokenizer.decode([tokenizer.eos_ids[0]], skip_special=False) if tokenizer.eos_ids else "")
-    conversation = Conversation(model, tokenizer, template, max_len=args.ctx_len, think=args.think)
+    chat = ChatModel.open(path, name=args.model, embedding=args.embedding, dtype=args.dtype)
+    conversation = Conversation(chat.model, chat.tokenizer, chat.template, max_len=args.ctx_len, think=args.think)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens)
     return conversation, params
@@ -264,6 +257,55 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import ipaddress
+
+    import uvicorn
+
+    from pagelm import store
+    from pagelm.serve.app import ServeSettings, create_app
+
+    for flag, value, low in [("--ctx-len", args.ctx_len, 16), ("--prefix-slots", args.prefix_slots, 0),
+                             ("--prefix-cache-mib", args.prefix_cache_mib, 0),
+                             ("--checkpoint-interval", args.checkpoint_interval, 0),
+                             ("--queue-size", args.queue_size, 1), ("--max-body-mib", args.max_body_mib, 1),
+                             ("--max-tokens", args.max_tokens, 1), ("--port", args.port, 0)]:
+        if value < low:
+            raise PagelmError(f"{flag} must be >= {low}, got {value}")
+    model = args.model or store.DEFAULT_MODEL
+    path = _pull_with_progress(model) if model in store.KNOWN_MODELS else store.resolve(model)
+    name = model if store.is_model_name(model) else path.stem
+    settings = ServeSettings(model_path=str(path), model_name=name, ctx_len=args.ctx_len,
+                             prefix_slots=args.prefix_slots, prefix_cache_mib=args.prefix_cache_mib,
+                             checkpoint_interval=args.checkpoint_interval, embedding=args.embedding,
+                             dtype=args.dtype, api_key=args.api_key, queue_size=args.queue_size,
+                             max_body_mib=args.max_body_mib, max_tokens=args.max_tokens)
+    try:
+        loopback = ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = args.host == "localhost"
+    if not loopback and args.api_key is None:
+        print(f"pagelm serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    failure: list[Exception] = []
+
+    def on_load(error: Exception | None) -> None:
+        if error is None:
+            print(f"pagelm serve: {name} ready on http://{args.host}:{args.port} "
+                  f"(embedding {args.embedding}, {args.dtype}, context {args.ctx_len})", file=sys.stderr, flush=True)
+        else:
+            failure.append(error)
+            server.should_exit = True
+
+    app = create_app(settings, on_load=on_load)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+    print(f"pagelm serve: loading {path} (GET /health answers 200 when ready)", file=sys.stderr, flush=True)
+    server.run()
+    if failure:
+        raise PagelmError(f"could not load {path}: {failure[0]}")
+    return 0 if server.started else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pagelm import __version__
     from pagelm.synth import SHAPES
@@ -334,6 +376,36 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one JSON object (content, reasoning, token ids, counts) as the last line")
     run.add_argument("--stats", action="store_true", help="prompt/decode tok/s and memory to stderr")
     run.set_defaults(run=_run, think=False)
+
+    serve = commands.add_parser(
+        "serve", help="serve a model over an OpenAI- and Ollama-compatible HTTP API",
+        description="Serve one model on /v1/chat/completions, /v1/completions, /v1/models (OpenAI) and "
+                    "/api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version, /api/cancel (Ollama), "
+                    "plus /health and /metrics. Requests run one at a time in arrival order; a prefix cache "
+                    "of checkpoints (message boundaries, ends of answers) lets a growing chat, or another one "
+                    "with the same system prompt, prefill only its new tokens.")
+    serve.add_argument("model", nargs="?", metavar="MODEL",
+                       help="a pulled model name or a .gguf path (default: smollm2-135m, pulled if needed)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--ctx-len", type=int, default=4096, help="context length in tokens (default 4096)")
+    serve.add_argument("--prefix-slots", type=int, default=32, help="most prefix-cache checkpoints; 0 disables (default 32)")
+    serve.add_argument("--prefix-cache-mib", type=int, default=1024,
+                       help="memory bound of the prefix cache in MiB (default 1024)")
+    serve.add_argument("--checkpoint-interval", type=int, default=512,
+                       help="also checkpoint every N prompt tokens of a long prefill; 0 = message boundaries only "
+                            "(default 512)")
+    serve.add_argument("--embedding", choices=["mapped", "dense"], default="mapped",
+                       help="token embedding rows from the file map (default) or an unpacked table")
+    serve.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute type")
+    serve.add_argument("--api-key", help="require Authorization: Bearer KEY on every route but /health")
+    serve.add_argument("--queue-size", type=int, default=64, help="requests waiting before 503 (default 64)")
+    serve.add_argument("--max-body-mib", type=int, default=32, help="largest request body in MiB (default 32)")
+    serve.add_argument("--max-tokens", type=int, default=2048,
+                       help="tokens generated when a request sets no limit (default 2048)")
+    serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn's log level (default warning)")
+    serve.set_defaults(run=_serve)
 
     pull = commands.add_parser(
         "pull", help="download a known model into the store (or check a local .gguf path)",

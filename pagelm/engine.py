@@ -84,6 +84,15 @@ class Session:
         self.tokens: list[int] = []
         self.logits: np.ndarray | None = None
 
+    def reset(self) -> None:
+        """Forget everything fed so far; the state's buffers are reused, not reallocated."""
+        with torch.inference_mode():
+            for t in self.state.fixed_tensors():
+                t.zero_()
+        self.state.pos = 0
+        self.tokens = []
+        self.logits = None
+
     def _check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if len(self.tokens) + ids.size > self.max_len:

@@ -52,6 +52,12 @@ class KVState:
     def nbytes(self) -> int:
         return nbytes(t for pair in self.layers for t in pair)
 
+    def kv_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(self.layers)
+
+    def fixed_tensors(self) -> list[torch.Tensor]:
+        return []  # nothing but position-indexed K and V
+
     def checkpoint(self) -> KVCheckpoint:
         with torch.inference_mode():
             layers = tuple((k[:, : self.pos].clone(), v[:, : self.pos].clone()) for k, v in self.layers)

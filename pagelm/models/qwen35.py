@@ -169,6 +169,14 @@ class Qwen35State:
     def _tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(s.k, s.v) if isinstance(s, KVCache) else (s.conv, s.recurrent) for s in self.layers]
 
+    def kv_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The attention layers' (K, V) caches, (n_kv_heads, max_len, head_dim) each."""
+        return [(s.k, s.v) for s in self.layers if isinstance(s, KVCache)]
+
+    def fixed_tensors(self) -> list[torch.Tensor]:
+        """The state that is not indexed by position: each DeltaNet layer's conv and recurrent state."""
+        return [t for s in self.layers if isinstance(s, DeltaNetCache) for t in (s.conv, s.recurrent)]
+
     @property
     def nbytes(self) -> int:
         return nbytes(t for pair in self._tensors() for t in pair)

@@ -1,0 +1,87 @@
+"""A model ready to chat: engine model, tokenizer and chat template opened together, and
+messages turned into prompt tokens with the positions where each message ends.
+
+The message boundaries are where a prefix cache can checkpoint: the next turn of the same
+conversation, or another one with the same system prompt, starts with exactly those tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pagelm.chat.template import ChatTemplate, TemplateError
+from pagelm.chat.tokenizer import Tokenizer
+from pagelm.engine import Model
+from pagelm.weights import EmbeddingMode
+
+# boundaries are looked for after the first message and after each of the last few: earlier
+# ones were already checkpointed by the turns that added them
+BOUNDARY_TAIL = 6
+
+
+@dataclass
+class Prompt:
+    """Tokens to generate from, the positions worth a checkpoint, and whether the answer starts
+    inside a reasoning block."""
+
+    tokens: list[int]
+    boundaries: list[int] = field(default_factory=list)
+    think_open: bool = False
+    split_reasoning: bool = True
+
+
+@dataclass
+class ChatModel:
+    name: str
+    path: Path
+    model: Model
+    tokenizer: Tokenizer
+    template: ChatTemplate
+
+    @classmethod
+    def open(cls, path: str | Path, name: str | None = None, embedding: EmbeddingMode = "mapped",
+             dtype: str = "bfloat16") -> ChatModel:
+        path = Path(path)
+        name = name or path.stem
+        model = Model(str(path), embedding=embedding, dtype=dtype)
+        tokenizer = Tokenizer.from_gguf(model.file)
+
+        def text_of(token_id: int | None) -> str:
+            return "" if token_id is None else tokenizer.decode([token_id], skip_special=False)
+
+        template = ChatTemplate(model.file.metadata.get("tokenizer.chat_template"), name=name,
+                                bos_token=text_of(tokenizer.bos_id),
+                                eos_token=text_of(tokenizer.eos_ids[0] if tokenizer.eos_ids else None))
+        return cls(name, path, model, tokenizer, template)
+
+    @property
+    def architecture(self) -> str:
+        return self.model.file.require("general.architecture")
+
+    @property
+    def thinks(self) -> bool:
+        """Whether the template opens a reasoning block when thinking is asked for."""
+        return self.template.think_open(enable_thinking=True)
+
+    def chat_prompt(self, messages: list[dict], think: bool | None = None) -> Prompt:
+        """Render `messages` with the generation prompt; `think` None leaves the template's default."""
+        text = self.template.render(messages, add_generation_prompt=True, enable_thinking=think)
+        tokens = self.tokenizer.encode(text, add_special=True)
+        boundaries = []
+        n = len(messages)
+        for k in sorted({0} | set(range(max(0, n - BOUNDARY_TAIL), n))):
+            try:
+                part = self.template.render(messages[: k + 1], add_generation_prompt=False, enable_thinking=think)
+            except TemplateError:
+                continue  # e.g. a template that refuses a conversation without a user message
+            if not part or not text.startswith(part):
+                continue
+            ids = self.tokenizer.encode(part, add_special=True)
+            if 0 < len(ids) < len(tokens) and tokens[: len(ids)] == ids:
+                boundaries.append(len(ids))
+        return Prompt(tokens, sorted(set(boundaries)), think_open=self.template.think_prefix(text))
+
+    def raw_prompt(self, text: str) -> Prompt:
+        """Plain text completion: no template, no reasoning split."""
+        return Prompt(self.tokenizer.encode(text, add_special=True), split_reasoning=False)

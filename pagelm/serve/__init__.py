@@ -1,0 +1,1 @@
+"""The HTTP server: OpenAI- and Ollama-compatible routes over one engine worker."""

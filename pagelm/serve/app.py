@@ -1,0 +1,285 @@
+"""The ASGI application: loads the model in the background, checks keys and body sizes,
+hands requests to the engine worker, and keeps serving whatever a request does.
+
+Routes of each protocol live in `openai_api` and `ollama_api`; this module owns what they
+share (the loaded model, the worker, reading bodies, errors, health and metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from pagelm.chat.model import ChatModel, Prompt
+from pagelm.chat.template import TemplateError
+from pagelm.errors import PagelmError
+from pagelm.measure.memory import read_memory
+from pagelm.sampling import SamplingParams
+from pagelm.serve.prefix_cache import PrefixCache
+from pagelm.serve.requests import RequestError, request_id
+from pagelm.serve.worker import Delta, Failed, Job, QueueFull, Result, Worker
+
+log = logging.getLogger("pagelm.serve")
+
+
+@dataclass
+class ServeSettings:
+    model_path: str
+    model_name: str
+    ctx_len: int = 4096
+    prefix_slots: int = 32
+    prefix_cache_mib: int = 1024
+    checkpoint_interval: int = 512
+    embedding: str = "mapped"
+    dtype: str = "bfloat16"
+    api_key: str | None = None
+    queue_size: int = 64
+    max_body_mib: int = 32
+    max_tokens: int = 2048  # when a request does not say
+
+
+class Server:
+    """What the routes share: settings, the model once loaded, the worker and its cache."""
+
+    def __init__(self, settings: ServeSettings):
+        self.settings = settings
+        self.chat: ChatModel | None = None
+        self.worker: Worker | None = None
+        self.cache = PrefixCache(settings.prefix_slots, settings.prefix_cache_mib << 20)
+        self.load_error: Exception | None = None
+        self.load_s = 0.0
+        self.started = time.time()
+        self.on_load = lambda error: None  # called from the loading thread: None on success
+
+    def load(self) -> None:
+        start = time.perf_counter()
+        try:
+            s = self.settings
+            chat = ChatModel.open(s.model_path, name=s.model_name, embedding=s.embedding, dtype=s.dtype)
+            self.worker = Worker(chat.model, chat.tokenizer, s.ctx_len, self.cache, s.checkpoint_interval,
+                                 s.queue_size)
+            self.chat = chat
+        except Exception as e:  # noqa: BLE001 - reported by the CLI, which then exits
+            self.load_error = e
+        self.load_s = time.perf_counter() - start
+        self.on_load(self.load_error)
+
+    @property
+    def ready(self) -> bool:
+        return self.chat is not None
+
+    def require_ready(self) -> ChatModel:
+        if self.chat is None:
+            raise RequestError("the model is still loading", status=503, headers={"Retry-After": "1"})
+        return self.chat
+
+    def check_model(self, name: object) -> None:
+        chat = self.require_ready()
+        if not isinstance(name, str) or not name:
+            raise RequestError("model is required (a string)", param="model")
+        known = {chat.name, str(chat.path), chat.path.name, chat.path.stem}
+        if name not in known and name.removesuffix(":latest") not in known:
+            raise RequestError(f"model '{name}' not found (this server serves '{chat.name}')", status=404,
+                               param="model", code="model_not_found")
+
+    async def read_json(self, request: Request) -> dict:
+        limit = self.settings.max_body_mib << 20
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise RequestError(f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes", status=413)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise RequestError(f"request body exceeds the limit of {limit} bytes", status=413)
+        try:
+            value = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RequestError(f"malformed JSON body: {e}") from None
+        if not isinstance(value, dict):
+            raise RequestError(f"the body must be a JSON object, got {type(value).__name__}")
+        return value
+
+    async def chat_prompt(self, messages: list[dict], think: bool | None) -> Prompt:
+        chat = self.require_ready()
+        try:
+            return await run_in_threadpool(chat.chat_prompt, messages, think)
+        except TemplateError as e:
+            raise RequestError(str(e)) from None
+
+    async def raw_prompt(self, text: str) -> Prompt:
+        return await run_in_threadpool(self.require_ready().raw_prompt, text)
+
+    def check_images(self, images: list[bytes]) -> None:
+        if images:
+            raise RequestError(f"model '{self.require_ready().name}' has no vision support: it cannot read the "
+                               f"{len(images)} image(s) in this request")
+
+    def start(self, request: Request, prompt: Prompt, params: SamplingParams, stop: tuple[str, ...],
+              id_prefix: str, max_len: int | None = None) -> Job:
+        """Queue a generation; 400 if the prompt cannot fit, 503 if the queue is full."""
+        self.require_ready()
+        limit = min(max_len or self.settings.ctx_len, self.settings.ctx_len)
+        if not prompt.tokens:
+            raise RequestError("the prompt is empty")
+        if len(prompt.tokens) >= limit:
+            raise RequestError(f"the prompt is {len(prompt.tokens)} tokens long but the context is {limit} tokens "
+                               f"(it must leave room for at least one generated token)", code="context_length_exceeded")
+        rid = request_id(request.headers.get("x-request-id"))
+        job = Job(prompt, params, stop, max_len=limit, request_id=rid or f"{id_prefix}-{_hex_id()}")
+        try:
+            self.worker.submit(job)
+        except QueueFull as e:
+            raise RequestError(str(e), status=503, headers={"Retry-After": "2"}) from None
+        except PagelmError as e:
+            raise RequestError(str(e), status=409) from None
+        return job
+
+    def endpoint(self, handler):
+        """Wrap a route handler: API key check, and RequestError → the protocol's error shape."""
+        key = self.settings.api_key
+
+        async def guarded(request: Request) -> Response:
+            openai_shape = request.url.path.startswith("/v1")
+            try:
+                if key is not None:
+                    given = request.headers.get("authorization", "")
+                    given = given[7:] if given.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+                    if not hmac.compare_digest(given.encode(), key.encode()):
+                        raise RequestError("invalid or missing API key (send Authorization: Bearer KEY)",
+                                           status=401, code="invalid_api_key")
+                return await handler(request)
+            except RequestError as e:
+                return error_response(e, openai_shape)
+
+        return guarded
+
+    def max_tokens(self, value: int | None) -> int:
+        return self.settings.max_tokens if value is None else value
+
+    def stats(self) -> dict:
+        w = self.worker
+        memory = read_memory()
+        return {
+            "prefix_cache": self.cache.stats(),
+            "requests": {"served": w.served if w else 0, "cancelled": w.cancelled if w else 0,
+                         "failed": w.failed if w else 0, "queued": w.queued if w else 0,
+                         "running": bool(w and w.running)},
+            "memory": {"anonymous_bytes": memory.anonymous, "rss_bytes": memory.rss,
+                       "file_rss_bytes": memory.file_rss, "peak_rss_bytes": memory.peak_rss},
+        }
+
+
+def _hex_id() -> str:
+    import uuid
+
+    return uuid.uuid4().hex[:24]
+
+
+async def events(job: Job, request: Request | None = None) -> AsyncIterator[Delta | Result]:
+    """The job's events until its Result; a Failed event raises. With `request`, a client that
+    disconnects cancels the job (for responses that are not streamed)."""
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(job.events.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if request is not None and await request.is_disconnected():
+                    job.cancel.set()
+                continue
+            if isinstance(event, Failed):
+                error = event.error
+                raise RequestError(str(error), status=400 if isinstance(error, PagelmError) else 500)
+            yield event
+            if isinstance(event, Result):
+                return
+    finally:
+        job.cancel.set()  # a no-op when finished; stops the engine when the consumer went away
+
+
+def _metrics(server: Server) -> str:
+    s = server.stats()
+    lines = []
+    for group in ("prefix_cache", "requests", "memory"):
+        for key, value in s[group].items():
+            if isinstance(value, (bool, int, float)):
+                lines.append(f"pagelm_{group}_{key} {int(value) if isinstance(value, bool) else value}")
+    return "\n".join(lines) + "\n"
+
+
+def create_app(settings: ServeSettings, on_load=None) -> Starlette:
+    """The app; the model starts loading when the server starts. `on_load(error or None)` is
+    called once loading ends."""
+    from pagelm.serve import ollama_api, openai_api
+
+    server = Server(settings)
+    if on_load is not None:
+        server.on_load = on_load
+
+    async def health(request: Request) -> Response:
+        if server.load_error is not None:
+            return JSONResponse({"status": "error", "error": str(server.load_error)}, status_code=500)
+        if not server.ready:
+            return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse({"status": "ok", "model": server.chat.name})
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(_metrics(server))
+
+    @asynccontextmanager
+    async def lifespan(app):
+        threading.Thread(target=server.load, name="pagelm-load", daemon=True).start()
+        yield
+        if server.worker is not None:
+            server.worker.close()
+
+    routes = [Route("/health", health), Route("/metrics", server.endpoint(metrics))]
+    routes += openai_api.routes(server) + ollama_api.routes(server)
+
+    def openai_shape(request: Request) -> bool:
+        return request.url.path.startswith("/v1")
+
+    async def not_found(request: Request, exc) -> Response:
+        return error_response(RequestError(f"no route {request.method} {request.url.path}", status=404),
+                              openai_shape(request))
+
+    async def wrong_method(request: Request, exc) -> Response:
+        return error_response(RequestError(f"{request.method} is not allowed on {request.url.path}", status=405),
+                              openai_shape(request))
+
+    async def crashed(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(RequestError(f"internal error: {type(exc).__name__}: {exc}", status=500),
+                              openai_shape(request))
+
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={404: not_found, 405: wrong_method, Exception: crashed})
+    app.state.server = server
+    return app
+
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               409: "invalid_request_error", 413: "invalid_request_error", 503: "server_overloaded"}
+
+
+def error_response(e: RequestError, openai_shape: bool) -> JSONResponse:
+    if openai_shape:
+        body = {"error": {"message": str(e), "type": ERROR_TYPES.get(e.status, "server_error"), "param": e.param,
+                          "code": e.code}}
+    else:
+        body = {"error": str(e)}
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
+

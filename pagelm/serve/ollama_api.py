@@ -1,0 +1,203 @@
+"""Ollama-compatible routes: /api/chat, /api/generate (NDJSON streams by default),
+/api/tags, /api/ps, /api/show, /api/version and /api/cancel (by request id).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pagelm import __version__
+from pagelm.serve.app import Server, events
+from pagelm.serve.requests import RequestError, boolean, integer, messages_from, sampling, stop_strings, string
+from pagelm.serve.worker import Delta, Job, Result
+
+# Ollama option names → the OpenAI-style names `sampling` reads
+OPTION_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed",
+                "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                "repeat_penalty": "repeat_penalty"}
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def _options(server: Server, body: dict):
+    """(sampling params, stop strings, context limit or None) from `options`."""
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise RequestError("options must be an object")
+    fields = {ours: options.get(theirs) for theirs, ours in OPTION_NAMES.items()}
+    num_predict = integer(options, "num_predict", -2, where="options.")
+    max_tokens = server.max_tokens(None if num_predict is None or num_predict < 0 else num_predict)
+    num_ctx = integer(options, "num_ctx", 1, where="options.")
+    return sampling(fields, max_tokens, where="options."), stop_strings(options.get("stop"), "options.stop"), num_ctx
+
+
+def _think(body: dict) -> bool | None:
+    think = body.get("think")
+    if isinstance(think, str):  # newer Ollama accepts "low" / "medium" / "high"
+        if think not in {"low", "medium", "high"}:
+            raise RequestError("think must be true, false, low, medium or high")
+        return True
+    return boolean(body, "think")
+
+
+def _done(server: Server, result: Result) -> dict:
+    return {"done": True, "done_reason": result.finish_reason, "total_duration": _ns(result.total_s),
+            "load_duration": 0, "prompt_eval_count": result.prompt_tokens - result.cached_tokens,
+            "prompt_eval_duration": _ns(result.prefill_s), "eval_count": result.completion_tokens,
+            "eval_duration": _ns(result.decode_s), "prompt_cached_count": result.cached_tokens}
+
+
+def _details(server: Server) -> dict:
+    chat = server.require_ready()
+    file_type = chat.model.file.metadata.get("general.file_type")
+    return {"format": "gguf", "family": chat.architecture, "families": [chat.architecture],
+            "parameter_size": "", "quantization_level": "" if file_type is None else str(file_type)}
+
+
+def routes(server: Server) -> list[Route]:
+    async def ndjson(job: Job, record) -> AsyncIterator[str]:
+        try:
+            async for event in events(job):
+                yield json.dumps(record(event), ensure_ascii=False) + "\n"
+        except RequestError as e:
+            yield json.dumps({"error": str(e)}) + "\n"
+
+    async def respond(request: Request, job: Job, streamed: bool, record, merge) -> Response:
+        if streamed:
+            return StreamingResponse(ndjson(job, record), media_type="application/x-ndjson",
+                                     headers={"X-Request-Id": job.id})
+        deltas, result = [], None
+        async for event in events(job, request):
+            if isinstance(event, Delta):
+                deltas.append(event)
+            else:
+                result = event
+        return JSONResponse(merge(deltas, result), headers={"X-Request-Id": job.id})
+
+    def check(body: dict):
+        server.check_model(body.get("model"))
+        streamed = boolean(body, "stream")
+        return _options(server, body), streamed is not False
+
+    async def chat(request: Request) -> Response:
+        body = await server.read_json(request)
+        (params, stop, num_ctx), streamed = check(body)
+        messages, images = messages_from(body.get("messages"), "ollama")
+        server.check_images(images)
+        prompt = await server.chat_prompt(messages, _think(body))
+        job = server.start(request, prompt, params, stop, "chat", max_len=num_ctx)
+        name = server.chat.name
+
+        def message(reasoning: str, content: str) -> dict:
+            m = {"role": "assistant", "content": content}
+            if reasoning:
+                m["thinking"] = reasoning
+            return m
+
+        def record(event) -> dict:
+            if isinstance(event, Delta):
+                return {"model": name, "created_at": _now(), "message": message(event.reasoning, event.content),
+                        "done": False}
+            return {"model": name, "created_at": _now(), "message": message("", ""), **_done(server, event)}
+
+        def merge(deltas: list[Delta], result: Result) -> dict:
+            return {"model": name, "created_at": _now(),
+                    "message": message("".join(d.reasoning for d in deltas), "".join(d.content for d in deltas)),
+                    **_done(server, result)}
+
+        return await respond(request, job, streamed, record, merge)
+
+    async def generate(request: Request) -> Response:
+        body = await server.read_json(request)
+        (params, stop, num_ctx), streamed = check(body)
+        text, system = string(body, "prompt"), string(body, "system")
+        if text is None:
+            raise RequestError("prompt is required (a string)")
+        images = body.get("images") or []
+        if not isinstance(images, list):
+            raise RequestError("images must be a list of base64 strings")
+        _, images = messages_from([{"role": "user", "content": "", "images": images}], "ollama")
+        server.check_images(images)
+        if boolean(body, "raw"):
+            prompt = await server.raw_prompt(text)
+        else:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+            prompt = await server.chat_prompt(messages, _think(body))
+        job = server.start(request, prompt, params, stop, "gen", max_len=num_ctx)
+        name = server.chat.name
+
+        def record(event) -> dict:
+            if isinstance(event, Delta):
+                r = {"model": name, "created_at": _now(), "response": event.content, "done": False}
+                if event.reasoning:
+                    r["thinking"] = event.reasoning
+                return r
+            return {"model": name, "created_at": _now(), "response": "", **_done(server, event)}
+
+        def merge(deltas: list[Delta], result: Result) -> dict:
+            r = {"model": name, "created_at": _now(), "response": "".join(d.content for d in deltas)}
+            reasoning = "".join(d.reasoning for d in deltas)
+            if reasoning:
+                r["thinking"] = reasoning
+            return {**r, **_done(server, result)}
+
+        return await respond(request, job, streamed, record, merge)
+
+    def model_entry() -> dict:
+        chat = server.require_ready()
+        stat = chat.path.stat()
+        return {"name": chat.name, "model": chat.name,
+                "modified_at": datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat().replace("+00:00", "Z"),
+                "size": stat.st_size, "digest": "", "details": _details(server)}
+
+    async def tags(request: Request) -> Response:
+        return JSONResponse({"models": [model_entry()]})
+
+    async def ps(request: Request) -> Response:
+        entry = {**model_entry(), "size_vram": 0, "expires_at": "", "context_length": server.settings.ctx_len}
+        return JSONResponse({"models": [entry], **server.stats()})
+
+    async def show(request: Request) -> Response:
+        body = await server.read_json(request)
+        server.check_model(body.get("model") or body.get("name"))
+        chat = server.chat
+        metadata = chat.model.file.metadata
+        info = {k: v for k, v in metadata.items() if not k.startswith("tokenizer.") and isinstance(v, (int, float, str))}
+        capabilities = ["completion"] + (["thinking"] if chat.thinks else [])
+        return JSONResponse({"modelfile": "", "parameters": "", "template": chat.template.source,
+                             "details": _details(server), "model_info": info, "capabilities": capabilities})
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": __version__})
+
+    async def cancel(request: Request) -> Response:
+        body = await server.read_json(request)
+        rid = body.get("id") or body.get("request_id")
+        if not isinstance(rid, str) or not rid:
+            raise RequestError("id is required: the request id (X-Request-Id header of the response to cancel)")
+        server.require_ready()
+        if not server.worker.cancel(rid):
+            raise RequestError(f"no queued or running request with id '{rid}'", status=404)
+        return JSONResponse({"id": rid, "cancelled": True})
+
+    return [
+        Route("/api/chat", server.endpoint(chat), methods=["POST"]),
+        Route("/api/generate", server.endpoint(generate), methods=["POST"]),
+        Route("/api/tags", server.endpoint(tags), methods=["GET"]),
+        Route("/api/ps", server.endpoint(ps), methods=["GET"]),
+        Route("/api/show", server.endpoint(show), methods=["POST"]),
+        Route("/api/version", server.endpoint(version), methods=["GET"]),
+        Route("/api/cancel", server.endpoint(cancel), methods=["POST"]),
+    ]

@@ -1,0 +1,165 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models.
+
+Streaming answers are server-sent events of `chat.completion.chunk` (or `text_completion`)
+objects ending with `data: [DONE]`; reasoning arrives as `reasoning_content` deltas.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pagelm.serve.app import Server, events
+from pagelm.serve.requests import (RequestError, boolean, integer, messages_from, sampling, stop_strings,
+                                   string)
+from pagelm.serve.worker import Delta, Job, Result
+
+REASONING_EFFORT_OFF = {"none", "minimal"}
+
+
+def _think(body: dict) -> bool | None:
+    """enable_thinking from chat_template_kwargs, or the `think` / `reasoning_effort` aliases."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise RequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    if kwargs and kwargs.get("enable_thinking") is not None:
+        return boolean(kwargs, "enable_thinking", where="chat_template_kwargs.")
+    if body.get("think") is not None:
+        return boolean(body, "think")
+    effort = string(body, "reasoning_effort")
+    if effort is not None:
+        if effort not in {"none", "minimal", "low", "medium", "high"}:
+            raise RequestError("reasoning_effort must be none, minimal, low, medium or high", param="reasoning_effort")
+        return effort not in REASONING_EFFORT_OFF
+    return None
+
+
+def _common(server: Server, body: dict) -> tuple:
+    server.check_model(body.get("model"))
+    if integer(body, "n", 1, 1) not in (None, 1):
+        raise RequestError("n must be 1", param="n")
+    max_tokens = integer(body, "max_completion_tokens", 0)
+    if max_tokens is None:
+        max_tokens = integer(body, "max_tokens", 0)
+    params = sampling(body, server.max_tokens(max_tokens))
+    stream = bool(boolean(body, "stream"))
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise RequestError("stream_options must be an object", param="stream_options")
+    return params, stop_strings(body.get("stop")), stream
+
+
+def _usage(result: Result) -> dict:
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def routes(server: Server) -> list[Route]:
+    def model_name() -> str:
+        return server.require_ready().name
+
+    async def stream(job: Job, chunk) -> AsyncIterator[str]:
+        try:
+            async for event in events(job):
+                yield _sse(chunk(event))
+        except RequestError as e:
+            yield _sse({"error": {"message": str(e), "type": "server_error", "code": None, "param": None}})
+        yield "data: [DONE]\n\n"
+
+    def streaming(job: Job, chunk) -> Response:
+        return StreamingResponse(stream(job, chunk), media_type="text/event-stream",
+                                 headers={"X-Request-Id": job.id, "Cache-Control": "no-cache"})
+
+    async def chat_completions(request: Request) -> Response:
+        body = await server.read_json(request)
+        params, stop, streamed = _common(server, body)
+        messages, images = messages_from(body.get("messages"), "openai")
+        server.check_images(images)
+        prompt = await server.chat_prompt(messages, _think(body))
+        job = server.start(request, prompt, params, stop, "chatcmpl")
+        created, name = int(time.time()), model_name()
+        head = {"id": job.id, "object": "chat.completion.chunk", "created": created, "model": name}
+
+        if streamed:
+            first = [True]
+
+            def chunk(event) -> dict:
+                if isinstance(event, Delta):
+                    delta = {"role": "assistant"} if first[0] else {}
+                    first[0] = False
+                    if event.reasoning:
+                        delta["reasoning_content"] = event.reasoning
+                    if event.content:
+                        delta["content"] = event.content
+                    return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+                return {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": event.finish_reason}],
+                        "usage": _usage(event)}
+
+            return streaming(job, chunk)
+
+        reasoning, content, result = [], [], None
+        async for event in events(job, request):
+            if isinstance(event, Delta):
+                reasoning.append(event.reasoning)
+                content.append(event.content)
+            else:
+                result = event
+        message = {"role": "assistant", "content": "".join(content)}
+        if "".join(reasoning):
+            message["reasoning_content"] = "".join(reasoning)
+        return JSONResponse({"id": job.id, "object": "chat.completion", "created": created, "model": name,
+                             "choices": [{"index": 0, "message": message, "finish_reason": result.finish_reason}],
+                             "usage": _usage(result)}, headers={"X-Request-Id": job.id})
+
+    async def completions(request: Request) -> Response:
+        body = await server.read_json(request)
+        params, stop, streamed = _common(server, body)
+        text = body.get("prompt")
+        if isinstance(text, list) and len(text) == 1:
+            text = text[0]
+        if not isinstance(text, str):
+            raise RequestError("prompt must be a string (or a list of one string)", param="prompt")
+        prompt = await server.raw_prompt(text)
+        job = server.start(request, prompt, params, stop, "cmpl")
+        created, name = int(time.time()), model_name()
+        head = {"id": job.id, "object": "text_completion", "created": created, "model": name}
+
+        if streamed:
+            def chunk(event) -> dict:
+                if isinstance(event, Delta):
+                    return {**head, "choices": [{"index": 0, "text": event.content, "finish_reason": None,
+                                                 "logprobs": None}]}
+                return {**head, "choices": [{"index": 0, "text": "", "finish_reason": event.finish_reason,
+                                             "logprobs": None}], "usage": _usage(event)}
+
+            return streaming(job, chunk)
+
+        parts, result = [], None
+        async for event in events(job, request):
+            if isinstance(event, Delta):
+                parts.append(event.content)
+            else:
+                result = event
+        return JSONResponse({**head, "choices": [{"index": 0, "text": "".join(parts), "logprobs": None,
+                                                  "finish_reason": result.finish_reason}],
+                             "usage": _usage(result)}, headers={"X-Request-Id": job.id})
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": model_name(), "object": "model",
+                                                         "created": int(server.started), "owned_by": "pagelm"}]})
+
+    return [
+        Route("/v1/chat/completions", server.endpoint(chat_completions), methods=["POST"]),
+        Route("/v1/completions", server.endpoint(completions), methods=["POST"]),
+        Route("/v1/models", server.endpoint(models), methods=["GET"]),
+    ]

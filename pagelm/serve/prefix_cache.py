@@ -1,0 +1,139 @@
+"""Prompt-prefix checkpoints for a server's one engine session, hybrid models included.
+
+A DeltaNet state cannot be cut back to an earlier position, so the cache keeps whole
+checkpoints: the recurrent + conv state at a token position and the attention K/V before it.
+K/V is held in segments: a checkpoint taken after another one in the same request shares that
+one's segments and adds only the positions between them, so a shared prefix is stored once.
+A segment lives as long as any checkpoint refers to it. Eviction is least-recently-used within
+a slot count and a byte bound.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from pagelm.engine import Session
+from pagelm.models.decoder import nbytes
+
+
+@dataclass(frozen=True, eq=False)
+class KVSegment:
+    """K/V of every attention layer for positions [start, end)."""
+
+    start: int
+    end: int
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(t for pair in self.layers for t in pair)
+
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """The session state after `tokens`: K/V segments covering [0, len(tokens)) and the fixed state."""
+
+    tokens: tuple[int, ...]
+    segments: tuple[KVSegment, ...]
+    fixed: tuple[torch.Tensor, ...]
+
+    @property
+    def fixed_nbytes(self) -> int:
+        return nbytes(self.fixed)
+
+
+class PrefixCache:
+    """Longest-prefix lookup over checkpoints of one session's state, LRU within `slots` and `max_bytes`."""
+
+    def __init__(self, slots: int, max_bytes: int):
+        self.slots, self.max_bytes = slots, max_bytes
+        self._entries: OrderedDict[tuple[int, ...], Checkpoint] = OrderedDict()  # least recent first
+        self.lookups = self.hits = self.tokens_reused = self.evictions = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.slots > 0 and self.max_bytes > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def bytes_held(self) -> int:
+        segments = {id(s): s for c in self._entries.values() for s in c.segments}
+        return sum(s.nbytes for s in segments.values()) + sum(c.fixed_nbytes for c in self._entries.values())
+
+    def lookup(self, prompt: Sequence[int]) -> Checkpoint | None:
+        """The longest checkpoint whose tokens are a proper prefix of `prompt` (at least one
+        token must remain to produce logits), marked most recently used; None on a miss."""
+        if not self.enabled:
+            return None
+        self.lookups += 1
+        prompt = tuple(prompt)
+        best = None
+        for tokens, entry in self._entries.items():
+            n = len(tokens)
+            if n < len(prompt) and (best is None or n > len(best.tokens)) and prompt[:n] == tokens:
+                best = entry
+        if best is not None:
+            self.hits += 1
+            self.tokens_reused += len(best.tokens)
+            self._entries.move_to_end(best.tokens)
+        return best
+
+    def restore(self, entry: Checkpoint, session: Session) -> None:
+        """Put `session` exactly in the state `entry` was taken from."""
+        state = session.state
+        with torch.inference_mode():
+            for segment in entry.segments:
+                for (k, v), (sk, sv) in zip(state.kv_pairs(), segment.layers):
+                    k[:, segment.start : segment.end].copy_(sk)
+                    v[:, segment.start : segment.end].copy_(sv)
+            for dst, src in zip(state.fixed_tensors(), entry.fixed):
+                dst.copy_(src)
+        state.pos = len(entry.tokens)
+        session.tokens = list(entry.tokens)
+        session.logits = None
+
+    def store(self, session: Session, base: Checkpoint | None = None) -> Checkpoint | None:
+        """Checkpoint the session's current state. `base` must be a checkpoint the session's
+        state descends from (restored from it or stored earlier in this request): its K/V
+        segments are shared and only the positions after it are copied. Returns the checkpoint
+        (an existing one for the same tokens is just touched), or None when the cache is off
+        or the checkpoint alone exceeds the byte bound."""
+        if not self.enabled or not session.tokens:
+            return None
+        tokens = tuple(session.tokens)
+        if tokens in self._entries:
+            self._entries.move_to_end(tokens)
+            return self._entries[tokens]
+        start = 0
+        if base is not None and len(base.tokens) <= len(tokens) and tokens[: len(base.tokens)] == base.tokens:
+            start = len(base.tokens)
+        else:
+            base = None
+        state = session.state
+        with torch.inference_mode():
+            segments = () if base is None else base.segments
+            if start < len(tokens):
+                layers = tuple((k[:, start : len(tokens)].clone(), v[:, start : len(tokens)].clone())
+                               for k, v in state.kv_pairs())
+                segments += (KVSegment(start, len(tokens), layers),)
+            fixed = tuple(t.clone() for t in state.fixed_tensors())
+        entry = Checkpoint(tokens, segments, fixed)
+        self._entries[tokens] = entry
+        self._evict()
+        return self._entries.get(tokens)
+
+    def _evict(self) -> None:
+        while self._entries and (len(self._entries) > self.slots or self.bytes_held > self.max_bytes):
+            self._entries.popitem(last=False)
+            self.evictions += 1
+
+    def stats(self) -> dict:
+        return {"enabled": self.enabled, "slots": self.slots, "max_bytes": self.max_bytes,
+                "entries": len(self._entries), "bytes_held": self.bytes_held, "lookups": self.lookups,
+                "hits": self.hits, "tokens_reused": self.tokens_reused, "evictions": self.evictions}
