@@ -94,6 +94,8 @@ SHAPES: dict[str, Qwen35Shape] = {
                           embedding_type=GGMLType.BF16, output_type=GGMLType.Q8_0),
     "qwen3.5-tiny": _qwen35(4096, 128, 4, 256, 4, 2, 2, 2, **_TINY),
     "qwen3.5-tiny-gqa": _qwen35(4096, 128, 4, 256, 4, 2, 2, 4, **_TINY),
+    # tiny layers under the real 248,320-token vocabulary, tokenizer and chat template: for chat and serving tests
+    "qwen3.5-tiny-chat": _qwen35(QWEN35_VOCAB, 128, 4, 256, 4, 2, 2, 2, **_TINY),
     # Embedding geometry only (vocab 4096, dim 256): for the embedding tests.
     "tiny": Qwen35Shape(4096, 256, GGMLType.Q8_0, None),
 }

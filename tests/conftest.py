@@ -1,4 +1,5 @@
-"""Real models for the tests, pulled once into the pagelm store (PAGELM_HOME or ~/.cache/pagelm)."""
+"""Models for the tests: real ones pulled once into the pagelm store (PAGELM_HOME or ~/.cache/pagelm),
+synthetic ones written once per test session."""
 
 import pytest
 
@@ -13,3 +14,13 @@ def smollm2_gguf() -> str:
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> str:
     return str(store.pull("gemma3-270m"))
+
+
+@pytest.fixture(scope="session")
+def qwen35_chat_gguf(tmp_path_factory) -> str:
+    """A synthetic Qwen3.5 with tiny layers and the real vocabulary, tokenizer and chat template."""
+    from pagelm.synth import SHAPES, write_model
+
+    path = tmp_path_factory.mktemp("qwen35-chat") / "qwen3.5-tiny-chat.gguf"
+    write_model(str(path), SHAPES["qwen3.5-tiny-chat"], seed=0, name="synthetic qwen3.5-tiny-chat")
+    return str(path)
