@@ -1,0 +1,134 @@
+"""Benchmark: time to first token of a growing chat, prefix cache on vs off.
+
+Two real `pagelm serve` processes on the same model (`--prefix-slots 32` and `--prefix-slots 0`),
+the same 4-turn conversation sent to both, turn by turn alternately (the machine is noisy):
+a long system document (~1,850 tokens) and short questions, greedy, thinking off, so by turn 4
+the history is ~2,000 tokens. Prints per turn: prompt tokens, tokens reused from the cache,
+TTFT with and without the cache, and whether the answers are identical.
+
+    python bench/prefix_cache.py [--model bench/models/qwen3.5-0.8b-q8_0.gguf] [--runs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+QUESTIONS = ["Summarise the document in one sentence.", "Which river is mentioned first?",
+             "List three of the towns.", "What should a visitor see on the last day?"]
+WORDS = ("river valley town bridge market festival harbour mountain orchard castle library museum garden "
+         "station square cathedral tower village meadow forest lake island coast vineyard mill").split()
+
+
+def document(n_words: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    sentences = []
+    while sum(len(s.split()) for s in sentences) < n_words:
+        words = rng.sample(WORDS, 6)
+        sentences.append(f"The {words[0]} near the {words[1]} leads to the {words[2]}, past the {words[3]} "
+                         f"and the {words[4]} of {words[5].capitalize()}ford.")
+    return " ".join(sentences)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, slots: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "pagelm", "serve", model, "--port", str(port),
+                                "--prefix-slots", str(slots), "--ctx-len", "8192"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"server exited: {process.stderr.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise SystemExit("server did not become ready in 600 s")
+
+
+def ask(url: str, model: str, messages: list[dict]) -> tuple[str, float, dict]:
+    """(answer, seconds to the first streamed token, usage) of one streamed chat request."""
+    body = {"model": model, "messages": messages, "max_tokens": 32, "temperature": 0, "stream": True,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    start, ttft, parts, usage = time.perf_counter(), None, [], {}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            delta = chunk["choices"][0]["delta"] if chunk["choices"] else {}
+            if delta.get("content") and ttft is None:
+                ttft = time.perf_counter() - start
+            parts.append(delta.get("content") or "")
+            usage = chunk.get("usage") or usage
+    return "".join(parts), ttft if ttft is not None else time.perf_counter() - start, usage
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="bench/models/qwen3.5-0.8b-q8_0.gguf")
+    parser.add_argument("--runs", type=int, default=2, help="conversations per server (default 2)")
+    parser.add_argument("--words", type=int, default=1500, help="words in the system document (default 1500)")
+    args = parser.parse_args()
+    name = os.path.splitext(os.path.basename(args.model))[0]
+    servers = {}
+    try:
+        for label, slots in (("on", 32), ("off", 0)):
+            print(f"starting cache-{label} server on {args.model}", file=sys.stderr)
+            servers[label] = start_server(args.model, slots)
+        ttft = {(label, turn): [] for label in servers for turn in range(4)}
+        rows, identical = {}, True
+        for run in range(args.runs):
+            # a different document per run, so that no run reuses the previous one's cache
+            system = f"Run {run}. " + document(args.words, seed=run)
+            history = {label: [{"role": "system", "content": system}] for label in servers}
+            for turn, question in enumerate(QUESTIONS):
+                answers = {}
+                for label, (_, url) in servers.items():
+                    history[label].append({"role": "user", "content": question})
+                    answer, seconds, usage = ask(url, name, history[label])
+                    history[label].append({"role": "assistant", "content": answer})
+                    ttft[label, turn].append(seconds)
+                    answers[label] = answer
+                    if label == "on":
+                        rows[turn] = (usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"])
+                identical &= answers["on"] == answers["off"]
+                print(f"run {run + 1} turn {turn + 1}: on {ttft['on', turn][-1]:.2f} s, "
+                      f"off {ttft['off', turn][-1]:.2f} s", file=sys.stderr)
+    finally:
+        for process, _ in servers.values():
+            process.terminate()
+            process.wait(timeout=30)
+    print(f"model {name}, {args.runs} runs, medians; answers identical with the cache on and off: "
+          f"{'yes' if identical else 'NO'}\n")
+    print("| turn | prompt tokens | reused from cache | TTFT cache on (s) | TTFT cache off (s) | off / on |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for turn in range(4):
+        on, off = statistics.median(ttft["on", turn]), statistics.median(ttft["off", turn])
+        prompt, cached = rows[turn]
+        print(f"| {turn + 1} | {prompt:,} | {cached:,} | {on:.2f} | {off:.2f} | {off / on:.1f}× |")
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
