@@ -5,11 +5,13 @@ checkpoints: the recurrent + conv state at a token position and the attention K/
 K/V is held in segments: a checkpoint taken after another one in the same request shares that
 one's segments and adds only the positions between them, so a shared prefix is stored once.
 A segment lives as long as any checkpoint refers to it. Eviction is least-recently-used within
-a slot count and a byte bound.
+a slot count and a byte bound. The engine thread changes the cache while request handlers read
+its counters, hence the lock.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
@@ -53,6 +55,7 @@ class PrefixCache:
         self.slots, self.max_bytes = slots, max_bytes
         self._entries: OrderedDict[tuple[int, ...], Checkpoint] = OrderedDict()  # least recent first
         self.lookups = self.hits = self.tokens_reused = self.evictions = 0
+        self._lock = threading.RLock()
 
     @property
     def enabled(self) -> bool:
@@ -63,25 +66,28 @@ class PrefixCache:
 
     @property
     def bytes_held(self) -> int:
-        segments = {id(s): s for c in self._entries.values() for s in c.segments}
-        return sum(s.nbytes for s in segments.values()) + sum(c.fixed_nbytes for c in self._entries.values())
+        with self._lock:
+            entries = list(self._entries.values())
+        segments = {id(s): s for c in entries for s in c.segments}
+        return sum(s.nbytes for s in segments.values()) + sum(c.fixed_nbytes for c in entries)
 
     def lookup(self, prompt: Sequence[int]) -> Checkpoint | None:
         """The longest checkpoint whose tokens are a proper prefix of `prompt` (at least one
         token must remain to produce logits), marked most recently used; None on a miss."""
         if not self.enabled:
             return None
-        self.lookups += 1
         prompt = tuple(prompt)
-        best = None
-        for tokens, entry in self._entries.items():
-            n = len(tokens)
-            if n < len(prompt) and (best is None or n > len(best.tokens)) and prompt[:n] == tokens:
-                best = entry
-        if best is not None:
-            self.hits += 1
-            self.tokens_reused += len(best.tokens)
-            self._entries.move_to_end(best.tokens)
+        with self._lock:
+            self.lookups += 1
+            best = None
+            for tokens, entry in self._entries.items():
+                n = len(tokens)
+                if n < len(prompt) and (best is None or n > len(best.tokens)) and prompt[:n] == tokens:
+                    best = entry
+            if best is not None:
+                self.hits += 1
+                self.tokens_reused += len(best.tokens)
+                self._entries.move_to_end(best.tokens)
         return best
 
     def restore(self, entry: Checkpoint, session: Session) -> None:
@@ -107,9 +113,10 @@ class PrefixCache:
         if not self.enabled or not session.tokens:
             return None
         tokens = tuple(session.tokens)
-        if tokens in self._entries:
-            self._entries.move_to_end(tokens)
-            return self._entries[tokens]
+        with self._lock:
+            if tokens in self._entries:
+                self._entries.move_to_end(tokens)
+                return self._entries[tokens]
         start = 0
         if base is not None and len(base.tokens) <= len(tokens) and tokens[: len(base.tokens)] == base.tokens:
             start = len(base.tokens)
@@ -123,17 +130,15 @@ class PrefixCache:
                                for k, v in state.kv_pairs())
                 segments += (KVSegment(start, len(tokens), layers),)
             fixed = tuple(t.clone() for t in state.fixed_tensors())
-        entry = Checkpoint(tokens, segments, fixed)
-        self._entries[tokens] = entry
-        self._evict()
-        return self._entries.get(tokens)
-
-    def _evict(self) -> None:
-        while self._entries and (len(self._entries) > self.slots or self.bytes_held > self.max_bytes):
-            self._entries.popitem(last=False)
-            self.evictions += 1
+        with self._lock:
+            self._entries[tokens] = Checkpoint(tokens, segments, fixed)
+            while self._entries and (len(self._entries) > self.slots or self.bytes_held > self.max_bytes):
+                self._entries.popitem(last=False)
+                self.evictions += 1
+            return self._entries.get(tokens)
 
     def stats(self) -> dict:
-        return {"enabled": self.enabled, "slots": self.slots, "max_bytes": self.max_bytes,
-                "entries": len(self._entries), "bytes_held": self.bytes_held, "lookups": self.lookups,
-                "hits": self.hits, "tokens_reused": self.tokens_reused, "evictions": self.evictions}
+        with self._lock:
+            return {"enabled": self.enabled, "slots": self.slots, "max_bytes": self.max_bytes,
+                    "entries": len(self._entries), "bytes_held": self.bytes_held, "lookups": self.lookups,
+                    "hits": self.hits, "tokens_reused": self.tokens_reused, "evictions": self.evictions}
