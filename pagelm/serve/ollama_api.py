@@ -125,6 +125,10 @@ def routes(server: Server) -> list[Route]:
         text, system = string(body, "prompt"), string(body, "system")
         if text is None:
             raise RequestError("prompt is required (a string)")
+        if text == "" and not body.get("images"):  # how Ollama clients ask for the model to be loaded
+            server.require_ready()
+            return JSONResponse({"model": server.chat.name, "created_at": _now(), "response": "", "done": True,
+                                 "done_reason": "load"})
         images = body.get("images") or []
         if not isinstance(images, list):
             raise RequestError("images must be a list of base64 strings")

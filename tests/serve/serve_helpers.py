@@ -1,0 +1,142 @@
+"""Server processes and small client helpers shared by the serve tests (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGELM = ROOT / ".venv" / "bin" / "pagelm"
+STARTUP_S = 180
+REQUEST_S = 300
+API_KEY = "test-key-123"
+# One compute thread per server: on a small machine shared with other busy processes, torch's and
+# numba's default thread pools oversubscribe the cores and generation slows down by 10x or more.
+THREADS_ENV = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """One `pagelm serve` subprocess; `url` once /health answered 200."""
+
+    def __init__(self, model: str, *args: str, env: dict | None = None, api_key: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.args = [str(PAGELM), "serve", model, "--host", "127.0.0.1", "--port", str(self.port), *args]
+        if api_key:
+            self.args += ["--api-key", api_key]
+        self.stderr = tempfile.NamedTemporaryFile(prefix="pagelm-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(self.args, stdout=self.stderr, stderr=self.stderr,
+                                     env={**os.environ, **THREADS_ENV, **(env or {})}, start_new_session=True)
+        self._ready = False
+
+    def log(self) -> str:
+        return Path(self.stderr.name).read_text(errors="replace")
+
+    def wait_ready(self) -> ServerProcess:
+        if self._ready:
+            return self
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    self._ready = True
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        log = self.log()
+        self.stop()
+        print(f"pagelm serve failed to start: {' '.join(self.args)}\n{log}", file=sys.stderr)
+        pytest.fail(f"server did not become ready (exit code {self.proc.returncode}):\n{log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.stderr.close()
+        try:
+            os.unlink(self.stderr.name)
+        except OSError:
+            pass
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=REQUEST_S, headers=self.headers, **kw)
+
+    def openai(self):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", timeout=REQUEST_S,
+                             max_retries=0)
+
+    @property
+    def model(self) -> str:
+        return httpx.get(f"{self.url}/v1/models", headers=self.headers, timeout=30).json()["data"][0]["id"]
+
+    def ps(self) -> dict:
+        r = httpx.get(f"{self.url}/api/ps", headers=self.headers, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+class Servers:
+    """Starts each configuration once; all are stopped at the end of the session."""
+
+    def __init__(self):
+        self.running: dict[str, ServerProcess] = {}
+
+    def get(self, key: str, model: str, *args: str, **kw) -> ServerProcess:
+        if key not in self.running:
+            self.running[key] = ServerProcess(model, *args, **kw)
+        return self.running[key].wait_ready()
+
+    def stop_all(self) -> None:
+        for server in self.running.values():
+            server.stop()
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+def ndjson(response: httpx.Response) -> list[dict]:
+    return [json.loads(line) for line in response.iter_lines() if line.strip()]
+
+
+def sse(response) -> tuple[list[dict], bool]:
+    """(data objects, whether the stream ended with [DONE]) from a response or an iterator of its lines."""
+    chunks, done = [], False
+    for line in response.iter_lines() if isinstance(response, httpx.Response) else response:
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            done = True
+            continue
+        assert not done, "data after [DONE]"
+        chunks.append(json.loads(data))
+    return chunks, done
