@@ -112,7 +112,10 @@ def main() -> int:
                     answers[label] = answer
                     if label == "on":
                         rows[turn] = (usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"])
-                identical &= answers["on"] == answers["off"]
+                if answers["on"] != answers["off"]:
+                    identical = False
+                    print(f"run {run + 1} turn {turn + 1} differs:\n  on:  {answers['on']!r}\n  off: {answers['off']!r}",
+                          file=sys.stderr)
                 print(f"run {run + 1} turn {turn + 1}: on {ttft['on', turn][-1]:.2f} s, "
                       f"off {ttft['off', turn][-1]:.2f} s", file=sys.stderr)
     finally:
