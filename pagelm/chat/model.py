@@ -74,7 +74,18 @@ class ChatModel:
             try:
                 part = self.template.render(messages[: k + 1], add_generation_prompt=False, enable_thinking=think)
             except TemplateError:
-                continue  # e.g. a template that refuses a conversation without a user message
+                # a template that refuses a conversation without a user message (Qwen's): the
+                # boundary is where this prompt and one going on with another user message part
+                try:
+                    other = self.template.render(messages[: k + 1] + [{"role": "user", "content": "\x00"}],
+                                                 add_generation_prompt=False, enable_thinking=think)
+                except TemplateError:
+                    continue
+                ids = self.tokenizer.encode(other, add_special=True)
+                common = next((i for i, (a, b) in enumerate(zip(tokens, ids)) if a != b), min(len(tokens), len(ids)))
+                if 0 < common < len(tokens):
+                    boundaries.append(common)
+                continue
             if not part or not text.startswith(part):
                 continue
             ids = self.tokenizer.encode(part, add_special=True)

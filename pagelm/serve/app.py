@@ -192,13 +192,19 @@ def _hex_id() -> str:
 async def events(job: Job, request: Request | None = None) -> AsyncIterator[Delta | Result]:
     """The job's events until its Result; a Failed event raises. With `request`, a client that
     disconnects cancels the job (for responses that are not streamed)."""
+    loop = asyncio.get_running_loop()
+    check_at = loop.time() + 0.25
     try:
         while True:
             try:
                 event = await asyncio.wait_for(job.events.get(), timeout=0.25)
             except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
+                event = None
+            if request is not None and loop.time() >= check_at:  # also while tokens keep coming
+                check_at = loop.time() + 0.25
+                if await request.is_disconnected():
                     job.cancel.set()
+            if event is None:
                 continue
             if isinstance(event, Failed):
                 error = event.error
@@ -257,8 +263,8 @@ def create_app(settings: ServeSettings, on_load=None) -> Starlette:
                               openai_shape(request))
 
     async def wrong_method(request: Request, exc) -> Response:
-        return error_response(RequestError(f"{request.method} is not allowed on {request.url.path}", status=405),
-                              openai_shape(request))
+        return error_response(RequestError(f"{request.method} is not allowed on {request.url.path}", status=405,
+                                           headers=getattr(exc, "headers", None)), openai_shape(request))
 
     async def crashed(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
@@ -272,7 +278,8 @@ def create_app(settings: ServeSettings, on_load=None) -> Starlette:
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               409: "invalid_request_error", 413: "invalid_request_error", 503: "server_overloaded"}
+               405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+               503: "server_overloaded"}
 
 
 def error_response(e: RequestError, openai_shape: bool) -> JSONResponse:

@@ -1,9 +1,12 @@
-"""Real `pagelm serve` processes on loopback, one per configuration, started once per session."""
+"""Real `pagelm serve` processes on loopback, one per configuration, started once per session.
 
-
+Each server runs with one compute thread (see serve_helpers.THREADS_ENV); helpers for talking to
+them live in serve_helpers.py (a plain module, so test files can import it).
+"""
 
 import pytest
 from serve_helpers import API_KEY, ServerProcess, Servers
+
 
 @pytest.fixture(scope="session")
 def servers():

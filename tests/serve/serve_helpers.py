@@ -68,9 +68,13 @@ class ServerProcess:
         print(f"pagelm serve failed to start: {' '.join(self.args)}\n{log}", file=sys.stderr)
         pytest.fail(f"server did not become ready (exit code {self.proc.returncode}):\n{log}")
 
-    def stop(self) -> None:
+    def interrupt(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.interrupt()
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -117,6 +121,8 @@ class Servers:
         return self.running[key].wait_ready()
 
     def stop_all(self) -> None:
+        for server in self.running.values():
+            server.interrupt()  # all shut down at once, then each is waited for (and killed if it hangs)
         for server in self.running.values():
             server.stop()
 

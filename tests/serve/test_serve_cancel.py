@@ -5,7 +5,7 @@ import threading
 import time
 
 import httpx
-from serve_helpers import ndjson, sse
+from serve_helpers import sse
 
 LONG = "Write a very long story about a dragon who lives in a castle."
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
@@ -61,13 +61,19 @@ def test_openai_client_disconnect_mid_stream_cancels_and_leaves_output_unchanged
 
 
 def test_disconnect_of_a_non_streamed_request_cancels_it(smol):
+    """The client gives up on a `stream: false` request while tokens are still flowing: the
+    server must notice and stop generating (not run the 1000 tokens to the end)."""
     cancelled = _wait_idle(smol)["cancelled"]
     body = {"model": smol.model, "prompt": LONG, "stream": False, "options": {"num_predict": 1000}}
     try:
-        httpx.post(f"{smol.url}/api/generate", json=body, timeout=1.5)
-    except httpx.TimeoutException:
-        pass
-    assert _wait_idle(smol, cancelled_at_least=cancelled + 1)["cancelled"] == cancelled + 1
+        try:
+            httpx.post(f"{smol.url}/api/generate", json=body, headers={"X-Request-Id": "gone-1"}, timeout=1.5)
+        except httpx.TimeoutException:
+            pass
+        assert _wait_idle(smol, cancelled_at_least=cancelled + 1, deadline_s=15)["cancelled"] == cancelled + 1
+    finally:
+        httpx.post(f"{smol.url}/api/cancel", json={"id": "gone-1"}, timeout=30)  # 404 once it ended
+        _wait_idle(smol)
 
 
 def test_api_cancel_by_request_id_ends_the_ollama_stream_with_cancelled(smol):
@@ -149,6 +155,7 @@ def test_api_cancel_without_id_is_400(smol):
 
 
 def test_request_id_in_use_is_409(smol):
+    _wait_idle(smol)
     body = {"model": smol.model, "prompt": LONG, "options": {"num_predict": 1000}}
     with httpx.stream("POST", f"{smol.url}/api/generate", json=body, headers={"X-Request-Id": "dup-1"},
                       timeout=120) as r:

@@ -158,3 +158,19 @@ def test_bad_reasoning_effort_is_refused(qwen):
     r = httpx.post(f"{qwen.url}/v1/chat/completions", timeout=60,
                    json={"model": qwen.model, "messages": CAPITAL, "reasoning_effort": "extreme"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+
+
+@pytest.mark.parametrize("question", ["Say hello in Japanese, Chinese and Russian.",
+                                      "Write three emojis about the sun."])
+def test_streamed_non_ascii_text_matches_and_is_never_split_mid_character(smol, question):
+    client = smol.openai()
+    kwargs = dict(model=smol.model, messages=[{"role": "user", "content": question}], max_tokens=40, temperature=0)
+    full = client.chat.completions.create(**kwargs)
+    text = full.choices[0].message.content
+    assert any(ord(c) > 127 for c in text)
+    parts = [c.choices[0].delta.content for c in client.chat.completions.create(**kwargs, stream=True)
+             if c.choices and c.choices[0].delta.content]
+    assert "".join(parts) == text
+    # a replacement character may only end an answer cut off by the token limit
+    assert "\ufffd" not in text[:-1]
+    assert not text.endswith("\ufffd") or full.choices[0].finish_reason == "length"
