@@ -429,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--pid", type=int, help="process to measure (default: this one)")
     mem.add_argument("--json", action="store_true", help="print one JSON object (MiB)")
     mem.set_defaults(run=_mem)
+
+    from pagelm.bench.cli import register
+    register(commands)
     return parser
 
 

@@ -134,7 +134,7 @@ def cancel_then_normal(client: Client, ctx: dict) -> Observation:
     """A stream cancelled by id after its 4th delta, then an ordinary request: the cancel must
     leave the server serving the next request exactly as before. How many tokens the cancelled
     request got out before the cancel landed depends on timing: shown, not compared."""
-    request_id = f"bench-cancel-{ctx['run']}-{ctx['config'].embedding}-{int(ctx['config'].prefix_cache)}"
+    request_id = "bench-cancel-1"
     body = {"model": client.model, "messages": [{"role": "user", "content": "Count slowly from one to a thousand."}],
             "max_tokens": 1000, "temperature": 0, "stream": True, "chat_template_kwargs": {"enable_thinking": False}}
     stream = client.server.stream("/v1/chat/completions", body, {"X-Request-Id": request_id})
@@ -186,8 +186,8 @@ def raw_completion(client: Client, ctx: dict) -> Observation:
                                                    "max_tokens": MAX_TOKENS, "temperature": 0})
     if reply.status != 200:
         return Observation({"status": reply.status, "error": reply.body.get("error", {}).get("message")})
-    usage = reply.body["usage"]
-    return Observation({"text": reply.body["choices"][0]["text"], "finish_reason": reply.body["choices"][0]["finish_reason"],
+    choice, usage = reply.body["choices"][0], reply.body["usage"]
+    return Observation({"text": choice["text"], "finish_reason": choice["finish_reason"],
                         "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"]},
                        {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]})
 
@@ -263,6 +263,17 @@ def _token_counts(observation: Observation) -> tuple[str, str]:
     return str(out.get("prompt_tokens", "-")), str(out.get("completion_tokens", "-"))
 
 
+def _errors(value) -> list[str]:
+    """Error messages anywhere in an observation's output: a scenario that fails the same way
+    everywhere is 'same', but the table must say it failed."""
+    if isinstance(value, dict):
+        found = [f"HTTP {value.get('status')}: {value['error']}"] if "error" in value else []
+        return found + [e for v in value.values() for e in _errors(v)]
+    if isinstance(value, list):
+        return [e for v in value for e in _errors(v)]
+    return []
+
+
 def _counters_cell(runs: list[Run], cache_on: bool) -> str:
     values = {(r.counters["lookups"], r.counters["hits"]) for r in runs if r.config.prefix_cache == cache_on}
     return " or ".join(f"{lookups}/{hits}" for lookups, hits in sorted(values)) or "-"
@@ -278,7 +289,7 @@ def scenario_table(results: dict[str, list[Run]]) -> str:
         prompt, completion = _token_counts(first)
         reasons = differences(runs)
         rows.append([name, "DIFFERS" if reasons else "same", prompt, completion, _counters_cell(runs, True),
-                     _counters_cell(runs, False), "; ".join(reasons)])
+                     _counters_cell(runs, False), "; ".join(_errors(first.output) + reasons)])
     return markdown_table(["scenario", "result", "prompt tokens", "completion tokens",
                            "cache on: lookups/hits", "cache off: lookups/hits", "notes"],
                           rows, align="llrrrrl")
@@ -322,8 +333,9 @@ def run_scenarios(model_name: str, model_path: str, n_runs: int) -> ScenarioRepo
             client = Client(server, Path(model_path).stem)  # the name `pagelm serve` gives a file
             for name, scenario in SCENARIOS.items():
                 before = client.cache_counters()
-                observation = scenario(client, {**context, "run": run, "config": config})
+                observation = scenario(client, context)
                 after = client.cache_counters()
                 counters = {k: after[k] - before[k] for k in after}
                 results[name].append(Run(config, run, observation, counters))
+    progress(f"scenarios {model}: {summary_line(results, n_runs)}")
     return ScenarioReport(model, n_runs, CONFIGS, results)

@@ -54,3 +54,9 @@ def test_table_and_summary_count_differing_and_skipped():
     table = scenario_table(results)
     assert "| same | same |" in table and "| differs | DIFFERS |" in table and "| image | skipped |" in table
     assert summary_line(results, 2) == "differing scenarios: 1 of 3 in 2 runs (1 skipped)"
+
+
+def test_a_request_failing_everywhere_is_same_but_noted():
+    failed = {"status": 400, "error": "the prompt is too long"}
+    table = scenario_table({"long": [run(DENSE_ON, output=failed), run(MAPPED_ON, output=failed)]})
+    assert "| long | same |" in table and "HTTP 400: the prompt is too long" in table
