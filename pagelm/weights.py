@@ -183,7 +183,10 @@ class OutputHead:
         self.tensor = tensor
         self.vocab_size = tensor.rows
         self.dim = tensor.row_values
-        # every token reads the whole table: ask for all of it now, in the background
+        # every token reads the whole table: normal readahead (a tied table got MADV_RANDOM from
+        # MappedRows, which would bring it back from disk 4 KiB per fault after eviction), and
+        # all of it asked for now, in the background
+        tensor.advise(mmap.MADV_NORMAL)
         tensor.advise(mmap.MADV_WILLNEED)
 
     def logits(self, hidden: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -13,7 +13,7 @@ from pagelm.errors import PagelmError, UnsupportedError
 from pagelm.formats.gguf import GGUFFile, TensorToWrite, write_gguf
 from pagelm.quant.types import GGMLType, row_nbytes
 from pagelm.synth import SYNTH_TYPES, Qwen35Shape, random_rows, write_embedding_model
-from pagelm.weights import DenseTable, MappedRows, MappedTensor, load_token_embedding, page_spans
+from pagelm.weights import DenseTable, MappedRows, MappedTensor, OutputHead, load_token_embedding, page_spans
 
 PAGE = mmap.PAGESIZE
 
@@ -88,6 +88,17 @@ class _RecordingMap:
 
     def madvise(self, advice, start, length):
         self.calls.append((advice, start, length))
+
+
+def test_the_head_restores_normal_readahead_on_a_tied_table_then_asks_for_all_of_it(tmp_path):
+    with GGUFFile.open(_tiny_model(tmp_path, vocab=3000)) as model:
+        tensor = MappedTensor(model, "token_embd.weight")
+        tensor._map = recorder = _RecordingMap()
+        MappedRows(tensor)
+        OutputHead(tensor)
+        assert [call[0] for call in recorder.calls] == [mmap.MADV_RANDOM, mmap.MADV_NORMAL, mmap.MADV_WILLNEED]
+        assert len({call[1:] for call in recorder.calls}) == 1  # all over the whole table
+        del tensor
 
 
 def test_mapped_advises_random_and_prefetches_the_prompt_spans(tmp_path):
