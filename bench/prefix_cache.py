@@ -12,16 +12,14 @@ TTFT with and without the cache, and whether the answers are identical.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import time
+from contextlib import ExitStack
 
-import httpx
+from pagelm.bench.server import ServerConfig, ServerProcess
 
 QUESTIONS = ["Summarise the document in one sentence.", "Which river is mentioned first?",
              "List three of the towns.", "What should a visitor see on the last day?"]
@@ -39,48 +37,20 @@ def document(n_words: int, seed: int = 0) -> str:
     return " ".join(sentences)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: str, slots: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "pagelm", "serve", model, "--port", str(port),
-                                "--prefix-slots", str(slots), "--ctx-len", "8192"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited: {process.stderr.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise SystemExit("server did not become ready in 600 s")
-
-
-def ask(url: str, model: str, messages: list[dict]) -> tuple[str, float, dict]:
+def ask(server: ServerProcess, model: str, messages: list[dict]) -> tuple[str, float, dict]:
     """(answer, seconds to the first streamed token, usage) of one streamed chat request."""
     body = {"model": model, "messages": messages, "max_tokens": 32, "temperature": 0, "stream": True,
             "chat_template_kwargs": {"enable_thinking": False}}
     start, ttft, parts, usage = time.perf_counter(), None, [], {}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            delta = chunk["choices"][0]["delta"] if chunk["choices"] else {}
-            if delta.get("content") and ttft is None:
-                ttft = time.perf_counter() - start
-            parts.append(delta.get("content") or "")
-            usage = chunk.get("usage") or usage
+    stream = server.stream("/v1/chat/completions", body)
+    if stream.status != 200:
+        raise SystemExit(f"HTTP {stream.status}: {list(stream.events)}")
+    for chunk in stream.events:
+        delta = chunk["choices"][0]["delta"] if chunk["choices"] else {}
+        if delta.get("content") and ttft is None:
+            ttft = time.perf_counter() - start
+        parts.append(delta.get("content") or "")
+        usage = chunk.get("usage") or usage
     return "".join(parts), ttft if ttft is not None else time.perf_counter() - start, usage
 
 
@@ -92,10 +62,10 @@ def main() -> int:
     args = parser.parse_args()
     name = os.path.splitext(os.path.basename(args.model))[0]
     servers = {}
-    try:
-        for label, slots in (("on", 32), ("off", 0)):
+    with ExitStack() as stack:
+        for label, cache in (("on", True), ("off", False)):
             print(f"starting cache-{label} server on {args.model}", file=sys.stderr)
-            servers[label] = start_server(args.model, slots)
+            servers[label] = stack.enter_context(ServerProcess(args.model, ServerConfig(prefix_cache=cache, ctx_len=8192)))
         ttft = {(label, turn): [] for label in servers for turn in range(4)}
         rows, identical = {}, True
         for run in range(args.runs):
@@ -104,9 +74,9 @@ def main() -> int:
             history = {label: [{"role": "system", "content": system}] for label in servers}
             for turn, question in enumerate(QUESTIONS):
                 answers = {}
-                for label, (_, url) in servers.items():
+                for label, server in servers.items():
                     history[label].append({"role": "user", "content": question})
-                    answer, seconds, usage = ask(url, name, history[label])
+                    answer, seconds, usage = ask(server, name, history[label])
                     history[label].append({"role": "assistant", "content": answer})
                     ttft[label, turn].append(seconds)
                     answers[label] = answer
@@ -118,10 +88,6 @@ def main() -> int:
                           file=sys.stderr)
                 print(f"run {run + 1} turn {turn + 1}: on {ttft['on', turn][-1]:.2f} s, "
                       f"off {ttft['off', turn][-1]:.2f} s", file=sys.stderr)
-    finally:
-        for process, _ in servers.values():
-            process.terminate()
-            process.wait(timeout=30)
     print(f"model {name}, {args.runs} runs, medians; answers identical with the cache on and off: "
           f"{'yes' if identical else 'NO'}\n")
     print("| turn | prompt tokens | reused from cache | TTFT cache on (s) | TTFT cache off (s) | off / on |")
