@@ -3,6 +3,9 @@ messages turned into prompt tokens with the positions where each message ends.
 
 The message boundaries are where a prefix cache can checkpoint: the next turn of the same
 conversation, or another one with the same system prompt, starts with exactly those tokens.
+They are found after every message, not just the last few: the server cuts prefill at them, and
+a prefix must be cut at the same places whichever request computes it, or the arithmetic (and
+with it a greedy answer) can differ between a restored state and a recomputed one.
 """
 
 from __future__ import annotations
@@ -14,10 +17,6 @@ from pagelm.chat.template import ChatTemplate, TemplateError
 from pagelm.chat.tokenizer import Tokenizer
 from pagelm.engine import Model
 from pagelm.weights import EmbeddingMode
-
-# boundaries are looked for after the first message and after each of the last few: earlier
-# ones were already checkpointed by the turns that added them
-BOUNDARY_TAIL = 6
 
 
 @dataclass
@@ -69,8 +68,7 @@ class ChatModel:
         text = self.template.render(messages, add_generation_prompt=True, enable_thinking=think)
         tokens = self.tokenizer.encode(text, add_special=True)
         boundaries = []
-        n = len(messages)
-        for k in sorted({0} | set(range(max(0, n - BOUNDARY_TAIL), n))):
+        for k in range(len(messages)):
             try:
                 part = self.template.render(messages[: k + 1], add_generation_prompt=False, enable_thinking=think)
             except TemplateError:
