@@ -13,6 +13,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -184,8 +185,6 @@ class Server:
 
 
 def _hex_id() -> str:
-    import uuid
-
     return uuid.uuid4().hex[:24]
 
 
