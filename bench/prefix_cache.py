@@ -13,28 +13,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import sys
 import time
 from contextlib import ExitStack
 
+from pagelm.bench.inputs import text_of_tokens
 from pagelm.bench.server import ServerConfig, ServerProcess
 
-QUESTIONS = ["Summarise the document in one sentence.", "Which river is mentioned first?",
-             "List three of the towns.", "What should a visitor see on the last day?"]
-WORDS = ("river valley town bridge market festival harbour mountain orchard castle library museum garden "
-         "station square cathedral tower village meadow forest lake island coast vineyard mill").split()
-
-
-def document(n_words: int, seed: int = 0) -> str:
-    rng = random.Random(seed)
-    sentences = []
-    while sum(len(s.split()) for s in sentences) < n_words:
-        words = rng.sample(WORDS, 6)
-        sentences.append(f"The {words[0]} near the {words[1]} leads to the {words[2]}, past the {words[3]} "
-                         f"and the {words[4]} of {words[5].capitalize()}ford.")
-    return " ".join(sentences)
+QUESTIONS = ["Summarise the document in one sentence.", "Which word comes up most often?",
+             "List three of its words.", "Which sentence is the longest?"]
 
 
 def ask(server: ServerProcess, model: str, messages: list[dict]) -> tuple[str, float, dict]:
@@ -58,7 +46,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="bench/models/qwen3.5-0.8b-q8_0.gguf")
     parser.add_argument("--runs", type=int, default=2, help="conversations per server (default 2)")
-    parser.add_argument("--words", type=int, default=1500, help="words in the system document (default 1500)")
+    parser.add_argument("--document-tokens", type=int, default=1850,
+                        help="tokens of the system document (default 1850)")
     args = parser.parse_args()
     name = os.path.splitext(os.path.basename(args.model))[0]
     servers = {}
@@ -70,7 +59,7 @@ def main() -> int:
         rows, identical = {}, True
         for run in range(args.runs):
             # a different document per run, so that no run reuses the previous one's cache
-            system = f"Run {run}. " + document(args.words, seed=run)
+            system = text_of_tokens(args.model, args.document_tokens, seed=run)
             history = {label: [{"role": "system", "content": system}] for label in servers}
             for turn, question in enumerate(QUESTIONS):
                 answers = {}

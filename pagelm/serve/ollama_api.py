@@ -52,7 +52,7 @@ def _think(body: dict) -> bool | None:
     return boolean(body, "think")
 
 
-def _done(server: Server, result: Result) -> dict:
+def _done(result: Result) -> dict:
     return {"done": True, "done_reason": result.finish_reason, "total_duration": _ns(result.total_s),
             "load_duration": 0, "prompt_eval_count": result.prompt_tokens - result.cached_tokens,
             "prompt_eval_duration": _ns(result.prefill_s), "eval_count": result.completion_tokens,
@@ -110,12 +110,12 @@ def routes(server: Server) -> list[Route]:
             if isinstance(event, Delta):
                 return {"model": name, "created_at": _now(), "message": message(event.reasoning, event.content),
                         "done": False}
-            return {"model": name, "created_at": _now(), "message": message("", ""), **_done(server, event)}
+            return {"model": name, "created_at": _now(), "message": message("", ""), **_done(event)}
 
         def merge(deltas: list[Delta], result: Result) -> dict:
             return {"model": name, "created_at": _now(),
                     "message": message("".join(d.reasoning for d in deltas), "".join(d.content for d in deltas)),
-                    **_done(server, result)}
+                    **_done(result)}
 
         return await respond(request, job, streamed, record, merge)
 
@@ -148,14 +148,14 @@ def routes(server: Server) -> list[Route]:
                 if event.reasoning:
                     r["thinking"] = event.reasoning
                 return r
-            return {"model": name, "created_at": _now(), "response": "", **_done(server, event)}
+            return {"model": name, "created_at": _now(), "response": "", **_done(event)}
 
         def merge(deltas: list[Delta], result: Result) -> dict:
             r = {"model": name, "created_at": _now(), "response": "".join(d.content for d in deltas)}
             reasoning = "".join(d.reasoning for d in deltas)
             if reasoning:
                 r["thinking"] = reasoning
-            return {**r, **_done(server, result)}
+            return {**r, **_done(result)}
 
         return await respond(request, job, streamed, record, merge)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pagelm.bench.server import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGELM = ROOT / ".venv" / "bin" / "pagelm"
 STARTUP_S = 180
@@ -23,12 +24,6 @@ API_KEY = "test-key-123"
 # One compute thread per server: on a small machine shared with other busy processes, torch's and
 # numba's default thread pools oversubscribe the cores and generation slows down by 10x or more.
 THREADS_ENV = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
