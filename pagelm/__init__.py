@@ -3,9 +3,12 @@
 __version__ = "0.1.0"
 
 
-def load(path: str, embedding: str = "mapped", dtype: str = "bfloat16", device: str = "cpu"):
-    """Open a GGUF model for generation (`pagelm.engine.Model`). `embedding="dense"` unpacks the
-    token table into memory the old way; "mapped" (default) serves rows from the file."""
+def load(path: str, embedding: str = "mapped", weights: str = "mapped", dtype: str = "bfloat16",
+         device: str = "cpu", threads: int | None = None):
+    """Open a GGUF model for generation (`pagelm.engine.Model`). "mapped" (default) serves token rows
+    and computes every layer from the file's quantized bytes; `embedding="dense"` / `weights="dense"`
+    unpack the token table / the layer matrices into memory the old way. `threads` (default: the
+    CPUs this process may use) sets torch's and the kernels' thread count."""
     from pagelm.engine import Model  # torch loads only when a model does
 
-    return Model(path, embedding=embedding, dtype=dtype, device=device)
+    return Model(path, embedding=embedding, weights=weights, dtype=dtype, device=device, threads=threads)

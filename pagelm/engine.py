@@ -1,7 +1,7 @@
 """Generation over a loaded model: a session's prefill → decode loop, sampling, cancel, checkpoints.
 
-Owns the loop and the token bookkeeping; it never parses files (weights and models do) and never
-knows which embedding mode is active.
+Owns the loop and the token bookkeeping; it never parses files (the weights loader does) and never
+knows which embedding or weights mode is active.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from pagelm import heap
+from pagelm import threads as threads_module
 from pagelm.errors import PagelmError, UnsupportedError
-from pagelm.formats.gguf import GGUFFile
-from pagelm.quant import kernels
 from pagelm.sampling import Sampler, SamplingParams
-from pagelm.weights import EmbeddingMode, load_output_head, load_token_embedding
+from pagelm.weights import EmbeddingMode
+from pagelm.weights.loader import WeightLoader, WeightsMode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # GGUF general.architecture -> (module, config class, model class); imported only when used
@@ -30,11 +31,11 @@ ARCHITECTURES = {
 }
 
 
-def architecture(file: GGUFFile):
-    """(ConfigClass, ModelClass) for the file's `general.architecture`."""
-    name = file.require("general.architecture")
+def architecture(loader: WeightLoader):
+    """(ConfigClass, ModelClass) for the checkpoint's architecture."""
+    name = loader.architecture
     if name not in ARCHITECTURES:
-        raise UnsupportedError(f"{file.name}: architecture {name!r} is not supported "
+        raise UnsupportedError(f"{loader.name}: architecture {name!r} is not supported "
                                f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     module_name, config_name, model_name = ARCHITECTURES[name]
     module = importlib.import_module(module_name)
@@ -42,25 +43,34 @@ def architecture(file: GGUFFile):
 
 
 class Model:
-    """A model file opened for generation: mapped embedding and head, network weights, config."""
+    """A model file opened for generation: mapped embedding and head, network weights (dense or
+    mapped), config; `threads` (default: the CPUs this process may use) for torch and the kernels."""
 
-    def __init__(self, path: str, embedding: EmbeddingMode = "mapped", dtype: str = "bfloat16",
-                 device: str = "cpu"):
+    def __init__(self, path: str, embedding: EmbeddingMode = "mapped", weights: WeightsMode = "mapped",
+                 dtype: str = "bfloat16", device: str = "cpu", threads: int | None = None):
         if dtype not in DTYPES:
             raise PagelmError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        self.file = GGUFFile.open(path)
-        config_class, model_class = architecture(self.file)
-        self.config = config_class.from_gguf(self.file)
+        self.threads = threads_module.configure(threads)
+        self.loader = WeightLoader.open(path, weights, DTYPES[dtype], device)
+        self.file = self.loader.file
+        config_class, model_class = architecture(self.loader)
+        self.config = config_class.from_loader(self.loader)
         # float32 compute takes float32 rows so nothing is rounded on the way in; bf16 takes bf16
-        self.embedding = load_token_embedding(self.file, embedding, rows="f32" if dtype == "float32" else "bf16")
-        self.head = load_output_head(self.file)
-        self.network = model_class(self.config, self.file, dtype=DTYPES[dtype], device=device)
-        kernels.warmup()  # load the compiled kernels now rather than inside the first request
+        self.embedding = self.loader.token_embedding(embedding, rows="f32" if dtype == "float32" else "bf16")
+        self.head = self.loader.output_head()
+        self.network = model_class(self.config, self.loader)
+        self.loader.warmup()
+        heap.trim()  # what decoding the small tensors and unpacking (dense) left on the heap
         eos = self.file.metadata.get("tokenizer.ggml.eos_token_id")
         self.eos_tokens: tuple[int, ...] = () if eos is None else (int(eos),)
 
     def session(self, max_len: int = 4096) -> "Session":
         return Session(self, max_len)
+
+    @property
+    def weights_nbytes(self) -> int:
+        """Anonymous bytes the layer weights hold (dense matrices, or the mapped scratch) and small tensors."""
+        return self.loader.nbytes
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,7 @@ class Session:
         ids = self._check_tokens(tokens)
         if ids.size == 0:
             raise PagelmError("prefill needs at least one token")
+        threads_module.use()
         embedding = self.model.embedding
         embedding.prefetch(ids)
         rows = embedding.lookup(ids)
@@ -113,6 +124,8 @@ class Session:
         hidden = self.model.network.forward(x, self.state)
         self.tokens.extend(ids.tolist())
         self.logits = self.model.head.logits(hidden[-1].float().cpu().numpy())
+        if ids.size > heap.TRIM_AFTER_TOKENS:
+            heap.trim()  # give the prefill's temporaries back to the OS
         return self.logits
 
     def decode(self, token: int) -> np.ndarray:

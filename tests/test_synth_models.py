@@ -293,10 +293,12 @@ def test_margin_through_pagelm_qwen35_model(tiny_files, shape):
     qwen35 = pytest.importorskip("pagelm.models.qwen35")
     from pagelm.formats.gguf import GGUFFile
     from pagelm.quant import decode_f32
+    from pagelm.weights.loader import WeightLoader
 
     with GGUFFile.open(tiny_files[shape]) as f:
-        config = qwen35.Qwen35Config.from_gguf(f)
-        net = qwen35.Qwen35Model(config, f, dtype=torch.float32)
+        loader = WeightLoader(f, "mapped", torch.float32)
+        config = qwen35.Qwen35Config.from_loader(loader)
+        net = qwen35.Qwen35Model(config, loader)
         info = f.tensors["token_embd.weight"]
         raw = np.asarray(f.tensor_data("token_embd.weight")).reshape(-1, info.row_nbytes)
         table = torch.from_numpy(decode_f32(raw, info.ggml_type))

@@ -372,6 +372,11 @@ class GGUFFile:
             raise ModelFormatError(f"{self.name}: metadata key '{key}' has type {vtype.name}, expected {expected}")
         return self.metadata[key]
 
+    @property
+    def data(self) -> np.ndarray:
+        """The whole file as a read-only uint8 array over the map, no copy (tensor offsets index it)."""
+        return np.frombuffer(self._buf, np.uint8)
+
     def tensor_data(self, name: str) -> np.ndarray:
         """The tensor's bytes: a read-only uint8 view over the map, no copy."""
         info = self.tensors.get(name)

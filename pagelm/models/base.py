@@ -2,8 +2,8 @@
 checkpoints, rope tables and GQA attention over a preallocated cache (causal, optionally
 sliding-window).
 
-The elementwise helpers (`linear`, `rms_norm`, `apply_rope_`) are qwen35's, re-exported here so
-every architecture uses the same ones.
+The elementwise helpers (`rms_norm`, `apply_rope_`) are qwen35's, re-exported here so every
+architecture uses the same ones.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from pagelm.errors import PagelmError
 from pagelm.models.decoder import nbytes
-from pagelm.models.qwen35 import apply_rope_, linear, rms_norm
+from pagelm.models.qwen35 import apply_rope_, rms_norm
 
-__all__ = ["KVCheckpoint", "KVState", "apply_rope_", "attention", "inv_freq", "linear", "rms_norm", "rope_tables"]
+__all__ = ["KVCheckpoint", "KVState", "apply_rope_", "attention", "inv_freq", "rms_norm", "rope_tables"]
 
 
 

@@ -1,6 +1,5 @@
-"""What every decoder stack shares: input checks, inference mode, long prompts cut into segments,
-moving weights to the device, and the bytes the weights hold. Owns no model math: each
-architecture implements `_forward(x, state)` for one segment."""
+"""What every decoder stack shares: input checks, inference mode and long prompts cut into
+segments. Owns no model math: each architecture implements `_forward(x, state)` for one segment."""
 
 from __future__ import annotations
 
@@ -14,21 +13,9 @@ def nbytes(tensors) -> int:
 
 
 class Decoder:
-    """Base of the architecture models: needs `config.hidden`, `device`, `segment`, `layers`
-    (each with `tensors()`), `output_norm` and `_forward`."""
+    """Base of the architecture models: needs `config.hidden`, `device`, `segment` and `_forward`."""
 
     segment: int
-
-    def _to_device(self, layer):
-        if self.device.type != "cpu":
-            for name, value in vars(layer).items():
-                setattr(layer, name, value.to(self.device))
-        return layer
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the dequantized layer weights (and output_norm) this model holds."""
-        return nbytes(t for layer in self.layers for t in layer.tensors()) + nbytes([self.output_norm])
 
     def forward(self, x: torch.Tensor, state) -> torch.Tensor:
         hidden = self.config.hidden

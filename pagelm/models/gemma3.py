@@ -1,8 +1,9 @@
 """Gemma 3 text decoder (llama.cpp's `gemma3` architecture: Gemma 3 270M, 1B, and the text
 stack of the larger ones).
 
-Owns the gemma3 math in its GGUF conventions and its KV state; never parses files (weights come
-through `models.loading`), never embeds tokens and never computes the output head.
+Owns the gemma3 math in its GGUF conventions and its KV state; never parses files (a
+`WeightLoader` hands it config values, small tensors and linear operators), never embeds tokens
+and never computes the output head.
 
 GGUF conventions handled here:
 - Every `*norm.weight` (attn_norm, post_attention_norm, ffn_norm, post_ffw_norm, attn_q_norm,
@@ -31,10 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from pagelm.errors import ModelFormatError, UnsupportedError
-from pagelm.formats.gguf import GGUFFile
-from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, linear, rms_norm, rope_tables
+from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, rms_norm, rope_tables
 from pagelm.models.decoder import Decoder
-from pagelm.models.loading import dequantize_tensor, metadata_float, metadata_int, stack_rows, tensor_info
+from pagelm.weights.linear import Linear
+from pagelm.weights.loader import WeightLoader
 
 ARCH_NAME = "gemma3"
 DEFAULT_PATTERN = 6
@@ -60,8 +61,8 @@ class Gemma3Config:
     vocab: int  # rows of token_embd
 
     @classmethod
-    def from_gguf(cls, model: GGUFFile) -> Gemma3Config:
-        arch = model.require("general.architecture")
+    def from_loader(cls, model: WeightLoader) -> Gemma3Config:
+        arch = model.architecture
         if arch != ARCH_NAME:
             raise ModelFormatError(f"{model.name}: metadata key 'general.architecture' is {arch!r:.40}, expected '{ARCH_NAME}'")
 
@@ -69,34 +70,37 @@ class Gemma3Config:
             return f"{ARCH_NAME}.{k}"
 
         def i(k: str) -> int:
-            return metadata_int(model, key(k))
+            return model.get_int(key(k))
+
+        def f(k: str) -> float:
+            return model.get_float(key(k))
 
         def has(k: str) -> bool:
-            return key(k) in model.metadata
+            return model.has(key(k))
 
         hidden, n_heads = i("embedding_length"), i("attention.head_count")
-        embd = tensor_info(model, "token_embd.weight")
-        if len(embd.dims) != 2 or embd.dims[0] != hidden:
+        embd = model.dims("token_embd.weight")
+        if len(embd) != 2 or embd[0] != hidden:
             raise ModelFormatError(
-                f"{model.name}: tensor 'token_embd.weight' has dims {embd.dims} (ne0 first), expected ({hidden}, vocab)"
+                f"{model.name}: tensor 'token_embd.weight' has dims {embd} (ne0 first), expected ({hidden}, vocab)"
             )
         head_dim = i("attention.key_length") if has("attention.key_length") else 256
         if has("attention.value_length") and i("attention.value_length") != head_dim:
             raise UnsupportedError(f"{model.name}: attention.value_length differs from the key length {head_dim}")
         if has("attn_logit_softcapping"):
             raise UnsupportedError(f"{model.name}: attention logit softcapping is not supported")
-        scaling = model.metadata.get(key("rope.scaling.type"))
+        scaling = model.get(key("rope.scaling.type"))
         rope_scale = 1.0
         if scaling not in (None, "none"):
             if scaling != "linear":
                 raise UnsupportedError(f"{model.name}: rope scaling {scaling!r:.40} is not supported (none, linear are)")
-            rope_scale = metadata_float(model, key("rope.scaling.factor"))
-        pattern = model.metadata.get(key("attention.sliding_window_pattern"))
+            rope_scale = f("rope.scaling.factor")
+        pattern = model.get(key("attention.sliding_window_pattern"))
         if pattern is not None and not isinstance(pattern, (int, np.integer)):
             raise UnsupportedError(f"{model.name}: a per-layer sliding_window_pattern array is not supported")
         n_layers = i("block_count")
         if has("attention.query_pre_attn_scalar"):
-            qpas = metadata_float(model, key("attention.query_pre_attn_scalar"))
+            qpas = f("attention.query_pre_attn_scalar")
         else:  # llama.cpp's rule: head_dim, except 27B (62 layers), whose scalar is hidden / heads
             qpas = hidden / n_heads if n_layers == 62 else head_dim
         config = cls(
@@ -106,15 +110,15 @@ class Gemma3Config:
             n_heads=n_heads,
             n_kv_heads=i("attention.head_count_kv") if has("attention.head_count_kv") else n_heads,
             head_dim=head_dim,
-            rope_base=metadata_float(model, key("rope.freq_base")) if has("rope.freq_base") else 1_000_000.0,
-            rope_local_base=metadata_float(model, key("rope.freq_base_swa")) if has("rope.freq_base_swa") else DEFAULT_LOCAL_BASE,
+            rope_base=f("rope.freq_base") if has("rope.freq_base") else 1_000_000.0,
+            rope_local_base=f("rope.freq_base_swa") if has("rope.freq_base_swa") else DEFAULT_LOCAL_BASE,
             rope_scale=rope_scale,
             sliding_window=i("attention.sliding_window"),
             sliding_window_pattern=DEFAULT_PATTERN if pattern is None else int(pattern),
             query_scale=float(qpas) ** -0.5,
-            rms_eps=metadata_float(model, key("attention.layer_norm_rms_epsilon")),
-            final_logit_softcapping=metadata_float(model, key("final_logit_softcapping")) if has("final_logit_softcapping") else None,
-            vocab=embd.dims[1],
+            rms_eps=f("attention.layer_norm_rms_epsilon"),
+            final_logit_softcapping=f("final_logit_softcapping") if has("final_logit_softcapping") else None,
+            vocab=embd[1],
         )
         config.validate(model.name)
         return config
@@ -155,40 +159,37 @@ def softcap_logits(logits: np.ndarray, cap: float | None) -> np.ndarray:
 @dataclass
 class Gemma3Layer:
     attn_norm: torch.Tensor  # (hidden,) fp32, +1 folded in (as every norm below)
-    qkv: torch.Tensor  # (H·D + 2·G·D, hidden): attn_q, attn_k, attn_v
+    qkv: Linear  # (H·D + 2·G·D, hidden): attn_q, attn_k, attn_v
     q_norm: torch.Tensor  # (D,) fp32
     k_norm: torch.Tensor
-    out: torch.Tensor  # (hidden, H·D)
+    out: Linear  # (hidden, H·D)
     post_attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
-    gate_up: torch.Tensor  # (2·ffn, hidden): ffn_gate then ffn_up
-    down: torch.Tensor  # (hidden, ffn)
+    gate_up: Linear  # (2·ffn, hidden): ffn_gate then ffn_up
+    down: Linear  # (hidden, ffn)
     post_ffn_norm: torch.Tensor
 
-    def tensors(self) -> list[torch.Tensor]:
-        return list(vars(self).values())
 
-
-def load_layer(c: Gemma3Config, model: GGUFFile, i: int, dtype: torch.dtype) -> Gemma3Layer:
+def load_layer(c: Gemma3Config, model: WeightLoader, i: int) -> Gemma3Layer:
     p = f"blk.{i}."
     hd, kvd = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
 
     def vec(name: str, n: int) -> torch.Tensor:
-        return dequantize_tensor(model, p + name, torch.float32, shape=(n,))
+        return model.tensor(p + name, (n,))
 
-    def fused(*parts: tuple[str, int]) -> torch.Tensor:
-        return stack_rows(model, [p + name for name, _ in parts], dtype, [(rows, c.hidden) for _, rows in parts])
+    def linear(cols: int, *parts: tuple[str, int]) -> Linear:
+        return model.linear(cols, *((p + name, rows) for name, rows in parts))
 
     return Gemma3Layer(
         attn_norm=vec("attn_norm.weight", c.hidden),
-        qkv=fused(("attn_q.weight", hd), ("attn_k.weight", kvd), ("attn_v.weight", kvd)),
+        qkv=linear(c.hidden, ("attn_q.weight", hd), ("attn_k.weight", kvd), ("attn_v.weight", kvd)),
         q_norm=vec("attn_q_norm.weight", c.head_dim),
         k_norm=vec("attn_k_norm.weight", c.head_dim),
-        out=dequantize_tensor(model, p + "attn_output.weight", dtype, shape=(c.hidden, hd)),
+        out=linear(hd, ("attn_output.weight", c.hidden)),
         post_attn_norm=vec("post_attention_norm.weight", c.hidden),
         ffn_norm=vec("ffn_norm.weight", c.hidden),
-        gate_up=fused(("ffn_gate.weight", c.ffn), ("ffn_up.weight", c.ffn)),
-        down=dequantize_tensor(model, p + "ffn_down.weight", dtype, shape=(c.hidden, c.ffn)),
+        gate_up=linear(c.hidden, ("ffn_gate.weight", c.ffn), ("ffn_up.weight", c.ffn)),
+        down=linear(c.ffn, ("ffn_down.weight", c.hidden)),
         post_ffn_norm=vec("post_ffw_norm.weight", c.hidden),
     )
 
@@ -206,11 +207,10 @@ class Gemma3Model(Decoder):
 
     segment = 512
 
-    def __init__(self, config: Gemma3Config, model: GGUFFile, dtype: torch.dtype = torch.float32, device="cpu"):
-        self.config, self.dtype, self.device = config, dtype, torch.device(device)
-        self.layers = [self._to_device(load_layer(config, model, i, dtype)) for i in range(config.n_layers)]
-        self.output_norm = dequantize_tensor(model, "output_norm.weight", torch.float32,
-                                             shape=(config.hidden,)).to(self.device)
+    def __init__(self, config: Gemma3Config, model: WeightLoader):
+        self.config, self.dtype, self.device = config, model.dtype, model.device
+        self.layers = [load_layer(config, model, i) for i in range(config.n_layers)]
+        self.output_norm = model.tensor("output_norm.weight", (config.hidden,))
         self.inv_freq_global = inv_freq(config.rope_base, config.head_dim, self.device)
         self.inv_freq_local = inv_freq(config.rope_local_base, config.head_dim, self.device)
 
@@ -228,17 +228,17 @@ class Gemma3Model(Decoder):
             is_global = c.is_global_layer(i)
             cos, sin = rope_global if is_global else rope_local
             y = rms_norm(h, w.attn_norm, c.rms_eps)
-            proj = linear(y, w.qkv).float()
+            proj = w.qkv(y).float()
             q = rms_norm(proj[:, : H * D].view(T, H, D), w.q_norm, c.rms_eps)
             k = rms_norm(proj[:, H * D : (H + G) * D].view(T, G, D), w.k_norm, c.rms_eps)
             v = proj[:, (H + G) * D :].view(T, G, D)
             apply_rope_(q, cos, sin)
             apply_rope_(k, cos, sin)
             o = attention(q, k, v, cache, pos, c.query_scale, None if is_global else c.sliding_window)
-            h += rms_norm(linear(o, w.out).float(), w.post_attn_norm, c.rms_eps)
+            h += rms_norm(w.out(o).float(), w.post_attn_norm, c.rms_eps)
             y = rms_norm(h, w.ffn_norm, c.rms_eps)
-            gate, up = linear(y, w.gate_up).chunk(2, -1)
-            m = linear(F.gelu(gate, approximate="tanh").mul_(up), w.down)
+            gate, up = w.gate_up(y).chunk(2, -1)
+            m = w.down(F.gelu(gate, approximate="tanh").mul_(up))
             h += rms_norm(m.float(), w.post_ffn_norm, c.rms_eps)
         state.pos = pos + T
         return rms_norm(h, self.output_norm, c.rms_eps)

@@ -1,13 +1,14 @@
 """Llama text decoder (llama.cpp's `llama` architecture: SmolLM2, Llama 2/3, ...).
 
-Owns the llama math in its GGUF conventions and its KV state; never parses files (weights come
-through `models.loading`), never embeds tokens and never computes the output head.
+Owns the llama math in its GGUF conventions and its KV state; never parses files (a
+`WeightLoader` hands it config values, small tensors and linear operators), never embeds tokens
+and never computes the output head.
 
 GGUF conventions handled here:
 - llama.cpp's converter permutes the rows of attn_q / attn_k within each head so that ggml's
-  *normal* rope (adjacent pairs (2i, 2i+1)) applies. We undo that permutation at load (the same
-  reverse permute transformers' GGUF loader applies) and use NeoX / rotate-half rope (pairs
-  (i, i + D/2)) like transformers, so q/k rows are in the HF order.
+  *normal* rope (adjacent pairs (2i, 2i+1)) applies. The q/k operators read the rows in the
+  reverse order (the reverse permute transformers' GGUF loader applies; no copy in mapped mode)
+  and we use NeoX / rotate-half rope (pairs (i, i + D/2)) like transformers.
 - RMSNorm weights are used as stored (no +1); no embedding scale.
 - rope scaling: `llama.rope.scaling.type` none or linear, and the llama3-style per-pair
   frequency factors tensor `rope_freqs.weight` when present; other scalings are refused.
@@ -20,11 +21,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+import numpy as np
+
 from pagelm.errors import ModelFormatError, UnsupportedError
-from pagelm.formats.gguf import GGUFFile
-from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, linear, rms_norm, rope_tables
+from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, rms_norm, rope_tables
 from pagelm.models.decoder import Decoder
-from pagelm.models.loading import dequantize_tensor, metadata_float, metadata_int, stack_rows, tensor_info
+from pagelm.weights.linear import Linear
+from pagelm.weights.loader import WeightLoader
 
 ARCH_NAME = "llama"
 
@@ -43,22 +46,22 @@ class LlamaConfig:
     vocab: int  # rows of token_embd
 
     @classmethod
-    def from_gguf(cls, model: GGUFFile) -> LlamaConfig:
-        arch = model.require("general.architecture")
+    def from_loader(cls, model: WeightLoader) -> LlamaConfig:
+        arch = model.architecture
         if arch != ARCH_NAME:
             raise ModelFormatError(f"{model.name}: metadata key 'general.architecture' is {arch!r:.40}, expected '{ARCH_NAME}'")
 
         def i(key: str) -> int:
-            return metadata_int(model, f"{ARCH_NAME}.{key}")
+            return model.get_int(f"{ARCH_NAME}.{key}")
 
         def opt(key: str):
-            return model.metadata.get(f"{ARCH_NAME}.{key}")
+            return model.get(f"{ARCH_NAME}.{key}")
 
         hidden, n_heads = i("embedding_length"), i("attention.head_count")
-        embd = tensor_info(model, "token_embd.weight")
-        if len(embd.dims) != 2 or embd.dims[0] != hidden:
+        embd = model.dims("token_embd.weight")
+        if len(embd) != 2 or embd[0] != hidden:
             raise ModelFormatError(
-                f"{model.name}: tensor 'token_embd.weight' has dims {embd.dims} (ne0 first), expected ({hidden}, vocab)"
+                f"{model.name}: tensor 'token_embd.weight' has dims {embd} (ne0 first), expected ({hidden}, vocab)"
             )
         head_dim = i("attention.key_length") if opt("attention.key_length") is not None else hidden // max(n_heads, 1)
         if opt("attention.value_length") is not None and i("attention.value_length") != head_dim:
@@ -70,7 +73,7 @@ class LlamaConfig:
         if scaling not in (None, "none"):
             if scaling != "linear":
                 raise UnsupportedError(f"{model.name}: rope scaling {scaling!r:.40} is not supported (none, linear are)")
-            rope_scale = metadata_float(model, f"{ARCH_NAME}.rope.scaling.factor")
+            rope_scale = model.get_float(f"{ARCH_NAME}.rope.scaling.factor")
         n_kv = i("attention.head_count_kv") if opt("attention.head_count_kv") is not None else n_heads
         config = cls(
             hidden=hidden,
@@ -79,10 +82,10 @@ class LlamaConfig:
             n_heads=n_heads,
             n_kv_heads=n_kv,
             head_dim=head_dim,
-            rope_base=metadata_float(model, f"{ARCH_NAME}.rope.freq_base") if opt("rope.freq_base") is not None else 10000.0,
+            rope_base=model.get_float(f"{ARCH_NAME}.rope.freq_base") if opt("rope.freq_base") is not None else 10000.0,
             rope_scale=rope_scale,
-            rms_eps=metadata_float(model, f"{ARCH_NAME}.attention.layer_norm_rms_epsilon"),
-            vocab=embd.dims[1],
+            rms_eps=model.get_float(f"{ARCH_NAME}.attention.layer_norm_rms_epsilon"),
+            vocab=embd[1],
         )
         config.validate(model.name)
         return config
@@ -103,48 +106,34 @@ class LlamaConfig:
                 raise ModelFormatError(f"{where}: {message}")
 
 
-def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation, in place: per head, GGUF row 2i+j (j ∈ {0, 1}) is
-    HF row i + j·D/2 (transformers' `_reverse_permute_weights`)."""
-    rows, cols = w.shape
+def rope_row_order(rows: int, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: per head, HF row i + j·D/2 (j ∈ {0, 1}) is GGUF row
+    2i + j (transformers' `_reverse_permute_weights`). Returns the GGUF row of each HF row."""
     d2 = rows // n_heads // 2
-    w.copy_(w.view(n_heads, d2, 2, cols).transpose(1, 2).reshape(rows, cols))
-    return w
+    return np.arange(rows).reshape(n_heads, d2, 2).transpose(0, 2, 1).reshape(rows)
 
 
 @dataclass
 class LlamaLayer:
     attn_norm: torch.Tensor  # (hidden,) fp32
-    qkv: torch.Tensor  # (H·D + 2·G·D, hidden): attn_q, attn_k (both un-permuted), attn_v
-    out: torch.Tensor  # (hidden, H·D)
+    qkv: Linear  # (H·D + 2·G·D, hidden): attn_q, attn_k (both in HF row order), attn_v
+    out: Linear  # (hidden, H·D)
     ffn_norm: torch.Tensor
-    gate_up: torch.Tensor  # (2·ffn, hidden): ffn_gate then ffn_up
-    down: torch.Tensor  # (hidden, ffn)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return list(vars(self).values())
+    gate_up: Linear  # (2·ffn, hidden): ffn_gate then ffn_up
+    down: Linear  # (hidden, ffn)
 
 
-def load_layer(c: LlamaConfig, model: GGUFFile, i: int, dtype: torch.dtype) -> LlamaLayer:
+def load_layer(c: LlamaConfig, model: WeightLoader, i: int) -> LlamaLayer:
     p = f"blk.{i}."
     hd, kvd = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-
-    def vec(name: str) -> torch.Tensor:
-        return dequantize_tensor(model, p + name, torch.float32, shape=(c.hidden,))
-
-    def fused(*parts: tuple[str, int]) -> torch.Tensor:
-        return stack_rows(model, [p + name for name, _ in parts], dtype, [(rows, c.hidden) for _, rows in parts])
-
-    qkv = fused(("attn_q.weight", hd), ("attn_k.weight", kvd), ("attn_v.weight", kvd))
-    unpermute_rope_rows(qkv[:hd], c.n_heads)
-    unpermute_rope_rows(qkv[hd : hd + kvd], c.n_kv_heads)
     return LlamaLayer(
-        attn_norm=vec("attn_norm.weight"),
-        qkv=qkv,
-        out=dequantize_tensor(model, p + "attn_output.weight", dtype, shape=(c.hidden, hd)),
-        ffn_norm=vec("ffn_norm.weight"),
-        gate_up=fused(("ffn_gate.weight", c.ffn), ("ffn_up.weight", c.ffn)),
-        down=dequantize_tensor(model, p + "ffn_down.weight", dtype, shape=(c.hidden, c.ffn)),
+        attn_norm=model.tensor(p + "attn_norm.weight", (c.hidden,)),
+        qkv=model.linear(c.hidden, (p + "attn_q.weight", hd, rope_row_order(hd, c.n_heads)),
+                         (p + "attn_k.weight", kvd, rope_row_order(kvd, c.n_kv_heads)), (p + "attn_v.weight", kvd)),
+        out=model.linear(hd, (p + "attn_output.weight", c.hidden)),
+        ffn_norm=model.tensor(p + "ffn_norm.weight", (c.hidden,)),
+        gate_up=model.linear(c.hidden, (p + "ffn_gate.weight", c.ffn), (p + "ffn_up.weight", c.ffn)),
+        down=model.linear(c.ffn, (p + "ffn_down.weight", c.hidden)),
     )
 
 
@@ -159,14 +148,13 @@ class LlamaModel(Decoder):
 
     segment = 512
 
-    def __init__(self, config: LlamaConfig, model: GGUFFile, dtype: torch.dtype = torch.float32, device="cpu"):
-        self.config, self.dtype, self.device = config, dtype, torch.device(device)
-        self.layers = [self._to_device(load_layer(config, model, i, dtype)) for i in range(config.n_layers)]
-        self.output_norm = dequantize_tensor(model, "output_norm.weight", torch.float32,
-                                             shape=(config.hidden,)).to(self.device)
+    def __init__(self, config: LlamaConfig, model: WeightLoader):
+        self.config, self.dtype, self.device = config, model.dtype, model.device
+        self.layers = [load_layer(config, model, i) for i in range(config.n_layers)]
+        self.output_norm = model.tensor("output_norm.weight", (config.hidden,))
         factors = None
-        if "rope_freqs.weight" in model.tensors:  # llama3-style rope scaling, per pair
-            factors = dequantize_tensor(model, "rope_freqs.weight", torch.float32, shape=(config.head_dim // 2,))
+        if model.has_tensor("rope_freqs.weight"):  # llama3-style rope scaling, per pair
+            factors = model.tensor("rope_freqs.weight", (config.head_dim // 2,))
         self.inv_freq = inv_freq(config.rope_base, config.head_dim, self.device, factors)
 
     def new_state(self, max_len: int) -> KVState:
@@ -181,15 +169,15 @@ class LlamaModel(Decoder):
         scale = D**-0.5
         for w, cache in zip(self.layers, state.layers):
             y = rms_norm(h, w.attn_norm, c.rms_eps)
-            proj = linear(y, w.qkv).float()
+            proj = w.qkv(y).float()
             q = proj[:, : H * D].view(T, H, D)
             k = proj[:, H * D : (H + G) * D].view(T, G, D)
             v = proj[:, (H + G) * D :].view(T, G, D)
             apply_rope_(q, cos, sin)
             apply_rope_(k, cos, sin)
-            h += linear(attention(q, k, v, cache, pos, scale), w.out)
+            h += w.out(attention(q, k, v, cache, pos, scale))
             y = rms_norm(h, w.ffn_norm, c.rms_eps)
-            gate, up = linear(y, w.gate_up).chunk(2, -1)
-            h += linear(F.silu(gate).mul_(up), w.down)
+            gate, up = w.gate_up(y).chunk(2, -1)
+            h += w.down(F.silu(gate).mul_(up))
         state.pos = pos + T
         return rms_norm(h, self.output_norm, c.rms_eps)

@@ -1,8 +1,9 @@
 """Qwen3.5 (dense) text decoder: gated attention every Nth layer, Gated DeltaNet in the others.
 
 Owns the qwen35 math in its GGUF conventions (see design/qwen35.md) and the decode state (KV
-caches, conv and recurrent states, checkpoints); never parses files itself (weights come
-through `models.loading`), never embeds tokens and never computes the output head.
+caches, conv and recurrent states, checkpoints); never parses files (config values, small
+tensors and linear operators come from a `WeightLoader`), never embeds tokens and never
+computes the output head.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from pagelm.errors import ModelFormatError, PagelmError
-from pagelm.formats.gguf import GGUFFile
 from pagelm.models.decoder import Decoder, nbytes
-from pagelm.models.loading import dequantize_tensor, metadata_float, metadata_int, stack_rows, tensor_info
+from pagelm.weights.linear import Linear
+from pagelm.weights.loader import WeightLoader
 
 ARCH = "qwen35"
 CHUNK = 64  # tokens per chunk of the chunked gated-delta rule
@@ -45,21 +46,21 @@ class Qwen35Config:
     vocab: int  # rows of token_embd
 
     @classmethod
-    def from_gguf(cls, model: GGUFFile) -> Qwen35Config:
-        arch = model.require("general.architecture")
+    def from_loader(cls, model: WeightLoader) -> Qwen35Config:
+        arch = model.architecture
         if arch != ARCH:
             raise ModelFormatError(f"{model.name}: metadata key 'general.architecture' is {arch!r:.40}, expected '{ARCH}'")
 
         def i(key: str) -> int:
-            return metadata_int(model, f"{ARCH}.{key}")
+            return model.get_int(f"{ARCH}.{key}")
 
         hidden = i("embedding_length")
         n_value_heads = i("ssm.time_step_rank")
         inner = i("ssm.inner_size")
-        embd = tensor_info(model, "token_embd.weight")
-        if len(embd.dims) != 2 or embd.dims[0] != hidden:
+        embd = model.dims("token_embd.weight")
+        if len(embd) != 2 or embd[0] != hidden:
             raise ModelFormatError(
-                f"{model.name}: tensor 'token_embd.weight' has dims {embd.dims} (ne0 first), expected ({hidden}, vocab)"
+                f"{model.name}: tensor 'token_embd.weight' has dims {embd} (ne0 first), expected ({hidden}, vocab)"
             )
         if n_value_heads < 1 or inner % n_value_heads:
             raise ModelFormatError(
@@ -74,18 +75,18 @@ class Qwen35Config:
             n_kv_heads=i("attention.head_count_kv"),
             head_dim=i("attention.key_length"),
             rope_dim=i("rope.dimension_count"),
-            rope_base=metadata_float(model, f"{ARCH}.rope.freq_base"),
-            rms_eps=metadata_float(model, f"{ARCH}.attention.layer_norm_rms_epsilon"),
+            rope_base=model.get_float(f"{ARCH}.rope.freq_base"),
+            rms_eps=model.get_float(f"{ARCH}.attention.layer_norm_rms_epsilon"),
             conv_kernel=i("ssm.conv_kernel"),
             linear_key_dim=i("ssm.state_size"),
             n_key_heads=i("ssm.group_count"),
             n_value_heads=n_value_heads,
             linear_value_dim=inner // n_value_heads,
             full_attention_interval=i("full_attention_interval"),
-            vocab=embd.dims[1],
+            vocab=embd[1],
         )
-        if f"{ARCH}.attention.value_length" in model.metadata:
-            value_length = metadata_int(model, f"{ARCH}.attention.value_length")
+        if model.has(f"{ARCH}.attention.value_length"):
+            value_length = i("attention.value_length")
             if value_length != config.head_dim:
                 raise ModelFormatError(
                     f"{model.name}: metadata key '{ARCH}.attention.value_length' is {value_length}, "
@@ -217,14 +218,6 @@ class Qwen35State:
 # ---------------------------------------------------------------------------------- math
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ wᵀ in w's dtype; one row goes through mv, which CPU bf16 runs far faster than a 1-row GEMM."""
-    x = x.to(w.dtype)
-    if x.shape[0] == 1:
-        return torch.mv(w, x[0])[None]
-    return F.linear(x, w)
-
-
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x²) + eps) * w over the last axis (GGUF form: any +1 is already in w)."""
     return F.rms_norm(x, w.shape, w, eps)
@@ -341,26 +334,26 @@ def gated_delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int =
 
 @dataclass
 class MLPWeights:
-    gate_up: torch.Tensor  # (2·ffn, hidden): ffn_gate rows then ffn_up rows
-    down: torch.Tensor  # (hidden, ffn)
+    gate_up: Linear  # (2·ffn, hidden): ffn_gate rows then ffn_up rows
+    down: Linear  # (hidden, ffn)
 
 
 @dataclass
 class AttentionWeights:
-    qkv: torch.Tensor  # (2·H·D + 2·G·D, hidden): attn_q (per head query then gate), attn_k, attn_v
+    qkv: Linear  # (2·H·D + 2·G·D, hidden): attn_q (per head query then gate), attn_k, attn_v
     q_norm: torch.Tensor  # (D,) fp32
     k_norm: torch.Tensor
-    out: torch.Tensor  # (hidden, H·D)
+    out: Linear  # (hidden, H·D)
 
 
 @dataclass
 class DeltaNetWeights:
-    in_proj: torch.Tensor  # (channels + nv·dv + 2·nv, hidden): attn_qkv, attn_gate (z), ssm_beta, ssm_alpha
+    in_proj: Linear  # (channels + nv·dv + 2·nv, hidden): attn_qkv, attn_gate (z), ssm_beta, ssm_alpha
     conv: torch.Tensor  # (K, channels) fp32: ssm_conv1d transposed, tap K-1 is the current token
     a: torch.Tensor  # (nv,) fp32: ssm_a = −exp(A_log)
     dt_bias: torch.Tensor  # (nv,) fp32
     norm: torch.Tensor  # (dv,) fp32, plain (no +1)
-    out: torch.Tensor  # (hidden, nv·dv)
+    out: Linear  # (hidden, nv·dv)
 
 
 @dataclass
@@ -370,50 +363,44 @@ class LayerWeights:
     mixer: AttentionWeights | DeltaNetWeights
     mlp: MLPWeights
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.attn_norm, self.post_norm, *vars(self.mixer).values(), *vars(self.mlp).values()]
 
-
-def load_layer(config: Qwen35Config, model: GGUFFile, i: int, dtype: torch.dtype) -> LayerWeights:
+def load_layer(config: Qwen35Config, model: WeightLoader, i: int) -> LayerWeights:
     c, p = config, f"blk.{i}."
 
     def vec(name: str, n: int) -> torch.Tensor:
-        return dequantize_tensor(model, p + name, torch.float32, shape=(n,))
+        return model.tensor(p + name, (n,))
 
-    def mat(name: str, rows: int, cols: int) -> torch.Tensor:
-        return dequantize_tensor(model, p + name, dtype, shape=(rows, cols))
-
-    def fused(*parts: tuple[str, int]) -> torch.Tensor:
-        return stack_rows(model, [p + name for name, _ in parts], dtype, [(rows, c.hidden) for _, rows in parts])
+    def linear(cols: int, *parts: tuple[str, int]) -> Linear:
+        return model.linear(cols, *((p + name, rows) for name, rows in parts))
 
     if c.is_attention_layer(i):
         hd = c.n_heads * c.head_dim
         kvd = c.n_kv_heads * c.head_dim
         mixer = AttentionWeights(
-            qkv=fused(("attn_q.weight", 2 * hd), ("attn_k.weight", kvd), ("attn_v.weight", kvd)),
+            qkv=linear(c.hidden, ("attn_q.weight", 2 * hd), ("attn_k.weight", kvd), ("attn_v.weight", kvd)),
             q_norm=vec("attn_q_norm.weight", c.head_dim),
             k_norm=vec("attn_k_norm.weight", c.head_dim),
-            out=mat("attn_output.weight", c.hidden, hd),
+            out=linear(hd, ("attn_output.weight", c.hidden)),
         )
     else:
         vd = c.n_value_heads * c.linear_value_dim
         nv = c.n_value_heads
-        conv = dequantize_tensor(model, p + "ssm_conv1d.weight", torch.float32, shape=(c.conv_channels, c.conv_kernel))
+        conv = model.tensor(p + "ssm_conv1d.weight", (c.conv_channels, c.conv_kernel))
         mixer = DeltaNetWeights(
-            in_proj=fused(("attn_qkv.weight", c.conv_channels), ("attn_gate.weight", vd),
-                          ("ssm_beta.weight", nv), ("ssm_alpha.weight", nv)),
+            in_proj=linear(c.hidden, ("attn_qkv.weight", c.conv_channels), ("attn_gate.weight", vd),
+                           ("ssm_beta.weight", nv), ("ssm_alpha.weight", nv)),
             conv=conv.T.contiguous(),
-            a=dequantize_tensor(model, p + "ssm_a", torch.float32, shape=(nv,)),
+            a=vec("ssm_a", nv),
             dt_bias=vec("ssm_dt.bias", nv),
             norm=vec("ssm_norm.weight", c.linear_value_dim),
-            out=mat("ssm_out.weight", c.hidden, vd),
+            out=linear(vd, ("ssm_out.weight", c.hidden)),
         )
     return LayerWeights(
         attn_norm=vec("attn_norm.weight", c.hidden),
         post_norm=vec("post_attention_norm.weight", c.hidden),
         mixer=mixer,
-        mlp=MLPWeights(gate_up=fused(("ffn_gate.weight", c.ffn), ("ffn_up.weight", c.ffn)),
-                       down=mat("ffn_down.weight", c.hidden, c.ffn)),
+        mlp=MLPWeights(gate_up=linear(c.hidden, ("ffn_gate.weight", c.ffn), ("ffn_up.weight", c.ffn)),
+                       down=linear(c.ffn, ("ffn_down.weight", c.hidden))),
     )
 
 
@@ -431,22 +418,13 @@ class Qwen35Model(Decoder):
 
     segment = 384
 
-    def __init__(self, config: Qwen35Config, model: GGUFFile, dtype: torch.dtype = torch.float32, device="cpu"):
-        self.config, self.dtype, self.device = config, dtype, torch.device(device)
-        self.layers = [self._to_device(load_layer(config, model, i, dtype)) for i in range(config.n_layers)]
-        self.output_norm = dequantize_tensor(model, "output_norm.weight", torch.float32, shape=(config.hidden,)).to(self.device)
+    def __init__(self, config: Qwen35Config, model: WeightLoader):
+        self.config, self.dtype, self.device = config, model.dtype, model.device
+        self.layers = [load_layer(config, model, i) for i in range(config.n_layers)]
+        self.output_norm = model.tensor("output_norm.weight", (config.hidden,))
         rd = config.rope_dim
         # as transformers computes it, in fp32
         self.inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, rd, 2, dtype=torch.float32, device=self.device) / rd))
-
-    def _to_device(self, layer: LayerWeights) -> LayerWeights:
-        if self.device.type == "cpu":
-            return layer
-        for part in (layer, layer.mixer, layer.mlp):
-            for name, value in vars(part).items():
-                if isinstance(value, torch.Tensor):
-                    setattr(part, name, value.to(self.device))
-        return layer
 
     def new_state(self, max_len: int) -> Qwen35State:
         return Qwen35State(self.config, max_len, self.dtype, self.device)
@@ -468,14 +446,14 @@ class Qwen35Model(Decoder):
         return rms_norm(h, self.output_norm, c.rms_eps)
 
     def _mlp(self, w: MLPWeights, y: torch.Tensor) -> torch.Tensor:
-        gu = linear(y, w.gate_up)
+        gu = w.gate_up(y)
         gate, up = gu.chunk(2, -1)
-        return linear(F.silu(gate).mul_(up), w.down)
+        return w.down(F.silu(gate).mul_(up))
 
     def _attention(self, w: AttentionWeights, y, cache: KVCache, pos: int, cos, sin) -> torch.Tensor:
         c, T = self.config, y.shape[0]
         H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
-        proj = linear(y, w.qkv).float()
+        proj = w.qkv(y).float()
         qg = proj[:, : 2 * H * D].view(T, H, 2, D)
         q = rms_norm(qg[:, :, 0], w.q_norm, c.rms_eps)  # (T, H, D)
         gate = qg[:, :, 1].reshape(T, H * D)
@@ -498,13 +476,13 @@ class Qwen35Model(Decoder):
                 mask = torch.arange(pos + T, device=self.device)[None, :] <= i + pos
                 o = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, scale=D**-0.5, enable_gqa=True)
             o = o[0].transpose(0, 1).reshape(T, H * D)
-        return linear(o * torch.sigmoid(gate), w.out)
+        return w.out(o * torch.sigmoid(gate))
 
     def _deltanet(self, w: DeltaNetWeights, y, cache: DeltaNetCache) -> torch.Tensor:
         c, T = self.config, y.shape[0]
         nk, nv, dk, dv = c.n_key_heads, c.n_value_heads, c.linear_key_dim, c.linear_value_dim
         C, V = c.conv_channels, nv * dv
-        proj = linear(y, w.in_proj).float()
+        proj = w.in_proj(y).float()
         qkv = causal_conv1d_silu(proj[:, :C], cache.conv, w.conv)
         z = proj[:, C : C + V].view(T, nv, dv)
         beta = torch.sigmoid(proj[:, C + V : C + V + nv])
@@ -515,4 +493,4 @@ class Qwen35Model(Decoder):
         rule = gated_delta_rule_recurrent if T == 1 else gated_delta_rule_chunked
         o = rule(q, k, v, g, beta, cache.recurrent)
         o = rms_norm(o, w.norm, c.rms_eps).mul_(F.silu(z))
-        return linear(o.reshape(T, V), w.out)
+        return w.out(o.reshape(T, V))

@@ -11,7 +11,6 @@ from qwen35_hf import VARIANTS, Variant, build_hf_model, hf_logits, hf_to_gguf
 
 from pagelm.errors import ModelFormatError, PagelmError
 from pagelm.formats.gguf import GGUFFile
-from pagelm.models.loading import dequantize_tensor
 from pagelm.models.qwen35 import (
     Qwen35Config,
     Qwen35Model,
@@ -20,6 +19,7 @@ from pagelm.models.qwen35 import (
 )
 from pagelm.quant import decode_f32
 from pagelm.quant.types import GGMLType
+from pagelm.weights.loader import WeightLoader, dequantize_tensor
 
 PROMPT = 64
 TOL = 1e-3
@@ -37,6 +37,7 @@ def one_thread():
 @dataclass
 class Case:
     variant: Variant
+    weights: str  # "mapped" or "dense"
     hf: torch.nn.Module
     path: str
     model: Qwen35Model
@@ -54,17 +55,23 @@ class Case:
         return torch.cat([self.logits(model.forward(self.embed(ids[i : i + 1]), state)) for i in range(len(ids))])
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
+def open_model(path, weights: str = "mapped", dtype: torch.dtype = torch.float32) -> Qwen35Model:
+    loader = WeightLoader(GGUFFile.open(path), weights, dtype)
+    return Qwen35Model(Qwen35Config.from_loader(loader), loader)
+
+
+@pytest.fixture(scope="module", params=[(v, w) for v in VARIANTS for w in ("mapped", "dense")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def case(request, tmp_path_factory) -> Case:
-    v = VARIANTS[request.param]
+    v, weights = VARIANTS[request.param[0]], request.param[1]
     hf = build_hf_model(v)
     path = str(tmp_path_factory.mktemp(v.name) / "model.gguf")
     hf_to_gguf(hf, path)
     gguf = GGUFFile.open(path)
-    model = Qwen35Model(Qwen35Config.from_gguf(gguf), gguf)
+    model = open_model(path, weights)
     table = dequantize_tensor(gguf, "token_embd.weight")
     ids = torch.randint(0, v.vocab, (PROMPT,), generator=torch.Generator().manual_seed(7))
-    return Case(v, hf, path, model, table, ids, hf_logits(hf, ids))
+    return Case(v, weights, hf, path, model, table, ids, hf_logits(hf, ids))
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -165,8 +172,7 @@ def test_bf16_stays_close(case: Case):
     hf_bf16 = hf_logits(copy.deepcopy(case.hf).to(torch.bfloat16), case.ids)
     budget = 1.5 * (hf_bf16 - case.ref).abs().mean().item()
     scale = case.ref.abs().max().item()
-    gguf = GGUFFile.open(case.path)
-    model = Qwen35Model(Qwen35Config.from_gguf(gguf), gguf, dtype=torch.bfloat16)
+    model = open_model(case.path, case.weights, torch.bfloat16)
     assert all(layer.mlp.gate_up.dtype == torch.bfloat16 for layer in model.layers)
     state = model.new_state(PROMPT)
     prefill = case.logits(model.forward(case.embed(case.ids).to(torch.bfloat16), state))
@@ -209,7 +215,7 @@ def test_missing_metadata_key_is_a_format_error(tiny_hf, tmp_path, key):
     path = tmp_path / "model.gguf"
     hf_to_gguf(tiny_hf, path, drop_keys=(key,))
     with GGUFFile.open(path) as gguf, pytest.raises(ModelFormatError, match=key.replace(".", r"\.")):
-        Qwen35Config.from_gguf(gguf)
+        Qwen35Config.from_loader(WeightLoader(gguf))
 
 
 @pytest.mark.parametrize("name", ["blk.0.ssm_a", "blk.2.attn_q_norm.weight", "blk.1.ffn_up.weight", "output_norm.weight"])
@@ -217,9 +223,10 @@ def test_missing_tensor_is_a_format_error(tiny_hf, tmp_path, name):
     path = tmp_path / "model.gguf"
     hf_to_gguf(tiny_hf, path, drop_tensors=(name,))
     with GGUFFile.open(path) as gguf:
-        config = Qwen35Config.from_gguf(gguf)
+        loader = WeightLoader(gguf)
+        config = Qwen35Config.from_loader(loader)
         with pytest.raises(ModelFormatError, match=name.replace(".", r"\.")):
-            Qwen35Model(config, gguf)
+            Qwen35Model(config, loader)
 
 
 def test_wrong_architecture_is_a_format_error(tmp_path):
@@ -228,14 +235,14 @@ def test_wrong_architecture_is_a_format_error(tmp_path):
     path = tmp_path / "llama.gguf"
     write_gguf(path, {"general.architecture": "llama"}, [])
     with GGUFFile.open(path) as gguf, pytest.raises(ModelFormatError, match="qwen35"):
-        Qwen35Config.from_gguf(gguf)
+        Qwen35Config.from_loader(WeightLoader(gguf))
 
 
 # ------------------------------------------------------------------------------ loading
 
 
 def test_dequantize_tensor_q8_0(tiny_hf, tmp_path, monkeypatch):
-    import pagelm.models.loading as loading
+    import pagelm.weights.loader as loading
 
     path = tmp_path / "q8.gguf"
     hf_to_gguf(tiny_hf, path, matrix_type=GGMLType.Q8_0)
@@ -256,10 +263,10 @@ def test_dequantize_tensor_q8_0(tiny_hf, tmp_path, monkeypatch):
             dequantize_tensor(gguf, name, shape=(1, 2))
 
         # a Q8_0 model holds exactly the decoded weights (fused), runs, and stays near the reference
-        model = Qwen35Model(Qwen35Config.from_gguf(gguf), gguf)
-        assert torch.equal(model.layers[0].mixer.in_proj[: info.shape[0]], got)
+        model = open_model(path, "dense")
+        assert torch.equal(model.layers[0].mixer.in_proj.weight[: info.shape[0]], got)
         up = dequantize_tensor(gguf, "blk.1.ffn_up.weight")
-        assert torch.equal(model.layers[1].mlp.gate_up[up.shape[0] :], up)
+        assert torch.equal(model.layers[1].mlp.gate_up.weight[up.shape[0] :], up)
         table = dequantize_tensor(gguf, "token_embd.weight")
     ids = torch.arange(32) * 7 % 512
     ref = hf_logits(tiny_hf, ids)

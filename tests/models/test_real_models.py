@@ -1,8 +1,9 @@
 """pagelm's llama and gemma3 decoders on the two real models (SmolLM2-135M-Instruct, Gemma 3
 270M) against transformers' own GGUF loading of the same files, in float32.
 
-transformers dequantizes the same bytes to float32 and runs its reference modelling code, so
-the only differences are float32 summation order: the logits must agree to ~1e-5 of their scale
+pagelm runs with its default `weights="mapped"` (every matrix computed from the file's quantized
+bytes). transformers dequantizes the same bytes to float32 and runs its reference modelling code,
+so the only differences are float32 summation order: the logits must agree to ~1e-5 of their scale
 and greedy decoding must pick the same tokens.
 """
 
@@ -18,6 +19,7 @@ from pagelm.formats.gguf import GGUFFile
 from pagelm.models.gemma3 import Gemma3Config, Gemma3Model
 from pagelm.models.llama import LlamaConfig, LlamaModel
 from pagelm.weights import load_output_head, load_token_embedding
+from pagelm.weights.loader import WeightLoader
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -49,8 +51,9 @@ class Case:
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
         self.file = GGUFFile.open(path)
-        self.config = config_cls.from_gguf(self.file)
-        self.model = model_cls(self.config, self.file, dtype=torch.float32)
+        loader = WeightLoader(self.file, "mapped", torch.float32)
+        self.config = config_cls.from_loader(loader)
+        self.model = model_cls(self.config, loader)
         self.embedding = load_token_embedding(self.file, rows="f32")
         self.head = load_output_head(self.file)
         self.prompts = [self.tokenizer(p)["input_ids"] for p in PROMPTS]

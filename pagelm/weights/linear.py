@@ -1,0 +1,140 @@
+"""Linear operators y = x·Wᵀ over a checkpoint's matrices: dense (W unpacked at load) or mapped
+(W computed from the quantized bytes in the file, which stay in the page cache).
+
+Owns the choice of path per call: a few rows of activations (decode) take the matmul kernels
+(mapped) or torch's GEMV (dense); many rows (prefill) take torch's GEMM over row tiles of W,
+the same calls in both modes, so prefill is bit-identical. Never parses files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagelm.quant.matmul import MAX_GEMV_ROWS, rows_dequantize, rows_matmul
+
+# Weights per row tile of a many-row product: bounds the mapped mode's one reused scratch
+# (8 MiB in bf16) while keeping each GEMM large enough to run at full speed.
+TILE_VALUES = 1 << 22
+_TILE_ALIGN = 64
+
+
+def tile_rows(in_features: int) -> int:
+    """Rows of W per GEMM of a many-row product (the same in both modes)."""
+    rows = max(1, TILE_VALUES // in_features)
+    return rows // _TILE_ALIGN * _TILE_ALIGN if rows >= _TILE_ALIGN else rows
+
+
+class Linear:
+    """y = x·Wᵀ for x (T, in_features); W is (out_features, in_features)."""
+
+    in_features: int
+    out_features: int
+    dtype: torch.dtype  # the compute dtype of many-row products and their result
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        """Anonymous bytes this operator holds."""
+        return 0
+
+    def _tile(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows lo:hi of W in `dtype`, contiguous."""
+        raise NotImplementedError
+
+    def _many_rows(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.dtype)
+        n, step = self.out_features, tile_rows(self.in_features)
+        if step >= n:
+            return F.linear(x, self._tile(0, n))
+        out = torch.empty(x.shape[0], n, dtype=self.dtype, device=x.device)
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            out[:, lo:hi] = F.linear(x, self._tile(lo, hi))
+        return out
+
+
+class DenseLinear(Linear):
+    """W unpacked at load into anonymous memory (`dtype`, on any device): the reference mode."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:  # one row goes through mv, which CPU bf16 runs far faster than a 1-row GEMM
+            return torch.mv(self.weight, x[0].to(self.dtype))[None]
+        return self._many_rows(x)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def _tile(self, lo: int, hi: int) -> torch.Tensor:
+        return self.weight[lo:hi]
+
+
+class Scratch:
+    """One reused buffer (at most TILE_VALUES weights) in the compute dtype, shared by a model's
+    mapped operators (they run one at a time), grown to the largest tile asked for."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self._flat: torch.Tensor | None = None
+
+    def take(self, rows: int, cols: int) -> tuple[torch.Tensor, np.ndarray]:
+        """A (rows, cols) view as a tensor and as the numpy array the kernels write (bf16 as uint16)."""
+        if self._flat is None or self._flat.numel() < rows * cols:
+            self._flat = torch.empty(rows * cols, dtype=self.dtype)
+        tensor = self._flat[: rows * cols].view(rows, cols)
+        array = tensor.view(torch.int16).numpy().view(np.uint16) if self.dtype == torch.bfloat16 else tensor.numpy()
+        return tensor, array
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._flat is None else self._flat.numel() * self._flat.element_size()
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Consecutive output rows of one GGML type: W[out_lo + r] is the row at data[offsets[r]:]."""
+
+    ggml_type: int
+    offsets: np.ndarray  # int64 byte offsets into the file map
+    out_lo: int
+
+
+class MappedLinear(Linear):
+    """W read in place from the file map: its rows may come from several tensors (a fused
+    projection) of different types, in any order (a row permutation), with no copy."""
+
+    def __init__(self, data: np.ndarray, groups: list[RowGroup], in_features: int, dtype: torch.dtype,
+                 scratch: Scratch):
+        self.data, self.groups, self.scratch = data, groups, scratch
+        self.in_features = in_features
+        self.out_features = groups[-1].out_lo + len(groups[-1].offsets)
+        self.dtype = dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > MAX_GEMV_ROWS:
+            return self._many_rows(x)
+        xs = x.to(torch.float32).contiguous().numpy()
+        out = np.empty((x.shape[0], self.out_features), np.float32)
+        for g in self.groups:
+            rows_matmul(self.data, g.ggml_type, g.offsets, self.in_features, xs, out, g.out_lo)
+        return torch.from_numpy(out)
+
+    def _tile(self, lo: int, hi: int) -> torch.Tensor:
+        tensor, array = self.scratch.take(hi - lo, self.in_features)
+        for g in self.groups:
+            a, b = max(lo, g.out_lo), min(hi, g.out_lo + len(g.offsets))
+            if a < b:
+                rows_dequantize(self.data, g.ggml_type, g.offsets[a - g.out_lo : b - g.out_lo],
+                                self.in_features, array[a - lo : b - lo])
+        return tensor

@@ -1,0 +1,222 @@
+"""What an architecture reads from a checkpoint, through one object: config values, small float
+tensors, and linear operators over the matrices in the chosen weights mode.
+
+Owns mapping a GGUF file's names, types and metadata to those; models never see the file. The
+weights mode is a switch here: "dense" unpacks every matrix at load (the reference, and the way
+to other devices), "mapped" computes from the quantized bytes in the file map.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+import torch
+
+from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
+from pagelm.formats.gguf import GGUFArray, GGUFFile, GGUFValueType, TensorInfo
+from pagelm.quant import DECODABLE, decode_f32
+from pagelm.quant import kernels, matmul
+from pagelm.weights.embedding import EmbeddingMode, OutputHead, RowFormat, TokenEmbedding, load_output_head, load_token_embedding
+from pagelm.weights.linear import DenseLinear, Linear, MappedLinear, RowGroup, Scratch
+
+WeightsMode = Literal["mapped", "dense"]
+WEIGHTS_MODES: tuple[str, ...] = ("mapped", "dense")
+# The float32 temporaries of one decode step hold about this many values (4 MiB).
+DECODE_CHUNK_VALUES = 1 << 20
+
+_INT_TYPES = (
+    GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+    GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64,
+)
+_FLOAT_TYPES = (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64)
+
+
+def tensor_info(model: GGUFFile, name: str, shape: Sequence[int] | None = None) -> TensorInfo:
+    """The info of tensor `name`, which must exist (and have numpy-order `shape`, when given)."""
+    info = model.tensors.get(name)
+    if info is None:
+        raise ModelFormatError(f"{model.name}: tensor '{name}' missing")
+    if shape is not None and tuple(info.shape) != tuple(shape):
+        raise ModelFormatError(
+            f"{model.name}: tensor '{name}' has shape {tuple(info.shape)} (numpy order), expected {tuple(shape)}"
+        )
+    return info
+
+
+def dequantize_tensor(
+    model: GGUFFile,
+    name: str,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+    shape: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Tensor `name` decoded to `dtype`, in numpy order (`info.shape`).
+
+    Decodes `DECODE_CHUNK_VALUES`-sized runs of rows, straight into the result when it is a
+    float32 CPU tensor, else through one float32 scratch. `out` (contiguous, of the tensor's
+    element count; e.g. a row slice of a fused weight) receives the values instead of a new
+    tensor. `shape`, when given, is checked against the file's.
+    """
+    info = tensor_info(model, name, shape)
+    ne0 = info.dims[0]
+    rows = info.n_elements // ne0
+    if out is None:
+        out = torch.empty(info.shape, dtype=dtype)
+    elif out.numel() != info.n_elements or not out.is_contiguous():
+        raise ValueError(
+            f"{model.name}: tensor '{name}': out must be contiguous with {info.n_elements} elements, "
+            f"got shape {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}"
+        )
+    raw = model.tensor_data(name).reshape(rows, info.row_nbytes)
+    flat = out.view(rows, ne0)
+    step = max(1, DECODE_CHUNK_VALUES // ne0)
+    direct = flat.dtype == torch.float32 and flat.device.type == "cpu"
+    scratch = None if direct else np.empty((min(step, rows), ne0), np.float32)
+    for lo in range(0, rows, step):
+        hi = min(lo + step, rows)
+        if direct:
+            decode_f32(raw[lo:hi], info.ggml_type, out=flat[lo:hi].numpy())
+        else:
+            part = scratch[: hi - lo]
+            decode_f32(raw[lo:hi], info.ggml_type, out=part)
+            flat[lo:hi].copy_(torch.from_numpy(part))
+    return out
+
+
+# A part of a fused operator: (tensor name, rows) or (tensor name, rows, row order), where
+# operator row i is the tensor's row order[i].
+Part = tuple
+
+
+class WeightLoader:
+    """A checkpoint opened for one model: metadata, small tensors, and `linear` operators in the
+    weights mode. Matmuls run in `dtype`; small tensors are float32; all on `device`."""
+
+    def __init__(self, file: GGUFFile, weights: WeightsMode = "mapped", dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
+        if weights not in WEIGHTS_MODES:
+            raise PagelmError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {weights!r}")
+        self.device = torch.device(device)
+        if weights == "mapped" and self.device.type != "cpu":
+            raise PagelmError(f"weights='mapped' computes on the CPU; use weights='dense' for device {self.device}")
+        self.file, self.weights, self.dtype = file, weights, dtype
+        self.name = file.name
+        self.scratch = Scratch(dtype)
+        self._operators: list[Linear] = []
+        self._small_nbytes = 0
+
+    @classmethod
+    def open(cls, path: str, weights: WeightsMode = "mapped", dtype: torch.dtype = torch.float32,
+             device: str | torch.device = "cpu") -> WeightLoader:
+        return cls(GGUFFile.open(path), weights, dtype, device)
+
+    # ------------------------------------------------------------------ metadata
+
+    @property
+    def architecture(self) -> str:
+        return self.file.require("general.architecture")
+
+    def has(self, key: str) -> bool:
+        return key in self.file.metadata
+
+    def get(self, key: str, default=None):
+        return self.file.metadata.get(key, default)
+
+    def get_int(self, key: str) -> int:
+        """Integer metadata `key`, which must be present and a scalar integer."""
+        return int(self.file.require(key, *_INT_TYPES))
+
+    def get_float(self, key: str) -> float:
+        """Float metadata `key` (integers accepted), which must be present and a scalar."""
+        return float(self.file.require(key, *_FLOAT_TYPES, *_INT_TYPES))
+
+    def get_int_array(self, key: str) -> list[int]:
+        """An integer array metadata `key`, which must be present."""
+        value = self.file.require(key, GGUFValueType.ARRAY)
+        if not isinstance(value, GGUFArray) or value.element_type not in _INT_TYPES:
+            raise ModelFormatError(f"{self.name}: metadata key '{key}' must be an array of integers")
+        return [int(v) for v in value]
+
+    # ------------------------------------------------------------------ tensors
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self.file.tensors
+
+    def dims(self, name: str) -> tuple[int, ...]:
+        """Tensor `name`'s dims, ne0 (the row width) first."""
+        return tensor_info(self.file, name).dims
+
+    def tensor(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+        """A small tensor (norms, biases, conv taps) as float32 on the device, numpy-order `shape`."""
+        t = dequantize_tensor(self.file, name, torch.float32, shape=shape).to(self.device)
+        self._small_nbytes += t.numel() * t.element_size()
+        return t
+
+    def linear(self, in_features: int, *parts: Part) -> Linear:
+        """The operator whose rows are the given tensors' rows, stacked in order (each tensor
+        (rows, in_features) in numpy order, optionally reordered)."""
+        infos = []
+        for name, rows, *order in parts:
+            info = tensor_info(self.file, name, (rows, in_features))
+            if info.ggml_type not in DECODABLE:
+                raise UnsupportedError(f"{self.name}: tensor '{name}' has type {info.ggml_type.name}, which pagelm "
+                                       f"cannot compute with (supported: {', '.join(sorted(t.name for t in DECODABLE))})")
+            infos.append((info, np.arange(rows, dtype=np.int64) if not order else np.asarray(order[0], np.int64)))
+        op = self._dense(infos, in_features) if self.weights == "dense" else self._mapped(infos, in_features)
+        self._operators.append(op)
+        return op
+
+    def _dense(self, infos, in_features: int) -> DenseLinear:
+        fused = torch.empty(sum(len(order) for _, order in infos), in_features, dtype=self.dtype)
+        lo = 0
+        for info, order in infos:
+            part = fused[lo : lo + len(order)]
+            dequantize_tensor(self.file, info.name, self.dtype, out=part)
+            if not np.array_equal(order, np.arange(len(order))):
+                part.copy_(part[torch.from_numpy(order)])
+            lo += len(order)
+        return DenseLinear(fused.to(self.device))
+
+    def _mapped(self, infos, in_features: int) -> MappedLinear:
+        data = self.file.data
+        groups: list[RowGroup] = []
+        lo = 0
+        for info, order in infos:
+            offsets = info.offset + order * info.row_nbytes
+            matmul.check_rows(data, info.ggml_type, offsets, in_features)
+            if groups and groups[-1].ggml_type == info.ggml_type:
+                last = groups.pop()
+                offsets = np.concatenate((last.offsets, offsets))
+                groups.append(RowGroup(last.ggml_type, offsets, last.out_lo))
+            else:
+                groups.append(RowGroup(info.ggml_type, offsets, lo))
+            lo += len(order)
+            # bring the matrix into the page cache in the background
+            self._advise(info, mmap.MADV_WILLNEED)
+        return MappedLinear(data, groups, in_features, self.dtype, self.scratch)
+
+    def _advise(self, info: TensorInfo, advice: int) -> None:
+        if self.file.mmap is None:
+            return
+        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        self.file.mmap.madvise(advice, start, info.offset + info.nbytes - start)
+
+    def token_embedding(self, mode: EmbeddingMode, rows: RowFormat) -> TokenEmbedding:
+        return load_token_embedding(self.file, mode, rows)
+
+    def output_head(self) -> OutputHead:
+        return load_output_head(self.file)
+
+    def warmup(self) -> None:
+        """Load the compiled kernels this model uses now rather than inside the first request."""
+        kernels.warmup()
+        if self.weights == "mapped":
+            matmul.warmup(sorted({g.ggml_type for op in self._operators for g in op.groups}))
+
+    @property
+    def nbytes(self) -> int:
+        """Anonymous bytes the weights hold: dense matrices (or the mapped mode's scratch) and small tensors."""
+        return sum(op.nbytes for op in self._operators) + self.scratch.nbytes + self._small_nbytes
