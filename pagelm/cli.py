@@ -33,26 +33,36 @@ def _synth(args: argparse.Namespace) -> int:
         if ggml_type not in SYNTH_TYPES:
             raise PagelmError(f"--embedding-type {ggml_type.name} is not one pagelm can synthesise")
         shape = replace(shape, embedding_type=ggml_type)
-    layer_type = GGMLType[args.layer_type]
+    layer_type = GGMLType[args.layer_type or "Q8_0"]
+    if args.mix and args.embedding_only:
+        raise PagelmError("--mix types a complete model; with --embedding-only, pick the table's type "
+                          "with --embedding-type")
     if not args.embedding_only and not shape.full:
         full = ", ".join(name for name, s in SHAPES.items() if s.full)
         raise PagelmError(f"shape '{args.shape}' has embedding geometry only: pass --embedding-only, "
                           f"or pick a complete shape ({full})")
     name = f"synthetic {args.shape}"
-    total = embedding_nbytes(shape) if args.embedding_only else plan_nbytes(plan_model(shape, layer_type))
+    total = embedding_nbytes(shape) if args.embedding_only else plan_nbytes(plan_model(shape, layer_type, mix=args.mix))
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {os.path.basename(args.out)}",
               file=sys.stderr, disable=args.quiet) as bar:
         if args.embedding_only:
             write_embedding_model(args.out, shape, seed=args.seed, name=name, progress=bar.update)
         else:
-            plan = write_model(args.out, shape, layer_type, seed=args.seed, name=name, progress=bar.update)
+            plan = write_model(args.out, shape, layer_type, seed=args.seed, name=name, progress=bar.update,
+                               mix=args.mix)
     head = f"output {shape.output_type.name}" if shape.output_type else "tied output head"
     if args.embedding_only:
         print(f"wrote {args.out}: {args.shape} embedding only, vocab {shape.vocab}, dim {shape.hidden}, "
               f"token_embd {shape.embedding_type.name}, {head}, {os.path.getsize(args.out)} bytes")
     else:
+        from collections import Counter
+
+        layers = f"layers {layer_type.name}" if args.mix is None else f"mix {args.mix} (" + ", ".join(
+            f"{t} ×{n}" for t, n in sorted(Counter(t.ggml_type.name for t in plan).items())) + ")"
+        if args.mix is not None:  # the mix picks the tables' types
+            head = "tied output head" if shape.output_type is None else f"output {plan[-1].ggml_type.name}"
         print(f"wrote {args.out}: {args.shape}, {shape.n_layers} layers, hidden {shape.hidden}, vocab {shape.vocab}, "
-              f"{len(plan)} tensors, layers {layer_type.name}, token_embd {shape.embedding_type.name}, {head}, "
+              f"{len(plan)} tensors, {layers}, token_embd {plan[0].ggml_type.name}, {head}, "
               f"{os.path.getsize(args.out)} bytes")
     return 0
 
@@ -148,6 +158,19 @@ def _rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_compute_options(parser: argparse.ArgumentParser) -> None:
+    """How a model is held and computed: the flags `run` and `serve` share."""
+    parser.add_argument("--embedding", choices=["mapped", "dense"], default="mapped",
+                        help="token embedding rows decoded from the file map (mapped, default) or an unpacked table (dense)")
+    parser.add_argument("--weights", choices=["mapped", "dense"], default="mapped",
+                        help="layer matrices computed straight from the file's quantized bytes (mapped, default) "
+                             "or unpacked to --dtype at load (dense: the reference, and needed off the CPU)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="compute type of prefill matmuls, activations and caches (default bfloat16)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads for torch and the kernels together (default: the CPUs this process may use)")
+
+
 def _open_chat(args: argparse.Namespace):
     """(conversation, sampling params) for `run`: resolves the model, pulling the default one."""
     from pagelm import store
@@ -156,8 +179,9 @@ def _open_chat(args: argparse.Namespace):
     from pagelm.sampling import SamplingParams
 
     path = _pull_with_progress(args.model) if args.model in store.KNOWN_MODELS else store.resolve(args.model)
-    print(f"loading {path} (embedding {args.embedding}, {args.dtype})", file=sys.stderr)
-    chat = ChatModel.open(path, name=args.model, embedding=args.embedding, dtype=args.dtype)
+    print(f"loading {path} (embedding {args.embedding}, weights {args.weights}, {args.dtype})", file=sys.stderr)
+    chat = ChatModel.open(path, name=args.model, embedding=args.embedding, weights=args.weights, dtype=args.dtype,
+                          threads=args.threads)
     conversation = Conversation(chat.model, chat.tokenizer, chat.template, max_len=args.ctx_len, think=args.think)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens)
@@ -180,8 +204,9 @@ def _print_stats(conversation) -> None:
     if turn is None:
         return
     print(f"[prompt {turn.prompt_tokens} tokens ({turn.reused_tokens} reused) at {turn.prompt_tok_s:.1f} tok/s, "
-          f"{len(turn.token_ids)} generated at {turn.decode_tok_s:.1f} tok/s; anonymous {memory.anonymous / MIB:.0f} MiB, "
-          f"peak RSS {memory.peak_rss / MIB:.0f} MiB]", file=sys.stderr)
+          f"{len(turn.token_ids)} generated at {turn.decode_tok_s:.1f} tok/s; anonymous {memory.anonymous / MIB:.0f} MiB "
+          f"(weights {conversation.model.weights_nbytes / MIB:.0f}), peak RSS {memory.peak_rss / MIB:.0f} MiB]",
+          file=sys.stderr)
 
 
 _REPL_HELP = "/think on|off, /clear, /set temperature|top_k|top_p|min_p|seed|max_tokens VALUE, /stats, /bye"
@@ -278,7 +303,8 @@ def _serve(args: argparse.Namespace) -> int:
     settings = ServeSettings(model_path=str(path), model_name=name, ctx_len=args.ctx_len,
                              prefix_slots=args.prefix_slots, prefix_cache_mib=args.prefix_cache_mib,
                              checkpoint_interval=args.checkpoint_interval, embedding=args.embedding,
-                             dtype=args.dtype, api_key=args.api_key, queue_size=args.queue_size,
+                             weights=args.weights, dtype=args.dtype, threads=args.threads, api_key=args.api_key,
+                             queue_size=args.queue_size,
                              max_body_mib=args.max_body_mib, max_tokens=args.max_tokens)
     try:
         loopback = ipaddress.ip_address(args.host).is_loopback
@@ -291,7 +317,8 @@ def _serve(args: argparse.Namespace) -> int:
     def on_load(error: Exception | None) -> None:
         if error is None:
             print(f"pagelm serve: {name} ready on http://{args.host}:{args.port} "
-                  f"(embedding {args.embedding}, {args.dtype}, context {args.ctx_len})", file=sys.stderr, flush=True)
+                  f"(embedding {args.embedding}, weights {args.weights}, {args.dtype}, context {args.ctx_len})",
+                  file=sys.stderr, flush=True)
         else:
             failure.append(error)
             server.should_exit = True
@@ -317,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pagelm {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from pagelm.synth import LAYER_TYPES
+    from pagelm.synth import LAYER_TYPES, MIXES
 
     synth = commands.add_parser(
         "synth", help="write a synthetic GGUF with a real model's geometry and random values",
@@ -330,9 +357,17 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--shape", required=True, choices=list(SHAPES), help="the geometry to copy")
     synth.add_argument("out", metavar="OUT.gguf", help="file to write (written to OUT.part, then renamed)")
     synth.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    synth.add_argument("--layer-type", default="Q8_0", choices=sorted(t.name for t in LAYER_TYPES),
-                       help="type of the layers' 2-D matrices (default Q8_0); norms, ssm_a, ssm_dt.bias "
-                            "and ssm_conv1d are always F32")
+    layer_types = synth.add_mutually_exclusive_group()
+    layer_types.add_argument("--layer-type", choices=sorted(t.name for t in LAYER_TYPES),
+                             help="type of the layers' 2-D matrices (default Q8_0); norms, ssm_a, ssm_dt.bias "
+                                  "and ssm_conv1d are always F32")
+    layer_types.add_argument("--mix", choices=list(MIXES),
+                             help="types per tensor as llama.cpp's quantizer picks them: q4_k_m is Q4_K, with Q5_K "
+                                  "for the DeltaNet attn_qkv, Q6_K for the output head (the tied token_embd) and, by "
+                                  "llama.cpp's use_more_bits rule, for some ffn_down and attn_v; general.file_type "
+                                  "15. A matrix whose rows are not whole 256-value blocks falls back to Q8_0 "
+                                  "(qwen3.5-tiny-k has none of those). K-quant values come from pagelm's plain "
+                                  "round-to-nearest quantizer, not llama.cpp's search")
     synth.add_argument("--embedding-only", action="store_true",
                        help="write only the embedding tables (token_embd, and output when untied)")
     synth.add_argument("--embedding-type", metavar="TYPE",
@@ -359,9 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "smollm2-135m is pulled and used, and a lone argument that is not a model is the prompt.")
     run.add_argument("model", nargs="?", metavar="MODEL")
     run.add_argument("prompt", nargs="?", metavar="PROMPT")
-    run.add_argument("--embedding", choices=["mapped", "dense"], default="mapped",
-                     help="token embedding served from the file (mapped, default) or unpacked (dense)")
-    run.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute type")
+    _add_compute_options(run)
     run.add_argument("--ctx-len", type=int, default=4096, help="context length in tokens (default 4096)")
     run.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default 512)")
     run.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -395,9 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--checkpoint-interval", type=int, default=512,
                        help="also checkpoint every N prompt tokens of a long prefill; 0 = message boundaries only "
                             "(default 512)")
-    serve.add_argument("--embedding", choices=["mapped", "dense"], default="mapped",
-                       help="token embedding rows from the file map (default) or an unpacked table")
-    serve.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute type")
+    _add_compute_options(serve)
     serve.add_argument("--api-key", help="require Authorization: Bearer KEY on every route but /health")
     serve.add_argument("--queue-size", type=int, default=64, help="requests waiting before 503 (default 64)")
     serve.add_argument("--max-body-mib", type=int, default=32, help="largest request body in MiB (default 32)")

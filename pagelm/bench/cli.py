@@ -28,7 +28,7 @@ def _scenarios(args: argparse.Namespace) -> int:
     from pagelm.bench.scenarios import run_scenarios
 
     _positive("--runs", args.runs)
-    report = run_scenarios(args.model, model_path(args.model, args.models_dir), args.runs)
+    report = run_scenarios(args.model, model_path(args.model, args.models_dir), args.runs, args.weights)
     print(report.markdown())
     return 1 if report.differing else 0
 
@@ -55,7 +55,8 @@ def _pressure(args: argparse.Namespace) -> int:
 
     _positive("--runs", args.runs)
     _positive("--prompt-tokens", args.prompt_tokens)
-    report = run_pressure(args.model, model_path(args.model, args.models_dir), args.runs, args.prompt_tokens)
+    report = run_pressure(args.model, model_path(args.model, args.models_dir), args.runs, args.prompt_tokens,
+                          args.weights)
     print(report.markdown())
     if args.png:
         print(f"chart: {report.chart(args.png)}")
@@ -172,15 +173,19 @@ def register(commands) -> None:
                     "Prints a table per scenario and 'differing scenarios: D of S in N runs'; exit 1 if D > 0.")
     scenarios.add_argument("model", metavar="MODEL", help=model_help)
     scenarios.add_argument("--runs", type=int, default=2, help="runs of every configuration (default 2)")
+    scenarios.add_argument("--weights", choices=["mapped", "dense"], default="mapped",
+                           help="layer weights of every configuration (default mapped)")
     _models_dir(scenarios)
     scenarios.set_defaults(run=_scenarios)
 
     memory = subcommands.add_parser(
         "memory", help="anonymous memory, peak RSS, TTFT and decode speed: dense vs mapped, one server each",
-        description="For each model, one fresh `pagelm serve` per embedding mode and run (modes interleaved): "
-                    "a short chat, then anonymous memory, file-backed RSS; then a long prompt for TTFT and "
-                    "decode tok/s; peak RSS. Prints a markdown table of medians and, per model, how much "
-                    "anonymous memory mapped saves against the bf16 table size.")
+        description="For each model, one fresh `pagelm serve` per mode and run (modes interleaved): all dense "
+                    "(--embedding dense --weights dense), embedding mapped (--weights dense), all mapped (the "
+                    "defaults). A short chat, then anonymous memory and its parts (prefix cache, weights, "
+                    "tokenizer, state, runtime), file-backed RSS; then a long prompt for TTFT and decode tok/s; "
+                    "peak RSS. Prints a markdown table of medians and, per model, what mapping the embedding "
+                    "and then the layers saves.")
     memory.add_argument("models", nargs="*", metavar="MODEL", default=list(DEFAULT_MODELS),
                         help=f"models to measure (default: {' '.join(DEFAULT_MODELS)})")
     memory.add_argument("--runs", type=int, default=DEFAULT_RUNS, help=f"runs per mode (default {DEFAULT_RUNS})")
@@ -201,6 +206,8 @@ def register(commands) -> None:
     pressure.add_argument("--runs", type=int, default=DEFAULT_RUNS, help=f"runs (default {DEFAULT_RUNS})")
     pressure.add_argument("--prompt-tokens", type=int, default=2600, help="distinct prompt tokens (default 2600)")
     pressure.add_argument("--png", metavar="PATH", help="also write a bar chart")
+    pressure.add_argument("--weights", choices=["mapped", "dense"], default="mapped",
+                          help="layer weights (default mapped: evicting the file evicts them too)")
     _models_dir(pressure)
     pressure.set_defaults(run=_pressure)
 

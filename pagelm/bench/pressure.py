@@ -126,11 +126,11 @@ class PressureReport:
         return bar_chart(path, panels, f"{self.model}: page cache warm vs evicted, prefetch hint on/off")
 
 
-def run_pressure(name: str, path: str, n_runs: int, prompt_tokens: int) -> PressureReport:
+def run_pressure(name: str, path: str, n_runs: int, prompt_tokens: int, weights: str = "mapped") -> PressureReport:
     import pagelm
 
     progress(f"pressure {display_name(name)}: loading {path}")
-    model = pagelm.load(path, embedding="mapped")
+    model = pagelm.load(path, embedding="mapped", weights=weights)
     if model.embedding.mode != "mapped":
         raise PagelmError("the pressure benchmark needs the mapped embedding")
     embedding = HintSwitchEmbedding(model.embedding)

@@ -18,7 +18,14 @@ from pagelm.bench.inputs import display_name, text_of_tokens
 from pagelm.bench.report import markdown_table
 from pagelm.bench.server import ServerConfig, ServerProcess, progress
 
-CONFIGS = tuple(ServerConfig(embedding, cache) for cache in (True, False) for embedding in ("dense", "mapped"))
+
+
+def configs(weights: str = "mapped") -> tuple[ServerConfig, ...]:
+    """Embedding dense / mapped × prefix cache on / off, all with the same weights mode (dense and
+    mapped weights decode with different roundings, so they are not compared with each other)."""
+    return tuple(ServerConfig(embedding, cache, weights=weights) for cache in (True, False)
+                 for embedding in ("dense", "mapped"))
+
 LONG_PROMPT_TOKENS = 2600
 MAX_TOKENS = 32
 # a 1×1 PNG: enough to exercise the image path of the API
@@ -314,20 +321,21 @@ class ScenarioReport:
         return sum(bool(differences(runs)) for runs in self.results.values())
 
     def markdown(self) -> str:
-        configs = "; ".join(c.label for c in self.configs)
-        return (f"Model `{self.model}`; configurations: {configs}; one fresh `pagelm serve` per configuration "
+        labels = "; ".join(c.label for c in self.configs)
+        return (f"Model `{self.model}`, weights {self.configs[0].weights}; configurations: {labels}; one fresh `pagelm serve` per configuration "
                 f"and run, configurations interleaved. Content, reasoning, token counts and finish reasons are "
                 f"compared across all configurations; prefix-cache lookups/hits and cached tokens only among "
                 f"configurations with the same cache setting (turning the cache off changes them by design).\n\n"
                 f"{scenario_table(self.results)}\n\n{summary_line(self.results, self.n_runs)}\n")
 
 
-def run_scenarios(model_name: str, model_path: str, n_runs: int) -> ScenarioReport:
+def run_scenarios(model_name: str, model_path: str, n_runs: int, weights: str = "mapped") -> ScenarioReport:
     """Every scenario on every configuration, `n_runs` times, configurations interleaved."""
+    chosen = configs(weights)
     model = display_name(model_name)
     context = {"long_text": text_of_tokens(model_path, LONG_PROMPT_TOKENS)}
     results: dict[str, list[Run]] = {name: [] for name in SCENARIOS}
-    for run, config in itertools.product(range(1, n_runs + 1), CONFIGS):
+    for run, config in itertools.product(range(1, n_runs + 1), chosen):
         progress(f"scenarios {model}: run {run}/{n_runs}, {config.label}")
         with ServerProcess(model_path, config) as server:
             client = Client(server, Path(model_path).stem)  # the name `pagelm serve` gives a file
@@ -338,4 +346,4 @@ def run_scenarios(model_name: str, model_path: str, n_runs: int) -> ScenarioRepo
                 counters = {k: after[k] - before[k] for k in after}
                 results[name].append(Run(config, run, observation, counters))
     progress(f"scenarios {model}: {summary_line(results, n_runs)}")
-    return ScenarioReport(model, n_runs, CONFIGS, results)
+    return ScenarioReport(model, n_runs, chosen, results)

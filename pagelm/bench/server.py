@@ -31,13 +31,14 @@ class ServerConfig:
     embedding: str = "mapped"  # mapped | dense
     prefix_cache: bool = True
     ctx_len: int = 4096
+    weights: str = "mapped"  # mapped | dense
 
     @property
     def label(self) -> str:
         return f"{self.embedding}, cache {'on' if self.prefix_cache else 'off'}"
 
     def flags(self) -> list[str]:
-        return ["--embedding", self.embedding, "--ctx-len", str(self.ctx_len),
+        return ["--embedding", self.embedding, "--weights", self.weights, "--ctx-len", str(self.ctx_len),
                 "--prefix-slots", "32" if self.prefix_cache else "0"]
 
 

@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagelm.bench.inputs import MIB, display_name, embedding_table_mib
-from pagelm.bench.memory import FIRST_CHAT, MODES
+from pagelm.bench.memory import FIRST_CHAT
+from pagelm.bench.memory import MODES as ALL_MODES
+
+MODES = ("all dense", "all mapped")  # (embedding, weights) both dense, both mapped
 from pagelm.bench.report import Panel, bar_chart, markdown_table
 from pagelm.bench.server import ServerConfig, ServerProcess, progress
 from pagelm.errors import PagelmError
@@ -55,7 +58,8 @@ def _figures(server: ServerProcess) -> dict:
 
 def measure_pair(path: str, mode: str) -> tuple[dict, dict]:
     """(first process, second process) memory, both alive and each after one chat."""
-    config = ServerConfig(embedding=mode)
+    embedding, weights = ALL_MODES[mode]
+    config = ServerConfig(embedding=embedding, weights=weights)
     with ServerProcess(path, config) as first:
         _chat(first)
         with ServerProcess(path, config) as second:
@@ -81,18 +85,18 @@ class SharedReport:
                 rows.append([mode, label, f"{m('anonymous'):.0f}", f"{m('pss_anon'):.0f}", f"{m('model_rss'):.0f}",
                              f"{m('model_pss'):.0f}", f"{m('file_rss'):.0f}", f"{m('pss_file'):.0f}",
                              f"{m('pss_anon') + m('pss_file'):.0f}", f"{m('rss'):.0f}"])
-        return markdown_table(["embedding", "process", "anonymous MiB", "PSS anon MiB", "model file RSS MiB",
+        return markdown_table(["mode", "process", "anonymous MiB", "PSS anon MiB", "model file RSS MiB",
                                "model file PSS MiB", "all files RSS MiB", "all files PSS MiB", "PSS MiB", "RSS MiB"],
                               rows, align="llrrrrrrrr")
 
     def summary(self) -> list[str]:
         second = {mode: {k: self.median(mode, 1, k) for k in FIELDS} for mode in MODES}
         pss = {mode: second[mode]["pss_anon"] + second[mode]["pss_file"] for mode in MODES}
-        d, m = second["dense"], second["mapped"]
+        d, m = second["all dense"], second["all mapped"]
         return [f"second process, anonymous: dense {d['anonymous']:.0f} MiB, mapped {m['anonymous']:.0f} MiB "
                 f"({d['anonymous'] - m['anonymous']:.0f} MiB less; the bf16 table is {self.table_mib:.0f} MiB)",
-                f"second process, PSS: dense {pss['dense']:.0f} MiB, mapped {pss['mapped']:.0f} MiB "
-                f"({pss['dense'] - pss['mapped']:.0f} MiB less)",
+                f"second process, PSS: dense {pss['all dense']:.0f} MiB, mapped {pss['all mapped']:.0f} MiB "
+                f"({pss['all dense'] - pss['all mapped']:.0f} MiB less)",
                 f"model file pages of the second process, mapped: {m['model_rss']:.0f} MiB resident, of which "
                 f"it is charged {m['model_pss']:.0f} MiB (the rest is the first process's share); dense: "
                 f"{d['model_rss']:.0f} MiB resident, charged {d['model_pss']:.0f} MiB"]
@@ -116,6 +120,6 @@ def run_shared(name: str, path: str, n_runs: int) -> SharedReport:
     report = SharedReport(display_name(name), embedding_table_mib(path), n_runs)
     for run in range(1, n_runs + 1):
         for mode in MODES:
-            progress(f"shared {report.model}: run {run}/{n_runs}, embedding {mode}, two processes")
+            progress(f"shared {report.model}: run {run}/{n_runs}, {mode}, two processes")
             report.runs[mode].append(measure_pair(path, mode))
     return report

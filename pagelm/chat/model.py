@@ -16,7 +16,10 @@ from pathlib import Path
 from pagelm.chat.template import ChatTemplate, TemplateError
 from pagelm.chat.tokenizer import Tokenizer
 from pagelm.engine import Model
+from pagelm import heap
+from pagelm.measure.memory import read_memory
 from pagelm.weights import EmbeddingMode
+from pagelm.weights.loader import WeightsMode
 
 
 @dataclass
@@ -37,14 +40,18 @@ class ChatModel:
     model: Model
     tokenizer: Tokenizer
     template: ChatTemplate
+    tokenizer_anonymous_bytes: int = 0  # what building the tokenizer added to anonymous memory
 
     @classmethod
     def open(cls, path: str | Path, name: str | None = None, embedding: EmbeddingMode = "mapped",
-             dtype: str = "bfloat16") -> ChatModel:
+             weights: WeightsMode = "mapped", dtype: str = "bfloat16", threads: int | None = None) -> ChatModel:
         path = Path(path)
         name = name or path.stem
-        model = Model(str(path), embedding=embedding, dtype=dtype)
+        model = Model(str(path), embedding=embedding, weights=weights, dtype=dtype, threads=threads)
+        before = read_memory().anonymous
         tokenizer = Tokenizer.from_gguf(model.file)
+        heap.trim()
+        tokenizer_bytes = max(0, read_memory().anonymous - before)
 
         def text_of(token_id: int | None) -> str:
             return "" if token_id is None else tokenizer.decode([token_id], skip_special=False)
@@ -52,7 +59,7 @@ class ChatModel:
         template = ChatTemplate(model.file.metadata.get("tokenizer.chat_template"), name=name,
                                 bos_token=text_of(tokenizer.bos_id),
                                 eos_token=text_of(tokenizer.eos_ids[0] if tokenizer.eos_ids else None))
-        return cls(name, path, model, tokenizer, template)
+        return cls(name, path, model, tokenizer, template, tokenizer_bytes)
 
     @property
     def architecture(self) -> str:

@@ -45,7 +45,9 @@ class ServeSettings:
     prefix_cache_mib: int = 1024
     checkpoint_interval: int = 512
     embedding: str = "mapped"
+    weights: str = "mapped"
     dtype: str = "bfloat16"
+    threads: int | None = None
     api_key: str | None = None
     queue_size: int = 64
     max_body_mib: int = 32
@@ -69,7 +71,8 @@ class Server:
         start = time.perf_counter()
         try:
             s = self.settings
-            chat = ChatModel.open(s.model_path, name=s.model_name, embedding=s.embedding, dtype=s.dtype)
+            chat = ChatModel.open(s.model_path, name=s.model_name, embedding=s.embedding, weights=s.weights,
+                                  dtype=s.dtype, threads=s.threads)
             self.worker = Worker(chat.model, chat.tokenizer, s.ctx_len, self.cache, s.checkpoint_interval,
                                  s.queue_size)
             self.chat = chat
@@ -180,7 +183,10 @@ class Server:
                          "failed": w.failed if w else 0, "queued": w.queued if w else 0,
                          "running": bool(w and w.running)},
             "memory": {"anonymous_bytes": memory.anonymous, "rss_bytes": memory.rss,
-                       "file_rss_bytes": memory.file_rss, "peak_rss_bytes": memory.peak_rss},
+                       "file_rss_bytes": memory.file_rss, "peak_rss_bytes": memory.peak_rss,
+                       "weights_anonymous_bytes": self.chat.model.weights_nbytes if self.chat else 0,
+                       "tokenizer_anonymous_bytes": self.chat.tokenizer_anonymous_bytes if self.chat else 0,
+                       "state_bytes": w.session.state.nbytes if w else 0},
         }
 
 
