@@ -214,7 +214,7 @@ class WeightLoader:
         """Load the compiled kernels this model uses now rather than inside the first request."""
         kernels.warmup()
         if self.weights == "mapped":
-            matmul.warmup(sorted({g.ggml_type for op in self._operators for g in op.groups}))
+            matmul.warmup()
 
     @property
     def nbytes(self) -> int:
