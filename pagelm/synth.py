@@ -22,7 +22,7 @@ import numpy as np
 
 from pagelm.chat.qwen35_template import QWEN35_TEMPLATE
 from pagelm.formats.gguf import GGUFValueType, TensorToWrite, Typed, write_gguf
-from pagelm.quant import ENCODABLE, decode_f32, encode
+from pagelm.quant import ENCODABLE, K_QUANTS, decode_f32, encode
 from pagelm.quant.types import BLOCK_LAYOUT, SCALE_FIELDS, GGMLType, row_nbytes
 
 QWEN35_VOCAB = 248_320
@@ -96,6 +96,9 @@ SHAPES: dict[str, Qwen35Shape] = {
     "qwen3.5-tiny-gqa": _qwen35(4096, 128, 4, 256, 4, 2, 2, 4, **_TINY),
     # tiny layers under the real 248,320-token vocabulary, tokenizer and chat template: for chat and serving tests
     "qwen3.5-tiny-chat": _qwen35(QWEN35_VOCAB, 128, 4, 256, 4, 2, 2, 2, **_TINY),
+    # tiny, but every matrix's row width a multiple of 256, so that --mix q4_k_m writes K-quants
+    # everywhere (8 layers: a real mix of Q4_K/Q5_K/Q6_K), and nv != nk
+    "qwen3.5-tiny-k": _qwen35(4096, 256, 8, 512, 4, 2, 2, 4, **{**_TINY, "ssm_head_dim": 64}),
     # Embedding geometry only (vocab 4096, dim 256): for the embedding tests.
     "tiny": Qwen35Shape(4096, 256, GGMLType.Q8_0, None),
 }
@@ -103,8 +106,11 @@ SHAPES: dict[str, Qwen35Shape] = {
 # Random bytes are valid codes for the block types; only their fp16 scale fields (SCALE_FIELDS)
 # are drawn so that values stay small and finite.
 SYNTH_TYPES = frozenset(SCALE_FIELDS) | {GGMLType.F32, GGMLType.F16, GGMLType.BF16}
-# Types the layer matrices can be written in (they are drawn as floats, then encoded).
-LAYER_TYPES = frozenset(ENCODABLE)
+# Types the layer matrices can be written in all alike (they are drawn as floats, then encoded);
+# the K-quants come in mixes (MIXES).
+LAYER_TYPES = frozenset(ENCODABLE - K_QUANTS)
+# Mixes of types per tensor, as llama.cpp's quantizer picks them: name -> general.file_type
+MIXES = {"q4_k_m": 15}  # LLAMA_FTYPE_MOSTLY_Q4_K_M
 _CHUNK_ROWS = 2048
 _CHUNK_VALUES = 1 << 22  # values drawn at a time for the layer matrices (16 MiB of float32)
 
@@ -270,7 +276,8 @@ class Init:
     """How one tensor's values are drawn.
 
     normal: center + scale · N(0, 1); uniform: U(low, high); neg_exp_uniform: -exp(U(low, high));
-    table: the embedding tables' generator (random_rows) with seed + seed_offset.
+    table: the embedding tables' generator (random_rows) with seed + seed_offset; with `source`,
+    the table random_rows draws in that type, decoded and encoded in the tensor's type.
     """
 
     kind: str
@@ -279,6 +286,7 @@ class Init:
     low: float = 0.0
     high: float = 0.0
     seed_offset: int = 0
+    source: GGMLType | None = None
 
 
 @dataclass(frozen=True)
@@ -313,37 +321,93 @@ def _norm(center: float = 1.0) -> Init:
     return Init("normal", scale=_NORM_NOISE * center, center=center)
 
 
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's rule for the tensors a _M mix bumps: the first and last eighth, every third between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _k_fallback(ggml_type: GGMLType, n_in: int) -> GGMLType:
+    """A K-quant needs rows of whole 256-value blocks; other widths get Q8_0 (llama.cpp would pick
+    Q5_0/Q5_1/Q8_0 by type: kept simple here)."""
+    return GGMLType.Q8_0 if ggml_type in K_QUANTS and n_in % 256 else ggml_type
+
+
+def q4_k_m_type(name: str, n_in: int, n_layers: int, attn_v_index: int) -> GGMLType:
+    """The type llama.cpp's Q4_K_M quantizer gives a qwen35 matrix (`blk.I.NAME` or the tables).
+
+    Q4_K by default; Q5_K for the DeltaNet attn_qkv; Q6_K for the output head (the tied token_embd
+    when there is no output.weight) and, by use_more_bits, for ffn_down (over the layers) and
+    attn_v (over llama.cpp's n_attention_wv, which counts attn_v and attn_qkv alike: one per
+    layer; attn_v_index counts the attn_v tensors before this one).
+    """
+    if name == "output.weight":
+        wanted = GGMLType.Q6_K
+    elif name.endswith("attn_qkv.weight"):
+        wanted = GGMLType.Q5_K
+    elif name.endswith("attn_v.weight"):
+        wanted = GGMLType.Q6_K if use_more_bits(attn_v_index, n_layers) else GGMLType.Q4_K
+    elif name.endswith("ffn_down.weight"):
+        wanted = GGMLType.Q6_K if use_more_bits(int(name.split(".")[1]), n_layers) else GGMLType.Q4_K
+    else:
+        wanted = GGMLType.Q4_K
+    return _k_fallback(wanted, n_in)
+
+
+def _table(ggml_type: GGMLType, seed_offset: int) -> Init:
+    # K-quant tables: the Q8_0 table re-encoded, so values keep the Q8_0 table's scale (random
+    # K-quant bytes are several times larger); other types as random_rows draws them.
+    return Init("table", seed_offset=seed_offset, source=GGMLType.Q8_0 if ggml_type in K_QUANTS else None)
+
+
 def plan_model(
     shape: Qwen35Shape,
     layer_type: GGMLType = GGMLType.Q8_0,
     embedding_type: GGMLType | None = None,
     embedding_only: bool = False,
+    mix: str | None = None,
 ) -> list[PlannedTensor]:
     """Every tensor of the model in file order: name, ggml dims, type and value distribution.
 
-    Lists without writing or drawing anything (cheap for the multi-GB shapes).
+    `mix` (one of MIXES) picks each matrix's type as llama.cpp's quantizer would, instead of
+    `layer_type` for all of them; the token_embd (and output) types too, unless embedding_type
+    is given. Lists without writing or drawing anything (cheap for the multi-GB shapes).
     """
-    emb_type = embedding_type or shape.embedding_type
+    if mix is not None and mix not in MIXES:
+        raise ValueError(f"unknown mix {mix!r} (known: {', '.join(MIXES)})")
+    d, v = shape.hidden, shape.vocab
+    if mix is not None:  # q4_k_m: the head is Q6_K, a tied token_embd being the head
+        emb_type = embedding_type or q4_k_m_type("output.weight" if shape.output_type is None
+                                                 else "token_embd.weight", d, shape.n_layers, 0)
+        out_type = None if shape.output_type is None else q4_k_m_type("output.weight", d, shape.n_layers, 0)
+        emb_init, out_init = _table(emb_type, 0), _table(out_type, 1)
+        if embedding_type is not None:
+            emb_init = Init("table", seed_offset=0)
+    else:
+        emb_type, out_type = embedding_type or shape.embedding_type, shape.output_type
+        emb_init, out_init = Init("table", seed_offset=0), Init("table", seed_offset=1)
     if emb_type not in SYNTH_TYPES:
         raise ValueError(f"synthetic tables of type {emb_type.name} are not supported")
-    d, v = shape.hidden, shape.vocab
-    plan = [PlannedTensor("token_embd.weight", (d, v), emb_type, Init("table", seed_offset=0))]
+    plan = [PlannedTensor("token_embd.weight", (d, v), emb_type, emb_init)]
     output = None
-    if shape.output_type is not None:
-        output = PlannedTensor("output.weight", (d, v), shape.output_type, Init("table", seed_offset=1))
+    if out_type is not None:
+        output = PlannedTensor("output.weight", (d, v), out_type, out_init)
     if embedding_only:
         return plan + ([output] if output else [])
     if not shape.full:
         raise ValueError("this shape has embedding geometry only; it cannot make a complete model")
-    if layer_type not in LAYER_TYPES:
+    if mix is None and layer_type not in LAYER_TYPES:
         raise ValueError(f"layer matrices of type {layer_type.name} are not supported "
                          f"(supported: {', '.join(sorted(t.name for t in LAYER_TYPES))})")
 
     residual = _RESIDUAL_RMS / math.sqrt(2 * shape.n_layers)  # rms each residual branch adds
     F32 = GGMLType.F32
+    attn_v_seen = 0
 
     def matrix(name: str, n_in: int, n_out: int, gain: float = 1.0) -> PlannedTensor:
-        return PlannedTensor(name, (n_in, n_out), layer_type, _normal(gain / math.sqrt(n_in)))
+        nonlocal attn_v_seen
+        ggml_type = layer_type if mix is None else q4_k_m_type(name, n_in, shape.n_layers, attn_v_seen)
+        attn_v_seen += name.endswith("attn_v.weight")
+        return PlannedTensor(name, (n_in, n_out), ggml_type, _normal(gain / math.sqrt(n_in)))
 
     for i in range(shape.n_layers):
         b = f"blk.{i}."
@@ -379,9 +443,9 @@ def plan_model(
             matrix(b + "ffn_up.weight", d, shape.ffn),
             matrix(b + "ffn_down.weight", shape.ffn, d, residual / _BRANCH_RMS),
         ]
-    head_type = shape.output_type or emb_type
+    head = output or plan[0]
     logit_std = _TOP_GAP * math.sqrt(2 * math.log(v))
-    out_scale = logit_std / (table_value_std(head_type) * math.sqrt(d))
+    out_scale = logit_std / (table_value_std(head.init.source or head.ggml_type) * math.sqrt(d))
     plan.append(PlannedTensor("output_norm.weight", (d,), F32, _norm(out_scale)))
     return plan + ([output] if output else [])
 
@@ -397,7 +461,7 @@ _FILE_TYPE = {  # llama_ftype of a file whose layer matrices have this type
 
 
 def model_metadata(shape: Qwen35Shape, layer_type: GGMLType = GGMLType.Q8_0, seed: int = 0,
-                   name: str = "synthetic") -> dict:
+                   name: str = "synthetic", mix: str | None = None) -> dict:
     """The GGUF metadata of a complete model, with the value types llama.cpp reads them as."""
     u32 = lambda v: Typed(GGUFValueType.UINT32, v)  # noqa: E731
     f32 = lambda v: Typed(GGUFValueType.FLOAT32, v)  # noqa: E731
@@ -405,7 +469,7 @@ def model_metadata(shape: Qwen35Shape, layer_type: GGMLType = GGMLType.Q8_0, see
     return {
         "general.architecture": a,
         "general.name": name,
-        "general.file_type": u32(_FILE_TYPE[layer_type]),
+        "general.file_type": u32(_FILE_TYPE[layer_type] if mix is None else MIXES[mix]),
         "general.quantization_version": u32(2),
         f"{a}.vocab_size": u32(shape.vocab),
         f"{a}.block_count": u32(shape.n_layers),
@@ -442,7 +506,11 @@ def tensor_chunks(t: PlannedTensor, seed: int) -> Iterator[np.ndarray]:
     """The encoded bytes of one planned tensor, in row chunks of bounded size."""
     init = t.init
     if init.kind == "table":
-        yield from _table_chunks(seed + init.seed_offset, t.dims[1], t.dims[0], t.ggml_type)
+        chunks = _table_chunks(seed + init.seed_offset, t.dims[1], t.dims[0], init.source or t.ggml_type)
+        if init.source is None:
+            yield from chunks
+        else:
+            yield from (encode(decode_f32(c, init.source), t.ggml_type) for c in chunks)
         return
     rng = _tensor_rng(seed, t.name)
     n_in, n_rows = t.dims[0], math.prod(t.dims[1:])
@@ -470,21 +538,24 @@ def write_model(
     name: str = "synthetic",
     embedding_type: GGMLType | None = None,
     progress: Callable[[int], None] | None = None,
+    mix: str | None = None,
 ) -> list[PlannedTensor]:
     """Write a complete random `qwen35` model (every tensor llama.cpp loads); returns its plan.
+
+    `mix` (one of MIXES, e.g. "q4_k_m") types each tensor as llama.cpp's quantizer would; see plan_model.
 
     Streams each tensor in chunks (memory stays bounded whatever the shape) to `path.part`,
     renamed onto `path` when complete. The same seed gives the same bytes; token_embd (and
     output) are byte-identical to write_embedding_model's tables for that seed.
     """
-    plan = plan_model(shape, layer_type, embedding_type)
+    plan = plan_model(shape, layer_type, embedding_type, mix=mix)
     tensors = [TensorToWrite(t.name, t.dims, t.ggml_type, tensor_chunks(t, seed)) for t in plan]
-    write_gguf(path, model_metadata(shape, layer_type, seed, name), tensors, progress=progress)
+    write_gguf(path, model_metadata(shape, layer_type, seed, name, mix=mix), tensors, progress=progress)
     return plan
 
 
 __all__ = [
-    "Init", "LAYER_TYPES", "PlannedTensor", "Qwen35Shape", "SHAPES", "SYNTH_TYPES",
+    "Init", "LAYER_TYPES", "MIXES", "PlannedTensor", "Qwen35Shape", "SHAPES", "SYNTH_TYPES",
     "embedding_nbytes", "model_metadata", "tokenizer_metadata", "plan_model", "plan_nbytes", "random_rows", "table_value_std",
-    "tensor_chunks", "write_embedding_model", "write_model",
+    "q4_k_m_type", "tensor_chunks", "use_more_bits", "write_embedding_model", "write_model",
 ]

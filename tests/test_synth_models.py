@@ -13,6 +13,7 @@ import pytest
 from pagelm.quant.types import GGMLType, row_nbytes
 from pagelm.synth import (
     LAYER_TYPES,
+    MIXES,
     SHAPES,
     PlannedTensor,
     model_metadata,
@@ -20,11 +21,13 @@ from pagelm.synth import (
     plan_nbytes,
     table_value_std,
     tensor_chunks,
+    use_more_bits,
     write_embedding_model,
     write_model,
 )
 
 F32, Q8_0, BF16 = GGMLType.F32, GGMLType.Q8_0, GGMLType.BF16
+Q4_K, Q5_K, Q6_K = GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K
 ATTENTION = ["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q_norm.weight",
              "attn_k_norm.weight", "attn_output.weight"]
 DELTANET = ["attn_norm.weight", "attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight",
@@ -96,6 +99,7 @@ def tiny_files(tmp_path_factory):
                         ssm_dim=128, vocab=248320, embd=BF16, output=Q8_0)),
     ("qwen3.5-tiny", dict(TINY, nv=2)),
     ("qwen3.5-tiny-gqa", dict(TINY, nv=4)),
+    ("qwen3.5-tiny-k", dict(TINY, hidden=256, layers=8, ffn=512, nv=4, ssm_dim=64)),
 ])
 def test_plan_is_llama_cpp_qwen35_tensor_table(shape, geometry):
     plan = plan_model(SHAPES[shape])
@@ -143,6 +147,107 @@ def test_embedding_only_plan_and_shapes_without_layers():
         plan_model(SHAPES["tiny"])
     with pytest.raises(ValueError, match="not supported"):
         plan_model(SHAPES["qwen3.5-tiny"], GGMLType.Q6_K)
+
+
+# ------------------------------------------------------------------------------ --mix q4_k_m
+
+
+def test_use_more_bits_is_llama_cpps_rule():
+    assert [i for i in range(24) if use_more_bits(i, 24)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 21, 22, 23]
+    assert [i for i in range(8) if use_more_bits(i, 8)] == [0, 3, 6, 7]
+    assert [i for i in range(4) if use_more_bits(i, 4)] == [2, 3]
+
+
+def test_mix_q4_k_m_on_the_0_8b_is_what_llama_cpp_wrote():
+    """The type counts of a real Unsloth Qwen3.5-0.8B Q4_K_M file (peers.md): f32 ×133, q4_K ×152,
+    q5_K ×18 (every attn_qkv), q6_K ×17 (token_embd, 12 ffn_down, 4 of the 6 attn_v)."""
+    plan = _table(plan_model(SHAPES["qwen3.5-0.8b"], mix="q4_k_m"))
+    counts = {}
+    for _, t in plan.values():
+        counts[t] = counts.get(t, 0) + 1
+    assert counts == {F32: 133, Q4_K: 152, Q5_K: 18, Q6_K: 17}
+    q6 = sorted(name for name, (_, t) in plan.items() if t == Q6_K)
+    # attention layers 3, 7, ..., 23 are attn_v 0..5 of n_attention_wv = 24: 0, 1, 2 and 5 are bumped
+    assert [n for n in q6 if "attn_v" in n] == sorted(f"blk.{i}.attn_v.weight" for i in (3, 7, 11, 23))
+    assert plan["token_embd.weight"][1] == Q6_K and "output.weight" not in plan
+    assert all(t == Q5_K for name, (_, t) in plan.items() if name.endswith("attn_qkv.weight"))
+    assert plan["blk.0.ssm_conv1d.weight"][1] == F32
+    untied = _table(plan_model(SHAPES["qwen3.5-9b"], mix="q4_k_m"))  # the head is output.weight there
+    assert untied["output.weight"][1] == Q6_K and untied["token_embd.weight"][1] == Q4_K
+
+
+def _q4_k_m_by_hand(name, dims, layers):
+    """The tensor's Q4_K_M type, rules written out for an 8-layer model whose rows are all whole
+    256-value blocks: attn_v counts over the attention layers 3 and 7 (index 0 and 1 of 8)."""
+    if len(dims) == 1 or "ssm_conv1d" in name:
+        return F32
+    if name == "token_embd.weight":
+        return Q6_K
+    i = int(name.split(".")[1])
+    if name.endswith("attn_qkv.weight"):
+        return Q5_K
+    if name.endswith("ffn_down.weight"):
+        return Q6_K if i in (0, 3, 6, 7) else Q4_K
+    if name.endswith("attn_v.weight"):
+        return Q6_K if i == 3 else Q4_K
+    return Q4_K
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("mix") / "tiny-k-q4_k_m.gguf")
+    _pagelm("synth", "--shape", "qwen3.5-tiny-k", "--mix", "q4_k_m", "--quiet", path)
+    return path
+
+
+def test_mix_q4_k_m_file_has_the_types_and_values(q4_k_m_file):
+    reader = gguf.GGUFReader(q4_k_m_file)
+    assert _field(reader, "general.file_type") == ([gguf.GGUFValueType.UINT32], MIXES["q4_k_m"]) == (
+        [gguf.GGUFValueType.UINT32], 15)
+    types = {t.name: GGMLType(int(t.tensor_type)) for t in reader.tensors}
+    assert len(types) == 108
+    for t in reader.tensors:
+        dims = tuple(int(n) for n in t.shape)
+        assert types[t.name] == _q4_k_m_by_hand(t.name, dims, 8), t.name
+    assert {t for t in types.values()} == {F32, Q4_K, Q5_K, Q6_K}
+    values = _values(reader)
+    assert all(np.isfinite(v).all() for v in values.values())
+    # token_embd is the Q8_0 table re-encoded in Q6_K, so the tied head keeps its scale
+    q8 = str(q4_k_m_file) + ".q8_0.gguf"
+    write_embedding_model(q8, SHAPES["qwen3.5-tiny-k"], seed=0)
+    (table,) = _values(gguf.GGUFReader(q8)).values()
+    assert np.abs(values["token_embd.weight"] - table).max() < 0.02 * np.abs(table).max()
+    w = values["blk.0.ffn_gate.weight"]
+    assert w.std() == pytest.approx(1 / math.sqrt(256), rel=0.05)
+
+
+@pytest.mark.parametrize("weights", ["dense", "mapped"])
+def test_mix_q4_k_m_model_loads_and_generates(q4_k_m_file, weights):
+    pytest.importorskip("torch")
+    import pagelm
+    from pagelm.sampling import SamplingParams
+
+    model = pagelm.load(q4_k_m_file, weights=weights, dtype="float32")
+    session = model.session(64)
+    tokens = list(session.generate([11, 22, 33, 44, 55], SamplingParams(max_tokens=8)))
+    assert len(tokens) == 8 and all(0 <= t < 4096 for t in tokens)
+    assert np.isfinite(session.logits).all()
+    top2 = np.sort(session.logits)[-2:]
+    assert top2[1] - top2[0] > 0.5  # still peaked through K-quant layers
+
+
+def test_mix_falls_back_to_q8_0_for_narrow_rows_and_excludes_layer_type(tmp_path):
+    plan = _table(plan_model(SHAPES["qwen3.5-tiny"], mix="q4_k_m"))  # hidden 128, ffn 256
+    assert plan["token_embd.weight"][1] == Q8_0  # Q6_K wanted, 128 wide
+    assert plan["blk.0.ffn_gate.weight"][1] == Q8_0 and plan["blk.0.attn_qkv.weight"][1] == Q8_0
+    assert plan["blk.0.ffn_down.weight"][1] == Q4_K  # 256 wide: n = 4 bumps layers 2 and 3 only
+    assert plan["blk.2.ffn_down.weight"][1] == Q6_K and plan["blk.3.ffn_down.weight"][1] == Q6_K
+    assert plan["blk.3.attn_output.weight"][1] == Q4_K  # 4 heads x 64
+    with pytest.raises(ValueError, match="unknown mix"):
+        plan_model(SHAPES["qwen3.5-tiny"], mix="q4_k_s")
+    both = subprocess.run([sys.executable, "-m", "pagelm", "synth", "--shape", "qwen3.5-tiny", "--mix", "q4_k_m",
+                           "--layer-type", "Q8_0", str(tmp_path / "x.gguf")], capture_output=True, text=True)
+    assert both.returncode == 2 and "not allowed with" in both.stderr
 
 
 def test_chunks_are_bounded_for_the_big_shapes():

@@ -3,6 +3,7 @@
 from pagelm.quant.codecs import (
     DECODABLE,
     ENCODABLE,
+    K_QUANTS,
     bf16_to_f32,
     decode_bf16,
     decode_f32,
@@ -16,6 +17,7 @@ __all__ = [
     "DECODABLE",
     "ENCODABLE",
     "GGMLType",
+    "K_QUANTS",
     "as_ggml_type",
     "bf16_to_f32",
     "decode_bf16",

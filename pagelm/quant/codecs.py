@@ -186,7 +186,8 @@ _DECODERS = {
 }
 
 DECODABLE = frozenset({_T.F32, _T.F16, _T.BF16, *_DECODERS})
-ENCODABLE = frozenset({_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1})
+ENCODABLE = frozenset({_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q4_K, _T.Q5_K, _T.Q6_K})
+K_QUANTS = frozenset({_T.Q4_K, _T.Q5_K, _T.Q6_K})  # encoded by pagelm's own quantizer, not ggml's
 
 
 # --- public decode ------------------------------------------------------------------
@@ -279,8 +280,11 @@ def decode_bf16(raw: np.ndarray, ggml_type: int, out: np.ndarray | None = None) 
 
 # --- encode -------------------------------------------------------------------------
 #
-# These mirror gguf-py's quantize (itself a port of ggml's reference quantizers) so that
-# they produce the same bytes; values must be finite for the block types.
+# Q8_0, Q4_0 and Q4_1 mirror gguf-py's quantize (itself a port of ggml's reference quantizers)
+# so that they produce the same bytes. The K-quants (K_QUANTS) use a plain quantizer of their
+# own: GGML's block layout exactly, but scales chosen to cover each sub-block's range and values
+# rounded to nearest, without llama.cpp's scale search, so their bytes differ from llama.cpp's.
+# Values must be finite for the block types.
 
 
 def _reciprocal(d: np.ndarray) -> np.ndarray:
@@ -325,7 +329,91 @@ def _enc_q4_1(b: np.ndarray, o: np.ndarray) -> None:
     _pack_nibbles(q, o[:, 4:])
 
 
-_ENCODERS = {_T.Q8_0: _enc_q8_0, _T.Q4_0: _enc_q4_0, _T.Q4_1: _enc_q4_1}
+def _f16_round(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(fp16 bytes (N, 2), the float32 value the decoder will read) of float32 scales (N, 1)."""
+    h = x.astype(np.float16)
+    return h.view(np.uint8).reshape(-1, 2), h.astype(np.float32)
+
+
+def _ceil_ratio(x: np.ndarray, d: np.ndarray, top: int) -> np.ndarray:
+    """ceil(x / d) as integers in [0, top] (0 where d == 0): the smallest code whose scale covers x."""
+    with np.errstate(invalid="ignore"):
+        q = np.ceil(x * _reciprocal(d) * np.float32(1 - 2.0**-20))  # a product rounded up by an ulp stays
+    return q.clip(0, top).astype(np.uint8)
+
+
+def _k_quantize(b: np.ndarray, levels: int) -> tuple[np.ndarray, ...]:
+    """Q4_K/Q5_K parts of blocks (N, 256): fp16 d and dmin bytes, 6-bit scales and mins (N, 8) and
+    codes (N, 8, 32) in [0, levels]; value = d·scale·q − dmin·min as the decoder computes it.
+
+    Each sub-block of 32 gets low = min(0, its minimum) (mins are unsigned) and the scales the
+    smallest codes that cover [low, max]: low is rounded down to a multiple of dmin, the step up.
+    """
+    x = b.reshape(-1, 8, 32)
+    neg_low = -np.minimum(x.min(axis=2), 0)  # (N, 8), >= 0
+    dmin_bytes, dmin = _f16_round(neg_low.max(axis=1, keepdims=True) / 63)
+    mins = _ceil_ratio(neg_low, dmin, 63)
+    low = dmin * mins.astype(np.float32)  # what the decoder subtracts
+    step = (x.max(axis=2) + low) / levels
+    d_bytes, d = _f16_round(step.max(axis=1, keepdims=True) / 63)
+    scales = _ceil_ratio(step, d, 63)
+    s = (d * scales.astype(np.float32))[:, :, None]
+    with np.errstate(invalid="ignore"):
+        q = _round_half_away((x + low[:, :, None]) * _reciprocal(s))
+    q = np.nan_to_num(q).clip(0, levels).astype(np.uint8)
+    return d_bytes, dmin_bytes, scales, mins, q
+
+
+def _pack_k_scales(scales: np.ndarray, mins: np.ndarray, o: np.ndarray) -> None:
+    """Eight 6-bit scales and mins (N, 8) into the 12 bytes the decoder's _k_scales reads."""
+    o[:, 0:4] = scales[:, :4] | ((scales[:, 4:] >> 4) << 6)
+    o[:, 4:8] = mins[:, :4] | ((mins[:, 4:] >> 4) << 6)
+    o[:, 8:12] = (scales[:, 4:] & 0x0F) | ((mins[:, 4:] & 0x0F) << 4)
+
+
+def _pack_k_nibbles(q: np.ndarray, o: np.ndarray) -> None:
+    """Low nibbles of codes (N, 8, 32) into 128 bytes: sub-blocks 2c and 2c+1 share bytes 32c..32c+31."""
+    q4 = q.reshape(-1, 4, 2, 32) & 0x0F
+    o.reshape(-1, 4, 32)[...] = q4[:, :, 0] | (q4[:, :, 1] << 4)
+
+
+def _enc_q4_k(b: np.ndarray, o: np.ndarray) -> None:
+    d, dmin, scales, mins, q = _k_quantize(b, 15)
+    o[:, 0:2], o[:, 2:4] = d, dmin
+    _pack_k_scales(scales, mins, o[:, 4:16])
+    _pack_k_nibbles(q, o[:, 16:])
+
+
+def _enc_q5_k(b: np.ndarray, o: np.ndarray) -> None:
+    d, dmin, scales, mins, q = _k_quantize(b, 31)
+    o[:, 0:2], o[:, 2:4] = d, dmin
+    _pack_k_scales(scales, mins, o[:, 4:16])
+    # Bit j of qh[l] is the fifth bit of value l of sub-block j.
+    o[:, 16:48] = np.packbits((q >> 4).transpose(0, 2, 1), axis=2, bitorder="little")[:, :, 0]
+    _pack_k_nibbles(q, o[:, 48:])
+
+
+def _enc_q6_k(b: np.ndarray, o: np.ndarray) -> None:
+    # value = d · scale · (q − 32) with q in [0, 63], an int8 scale per 16 values; codes use −31..31
+    x = b.reshape(-1, 16, 16)
+    step = np.abs(x).max(axis=2) / 31  # (N, 16)
+    d_bytes, d = _f16_round(step.max(axis=1, keepdims=True) / 127)
+    scales = _ceil_ratio(step, d, 127)
+    s = (d * scales.astype(np.float32))[:, :, None]
+    q = _round_half_away(x * _reciprocal(s)).clip(-32, 31).astype(np.int8)
+    q = (q + 32).astype(np.uint8)
+    # Each half of 128 values: value 64a + m is nibble a of ql[m]; the top two bits of value
+    # 32k + l are bits 2k..2k+1 of qh[l].
+    q64 = q.reshape(-1, 2, 2, 64) & 0x0F  # [half, a, m]
+    o[:, :128].reshape(-1, 2, 64)[...] = q64[:, :, 0] | (q64[:, :, 1] << 4)
+    top = q.reshape(-1, 2, 4, 32) >> 4  # [half, k, l]
+    o[:, 128:192].reshape(-1, 2, 32)[...] = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)
+    o[:, 192:208] = scales  # int8 scales, all >= 0 here
+    o[:, 208:210] = d_bytes
+
+
+_ENCODERS = {_T.Q8_0: _enc_q8_0, _T.Q4_0: _enc_q4_0, _T.Q4_1: _enc_q4_1,
+             _T.Q4_K: _enc_q4_k, _T.Q5_K: _enc_q5_k, _T.Q6_K: _enc_q6_k}
 
 
 def encode(values: np.ndarray, ggml_type: int) -> np.ndarray:

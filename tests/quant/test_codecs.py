@@ -12,6 +12,7 @@ from pagelm.quant import (
     BLOCK_LAYOUT,
     DECODABLE,
     ENCODABLE,
+    K_QUANTS,
     GGMLType,
     bf16_to_f32,
     decode_bf16,
@@ -240,7 +241,7 @@ def sample_values(rows: int, n: int, seed: int) -> np.ndarray:
     return v
 
 
-@pytest.mark.parametrize("t", sorted(ENCODABLE), ids=lambda t: t.name)
+@pytest.mark.parametrize("t", sorted(ENCODABLE - K_QUANTS), ids=lambda t: t.name)
 def test_encode_matches_gguf(t):
     v = sample_values(24, 256, seed=int(t))
     got = encode(v, t)
@@ -260,7 +261,7 @@ def test_encode_non_finite_floats_matches_gguf():
         assert np.array_equal(encode(v, t), expected), t.name
 
 
-@pytest.mark.parametrize("t", sorted(ENCODABLE), ids=lambda t: t.name)
+@pytest.mark.parametrize("t", sorted(ENCODABLE - K_QUANTS), ids=lambda t: t.name)
 def test_round_trip(t):
     rng = np.random.default_rng(50 + int(t))
     v = rng.standard_normal((8, 128)).astype(np.float32)
@@ -285,6 +286,86 @@ def test_round_trip(t):
         assert np.array_equal(encode(decode_f32(raw, t), t), raw)
 
 
+def k_steps(raw: np.ndarray, t: GGMLType) -> np.ndarray:
+    """The quantization step of every value of K-quant rows, read from the block bytes as GGML's
+    dequantize_row_q*_K reads them: d·scale per sub-block (32 values; 16 for Q6_K)."""
+    b = raw.reshape(-1, BLOCK_LAYOUT[t][1])
+    if t == T.Q6_K:
+        steps = b[:, 208:210].view(np.float16).astype(np.float32) * b[:, 192:208].view(np.int8)
+        return np.repeat(steps, 16, axis=1).reshape(raw.shape[0], -1)
+    d = b[:, 0:2].view(np.float16).astype(np.float32)
+    q = b[:, 4:16].astype(np.int32)
+    sc = np.empty((len(b), 8), np.int32)
+    for j in range(8):  # get_scale_min_k4
+        sc[:, j] = q[:, j] & 63 if j < 4 else (q[:, j + 4] & 0xF) | ((q[:, j - 4] >> 6) << 4)
+    return np.repeat(d * sc, 32, axis=1).reshape(raw.shape[0], -1)
+
+
+def k_values(rows: int, seed: int) -> np.ndarray:
+    """Rows of 512 values (2 blocks) at scales 1e-2 .. 1e2, with the blocks a quantizer can get wrong."""
+    rng = np.random.default_rng(seed)
+    v = rng.standard_normal((rows, 512)).astype(np.float32)
+    v *= np.float32(10.0) ** rng.integers(-2, 3, (rows, 1)).astype(np.float32)
+    v[0, :256] = 0  # all zero
+    v[0, 256:] = -3.5  # constant, negative
+    v[1, :256] = np.abs(v[1, :256]) + 2  # all positive: mins clamp at 0
+    v[1, 256:288] = 0  # one zero sub-block among others
+    v[2, :32] *= 1000  # one sub-block far larger than the rest of its block
+    v[2, 256:] = np.arange(256, dtype=np.float32) - 100  # a ramp
+    return v
+
+
+@pytest.mark.parametrize("t", sorted(K_QUANTS), ids=lambda t: t.name)
+def test_k_quant_encode_round_trips_through_gguf_within_half_a_step(t):
+    v = k_values(24, seed=int(t))
+    raw = encode(v, t)
+    assert raw.dtype == np.uint8 and raw.shape == (24, 2 * BLOCK_LAYOUT[t][1])
+    assert np.array_equal(encode(v[5], t), raw[5])
+    back = oracle(raw, t).reshape(v.shape)  # GGML's layout, as gguf-py reads it
+    assert_same_bits(decode_f32(raw, t), back)
+    steps = k_steps(raw, t)
+    amax = np.abs(v.reshape(-1, 256)).max(axis=1, keepdims=True)
+    slack = (amax * 2.0**-10).repeat(256, axis=1).reshape(v.shape)  # fp16 scales, clipped codes
+    err = np.abs(back - v)
+    assert (err <= steps * 0.5 * 1.001 + slack).all(), np.argwhere(err > steps * 0.5 * 1.001 + slack)[:4]
+    assert (back[0, :256] == 0).all()
+    # ... and the steps are near the smallest that cover each sub-block: Gaussian rows come back
+    # with the rms error of round-to-nearest at 4, 5 and 6 bits.
+    g = np.random.default_rng(3).standard_normal((64, 256)).astype(np.float32)
+    rel = np.sqrt(np.mean((oracle(encode(g, t), t).reshape(g.shape) - g) ** 2))
+    assert rel < {T.Q4_K: 0.09, T.Q5_K: 0.045, T.Q6_K: 0.022}[t], rel
+
+
+def test_k_quant_layout_by_hand():
+    """Blocks whose codes and scales are known and exact (scale codes >= 16, so their top bits are
+    packed too); gguf-py must read back exactly the values encoded."""
+    j = np.arange(8)[:, None]
+    for t, levels in ((T.Q4_K, 16), (T.Q5_K, 32)):
+        # sub-block j: step (j + 56)/64 (d = 1/64, scale j + 56), low -(j + 56)/32 (dmin = 1/32, min j + 56),
+        # codes (l + j) % levels, covering 0 .. levels - 1
+        q = (np.arange(32)[None, :] + j) % levels
+        v = ((j + 56) / 64 * q - (j + 56) / 32).astype(np.float32).reshape(1, 256)
+        raw = encode(v, t)
+        assert np.array_equal(oracle(raw, t).reshape(v.shape), v), t.name
+        assert np.array_equal(k_steps(raw, t).reshape(8, 32)[:, 0], (j[:, 0] + 56) / 64)
+        assert raw[0, :4].view(np.float16).tolist() == [1 / 64, 1 / 32]
+    # Q6_K, 16 sub-blocks of 16: step (j + 112)/256 (d = 1/256, int8 scale j + 112), codes in -31..31
+    j16 = np.arange(16)[:, None]
+    q = (np.arange(16)[None, :] * 5 + j16) % 63 - 31
+    q[:, 0] = 31
+    v = ((j16 + 112) / 256 * q).astype(np.float32).reshape(1, 256)
+    raw = encode(v, T.Q6_K)
+    assert np.array_equal(oracle(raw, T.Q6_K).reshape(v.shape), v)
+    assert raw[0, 192:208].tolist() == list(range(112, 128))
+
+
+def test_k_quant_needs_whole_blocks_and_finite_values():
+    with pytest.raises(ValueError, match="block size 256"):
+        encode(np.zeros((2, 128), np.float32), T.Q4_K)
+    with pytest.raises(ValueError, match="non-finite"):
+        encode(np.full(256, np.nan, np.float32), T.Q6_K)
+
+
 # --- errors ------------------------------------------------------------------------
 
 
@@ -301,7 +382,7 @@ def test_unknown_type_id_is_unsupported():
         decode_f32(np.zeros(4, np.uint8), 99)
 
 
-@pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K, T.Q5_0])
+@pytest.mark.parametrize("t", [T.Q2_K, T.Q5_1, T.Q5_0])
 def test_unencodable_types_are_unsupported(t):
     with pytest.raises(UnsupportedError, match=t.name):
         encode(np.zeros(256, np.float32), t)
