@@ -1,10 +1,14 @@
-"""Benchmark: generation on a synthetic Qwen3.5 model, pagelm dense vs mapped (and llama.cpp).
+"""Benchmark: generation on a synthetic Qwen3.5 model, pagelm's embedding and weights modes (and llama.cpp).
 
 One fresh process per configuration: load, a 2,600-token prompt (TTFT), 128 greedy decode steps,
-then memory. Each configuration runs --runs times; the table shows medians. Also the output-head
-GEMV alone: pagelm's kernel over the mapped table vs torch.mv over an unpacked bf16 copy.
+then memory. pagelm runs as embedding/weights dense/dense (everything unpacked), mapped/dense
+(the embedding mapped) and mapped/mapped (the default: every matrix computed from the file).
+Each configuration runs --runs times; the table shows medians. "load adds" is the anonymous
+memory loading the model added (kernels already compiled); the decode breakdown splits a decode
+step into the layer matmuls, the output head and the rest. Also the output-head GEMV alone:
+pagelm's kernel over the mapped table vs torch.mv over an unpacked bf16 copy.
 
-    python bench/generate.py [--shapes qwen3.5-0.8b] [--runs 3] [--dtype bfloat16]
+    python bench/generate.py [--shapes qwen3.5-0.8b] [--mix q4_k_m] [--runs 3] [--dtype bfloat16]
 
 Models are written by `pagelm synth --shape S` into --models-dir when missing.
 """
@@ -28,17 +32,41 @@ def _prompt(vocab: int, n: int):
     return np.random.default_rng(0).integers(0, min(vocab, 248_044), n).tolist()
 
 
-def pagelm_worker(path: str, mode: str, dtype: str, prompt_tokens: int, new_tokens: int) -> dict:
-    import torch
+PAGELM_MODES = ("dense/dense", "mapped/dense", "mapped/mapped")  # embedding/weights
 
-    torch.set_num_threads(2)
+
+def _timed(fn, total: list[float]):
+    """`fn`, adding the seconds spent in it to `total[0]`."""
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - start
+
+    return wrapper
+
+
+def pagelm_worker(path: str, mode: str, dtype: str, prompt_tokens: int, new_tokens: int) -> dict:
     import pagelm
     from pagelm.measure.memory import read_memory
+    from pagelm.quant import kernels, matmul
     from pagelm.sampling import SamplingParams
+    from pagelm.weights import linear
 
+    kernels.warmup()
+    matmul.warmup()
+    before = read_memory().anonymous
+    embedding, weights = mode.split("/")
     start = time.perf_counter()
-    model = pagelm.load(path, embedding=mode, dtype=dtype)
+    model = pagelm.load(path, embedding=embedding, weights=weights, dtype=dtype, threads=2)
     load_s = time.perf_counter() - start
+    load_mib = (read_memory().anonymous - before) / MIB
+    matmul_s, head_s = [0.0], [0.0]
+    for cls in (linear.DenseLinear, linear.MappedLinear):
+        cls.__call__ = _timed(cls.__call__, matmul_s)
+    model.head.logits = _timed(model.head.logits, head_s)
     session = model.session(max_len=prompt_tokens + new_tokens + 8)
     prompt = _prompt(model.embedding.vocab_size, prompt_tokens)
     params = SamplingParams(max_tokens=new_tokens)
@@ -46,12 +74,16 @@ def pagelm_worker(path: str, mode: str, dtype: str, prompt_tokens: int, new_toke
     stream = session.generate(prompt, params)
     tokens = [next(stream)]
     ttft = time.perf_counter() - start
+    matmul_s[0] = head_s[0] = 0.0
     start = time.perf_counter()
     tokens.extend(stream)
     decode_s = time.perf_counter() - start
     memory = read_memory()
-    return {"load_s": load_s, "ttft_s": ttft, "decode_tok_s": (len(tokens) - 1) / decode_s,
-            "anon_mib": memory.anonymous / MIB, "peak_rss_mib": memory.peak_rss / MIB, "tokens": tokens}
+    steps = len(tokens) - 1
+    return {"load_s": load_s, "ttft_s": ttft, "decode_tok_s": steps / decode_s, "load_mib": load_mib,
+            "anon_mib": memory.anonymous / MIB, "peak_rss_mib": memory.peak_rss / MIB, "tokens": tokens,
+            "matmul_ms": 1e3 * matmul_s[0] / steps, "head_ms": 1e3 * head_s[0] / steps,
+            "rest_ms": 1e3 * (decode_s - matmul_s[0] - head_s[0]) / steps}
 
 
 def llama_cpp_worker(path: str, prompt_tokens: int, new_tokens: int) -> dict:
@@ -137,22 +169,25 @@ def _run_worker(*args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def ensure_model(shape: str, models_dir: str) -> str:
-    path = os.path.join(models_dir, f"{shape}-q8_0.gguf")
+def ensure_model(shape: str, models_dir: str, mix: str | None = None) -> str:
+    kind = ["--mix", mix] if mix else ["--layer-type", "Q8_0"]
+    path = os.path.join(models_dir, f"{shape}-{mix or 'q8_0'}.gguf")
     if not os.path.exists(path):
         os.makedirs(models_dir, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pagelm", "synth", "--shape", shape, "--layer-type", "Q8_0", path],
-                       check=True)
+        subprocess.run([sys.executable, "-m", "pagelm", "synth", "--shape", shape, *kind, path], check=True)
     return path
 
 
 def main(doc: str = __doc__, default_shapes=("qwen3.5-0.8b",), default_models=(), prompt_tokens: int = 2600) -> None:
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=list(default_shapes), help="synthetic shapes (pagelm synth)")
+    parser.add_argument("--mix", help="write the synthetic shapes with `pagelm synth --mix MIX` (default: all Q8_0)")
     parser.add_argument("--models", nargs="*", default=list(default_models),
                         help="store names (pulled when missing) or .gguf paths")
     parser.add_argument("--models-dir", default=os.path.join(os.path.dirname(__file__), "models"))
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--modes", nargs="*", default=list(PAGELM_MODES), choices=PAGELM_MODES,
+                        help="pagelm's embedding/weights modes to run (default: all three)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--prompt-tokens", type=int, default=prompt_tokens)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -178,40 +213,51 @@ def main(doc: str = __doc__, default_shapes=("qwen3.5-0.8b",), default_models=()
         have_llama_cpp = False
     print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} greedy new tokens, 2 threads, "
           f"pagelm dtype {args.dtype}, median of {args.runs} fresh processes\n")
-    print("| model | runtime | embedding | load s | TTFT s | prompt tok/s | decode tok/s | anon MiB after | peak RSS MiB |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| model | runtime | embedding/weights | load s | load adds MiB | TTFT s | prompt tok/s | decode tok/s "
+          "| decode ms/token: matmuls + head + rest | anon MiB after | peak RSS MiB |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|")
     from pagelm import store
 
-    targets = [(shape, ensure_model(shape, args.models_dir)) for shape in args.shapes]
+    targets = [(f"{shape}{' ' + args.mix if args.mix else ''}", ensure_model(shape, args.models_dir, args.mix))
+               for shape in args.shapes]
     targets += [(name, str(store.pull(name))) for name in args.models]
-    head_rows = []
+    head_rows, notes = [], []
     for shape, path in targets:
-        configs = [("pagelm", "dense"), ("pagelm", "mapped")] + ([("llama.cpp", "-")] if have_llama_cpp else [])
+        configs = [("pagelm", mode) for mode in args.modes] + ([("llama.cpp", "-")] if have_llama_cpp else [])
         runs: dict[tuple[str, str], list[dict]] = {c: [] for c in configs}
         for _ in range(args.runs):  # interleaved, so drift in the machine's load hits every configuration alike
             for runtime, mode in configs:
                 runs[(runtime, mode)].append(_run_worker(
                     runtime, path, *([mode] if runtime == "pagelm" else []), "--dtype", args.dtype,
                     "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)))
+        med = {c: {k: statistics.median(r[k] for r in results) for k in results[0] if k != "tokens"}
+               for c, results in runs.items()}
+        for (runtime, mode), m in med.items():
+            pagelm_only = runtime == "pagelm"
+            breakdown = (f"{m['matmul_ms']:.1f} + {m['head_ms']:.1f} + {m['rest_ms']:.1f}" if pagelm_only else "-")
+            load = f"{m['load_mib']:.0f}" if pagelm_only else "-"
+            print(f"| {shape} | {runtime} | {mode} | {m['load_s']:.1f} | {load} | {m['ttft_s']:.2f} "
+                  f"| {args.prompt_tokens / m['ttft_s']:.0f} | {m['decode_tok_s']:.1f} | {breakdown} "
+                  f"| {m['anon_mib']:.0f} | {m['peak_rss_mib']:.0f} |", flush=True)
         tokens = {c: r[0]["tokens"] for c, r in runs.items()}
-        for (runtime, mode), results in runs.items():
-            med = {k: statistics.median(r[k] for r in results)
-                   for k in ("load_s", "ttft_s", "decode_tok_s", "anon_mib", "peak_rss_mib")}
-            print(f"| {shape} | {runtime} | {mode} | {med['load_s']:.1f} | {med['ttft_s']:.2f} "
-                  f"| {args.prompt_tokens / med['ttft_s']:.0f} | {med['decode_tok_s']:.1f} | {med['anon_mib']:.0f} "
-                  f"| {med['peak_rss_mib']:.0f} |", flush=True)
-        dense, mapped = runs[("pagelm", "dense")], runs[("pagelm", "mapped")]
-        ratio = lambda key: statistics.median(r[key] for r in mapped) / statistics.median(r[key] for r in dense)
-        print(f"\n{shape}: mapped/dense TTFT {ratio('ttft_s'):.3f}, decode {ratio('decode_tok_s'):.3f}, "
-              f"anonymous memory {statistics.median(r['anon_mib'] for r in dense) - statistics.median(r['anon_mib'] for r in mapped):.0f} MiB lower; "
-              f"TTFT per run dense {[round(r['ttft_s'], 2) for r in dense]}, mapped {[round(r['ttft_s'], 2) for r in mapped]}",
-              flush=True)
-        same = tokens[("pagelm", "dense")] == tokens[("pagelm", "mapped")]
-        print(f"{shape}: dense and mapped generated {'identical' if same else 'DIFFERENT'} tokens", flush=True)
-        if have_llama_cpp:
-            agree = sum(a == b for a, b in zip(tokens[("pagelm", "mapped")], tokens[("llama.cpp", "-")]))
-            print(f"{shape}: pagelm and llama.cpp agree on {agree} of {args.new_tokens} greedy tokens", flush=True)
+        if ("pagelm", "mapped/dense") in med and ("pagelm", "mapped/mapped") in med:
+            dense, mapped = med[("pagelm", "mapped/dense")], med[("pagelm", "mapped/mapped")]
+            ttfts = {mode: [round(r["ttft_s"], 2) for r in runs[("pagelm", mode)]] for mode in args.modes}
+            notes.append(f"{shape}: weights mapped/dense (embedding mapped): TTFT {mapped['ttft_s'] / dense['ttft_s']:.3f}, "
+                         f"decode {mapped['decode_tok_s'] / dense['decode_tok_s']:.3f}, anonymous memory after the "
+                         f"request {dense['anon_mib'] - mapped['anon_mib']:.0f} MiB lower; TTFT per run {ttfts}")
+            same = sum(a == b for a, b in zip(tokens[("pagelm", "mapped/dense")], tokens[("pagelm", "mapped/mapped")]))
+            notes.append(f"{shape}: weights dense and mapped agree on {same} of {args.new_tokens} greedy tokens")
+        if have_llama_cpp and ("pagelm", "mapped/mapped") in med:
+            ours, theirs = med[("pagelm", "mapped/mapped")], med[("llama.cpp", "-")]
+            agree = sum(a == b for a, b in zip(tokens[("pagelm", "mapped/mapped")], tokens[("llama.cpp", "-")]))
+            notes.append(f"{shape}: pagelm (all mapped) / llama.cpp: decode {ours['decode_tok_s'] / theirs['decode_tok_s']:.2f}x, "
+                         f"TTFT {ours['ttft_s'] / theirs['ttft_s']:.2f}x, anonymous memory after {ours['anon_mib']:.0f} "
+                         f"vs {theirs['anon_mib']:.0f} MiB; greedy tokens agree on {agree} of {args.new_tokens}")
         head_rows.append((shape, _run_worker("head", path)))
+    print()
+    for note in notes:
+        print(f"- {note}")
     print("\n| model | head table | pagelm mapped head ms | torch.mv bf16 ms | ratio |")
     print("|---|---|---:|---:|---:|")
     for shape, h in head_rows:
