@@ -1,0 +1,413 @@
+"""Numba linear layers over GGML block bytes in place: x @ W.T and W -> float32 / bf16, rows addressed by byte offset.
+
+Kernels read the uint8 array they are handed (normally the read-only file map); they never open files, copy or write it.
+"""
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import carray, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from pagelm.errors import ModelFormatError, UnsupportedError
+from pagelm.quant.codecs import DECODABLE
+from pagelm.quant.kernels import _F16_TO_F32, _bf16, _f32_bits, _prefetch, _stack_f32x32, _sum32, _wide_vectors
+from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
+
+MAX_GEMV_ROWS = 8
+
+_T = GGMLType
+# Kernel kinds: compile-time constants inside the kernels (LLVM folds the chains of `kind ==`).
+_F32, _F16, _BF16 = int(_T.F32), int(_T.F16), int(_T.BF16)
+_Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1 = int(_T.Q8_0), int(_T.Q4_0), int(_T.Q4_1), int(_T.Q5_0), int(_T.Q5_1)
+_Q4_K, _Q5_K, _Q6_K = int(_T.Q4_K), int(_T.Q5_K), int(_T.Q6_K)
+
+# Hint the data this many bytes ahead of the read position: the hardware prefetcher stops at each
+# 4 KiB page, hints do not (see kernels._AHEAD).
+_AHEAD = 8192
+
+
+# --- loads --------------------------------------------------------------------------
+
+
+@intrinsic
+def _load(typingctx, data, offset, ty):
+    """The `ty` value at byte `offset` of uint8 array `data`, unaligned and without index wraparound."""
+    rtype = ty.instance_type
+
+    def codegen(context, builder, signature, args):
+        base = context.make_array(data)(context, builder, args[0]).data
+        ptr = builder.gep(builder.bitcast(base, ir.IntType(8).as_pointer()), [args[1]])
+        return builder.load(builder.bitcast(ptr, context.get_value_type(rtype).as_pointer()), align=1)
+
+    return rtype(data, offset, ty), codegen
+
+
+@intrinsic
+def _u32_as_f32(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _stack_f32x256(typingctx):
+    """256 float32 on the stack (n <= 8 rows of 32 accumulators), which LLVM knows alias nothing."""
+
+    def codegen(context, builder, signature, args):
+        return cgutils.alloca_once(builder, ir.FloatType(), size=256)
+
+    return types.CPointer(types.float32)(), codegen
+
+
+@njit(inline="always")
+def _u8(data, at):
+    return _load(data, at, np.uint8)
+
+
+@njit(inline="always")
+def _half(f16, data, at):
+    """The fp16 at data[at : at + 2] as float32, through the table (numpy's exact conversion)."""
+    return f16[_load(data, at, np.uint16)]
+
+
+# --- one block type = _prep (scales of a group of 32 values) + _lane (one value) ----------
+#
+# A block holds 1 (32-value types) or 8 (K-quants) groups of 32 values; each group is two halves
+# of 16 lanes, value 16 h + j, whose bytes are consecutive in j so that loops over j vectorize.
+# The float ops follow codecs.py (gguf-py's order), so a kernel compiled without contraction
+# gives decode_f32's values bit for bit; the matmul kernels allow contraction.
+
+
+@njit(inline="always")
+def _scale_min_k4(data, at, g):
+    """6-bit scale and min of sub-block g from the 12 scale bytes at `at` (Q4_K, Q5_K)."""
+    if g < 4:
+        return _u8(data, at + g) & 63, _u8(data, at + g + 4) & 63
+    lo = _u8(data, at + g + 4)
+    return (lo & 15) | (_u8(data, at + g - 4) >> 6) << 4, (lo >> 4) | (_u8(data, at + g) >> 6) << 4
+
+
+@njit(inline="always")
+def _prep(kind, data, o, g, f16):
+    """(scale, offset) of halves 0 and 1 of group g of the block at byte o."""
+    zero = np.float32(0)
+    if kind == _Q8_0 or kind == _Q4_0 or kind == _Q5_0:
+        d = _half(f16, data, o)
+        return d, zero, d, zero
+    if kind == _Q4_1 or kind == _Q5_1:
+        d, m = _half(f16, data, o), _half(f16, data, o + 2)
+        return d, m, d, m
+    if kind == _Q4_K or kind == _Q5_K:
+        sc, mn = _scale_min_k4(data, o + 4, g)
+        s, m = _half(f16, data, o) * np.float32(sc), _half(f16, data, o + 2) * np.float32(mn)
+        return s, m, s, m
+    if kind == _Q6_K:
+        d = _half(f16, data, o + 208)
+        at = o + 192 + 2 * g  # int8 scales of 16 values each
+        return d * np.float32(_load(data, at, np.int8)), zero, d * np.float32(_load(data, at + 1, np.int8)), zero
+    return zero, zero, zero, zero
+
+
+@njit(inline="always")
+def _q5(data, qh, qs, h, j):
+    """Value 16 h + j of a Q5_0/Q5_1 block: nibble from bytes `qs`, fifth bit from the 32 bits at `qh`."""
+    hb = _load(data, qh, np.uint32) >> (16 * h + j) & 1
+    return np.uint8((_u8(data, qs + j) >> 4 * h & 15) | hb << 4)
+
+
+@njit(inline="always")
+def _plus(exact, a, b):
+    if exact and a != a:
+        return a
+    return a + b
+
+
+@njit(inline="always")
+def _val(kind, data, o, k, f16):
+    """Value k of a float-typed row whose values start at byte o."""
+    if kind == _F32:
+        return _load(data, o + 4 * k, np.float32)
+    if kind == _F16:
+        return f16[_load(data, o + 2 * k, np.uint16)]
+    return _u32_as_f32(np.uint32(_load(data, o + 2 * k, np.uint16)) << 16)
+
+
+@njit(inline="always")
+def _lane(kind, exact, data, o, g, h, j, s, m, f16):
+    """Value 16 h + j of group g of the block at byte o, given that half's scale s and offset m.
+
+    With `exact`, q * d + m keeps the NaN of q * d when both are NaN, as numpy's add does: LLVM may
+    swap the operands of an add, and x86 returns the first NaN operand.
+    """
+    if kind == _Q8_0:
+        return np.float32(_load(data, o + 2 + 16 * h + j, np.int8)) * s
+    if kind == _Q4_0:
+        return np.float32(np.int8((_u8(data, o + 2 + j) >> 4 * h & 15) - 8)) * s
+    if kind == _Q4_1:
+        return _plus(exact, np.float32(np.uint8(_u8(data, o + 4 + j) >> 4 * h & 15)) * s, m)
+    if kind == _Q5_0:
+        return np.float32(np.int8(_q5(data, o + 2, o + 6, h, j) - 16)) * s
+    if kind == _Q5_1:
+        return _plus(exact, np.float32(_q5(data, o + 4, o + 8, h, j)) * s, m)
+    if kind == _Q4_K:
+        q = _u8(data, o + 16 + 32 * (g >> 1) + 16 * h + j) >> 4 * (g & 1) & 15
+        return np.float32(np.uint8(q)) * s - m
+    if kind == _Q5_K:
+        q = _u8(data, o + 48 + 32 * (g >> 1) + 16 * h + j) >> 4 * (g & 1) & 15
+        q |= (_u8(data, o + 16 + 16 * h + j) >> g & 1) << 4
+        return np.float32(np.uint8(q)) * s - m
+    if kind == _Q6_K:
+        half, k, l = g >> 2, g & 3, 16 * h + j
+        lo = _u8(data, o + 64 * half + 32 * (k & 1) + l) >> 4 * (k >> 1) & 15
+        hi = _u8(data, o + 128 + 32 * half + l) >> 2 * k & 3
+        return np.float32(np.int8((lo | hi << 4) - 32)) * s
+    return _val(kind, data, o, 16 * h + j, f16)
+
+
+# --- shared row loop pieces ---------------------------------------------------------
+
+
+@njit(inline="always")
+def _chunk(c, nch, rows):
+    return c * rows // nch, (c + 1) * rows // nch
+
+
+@njit(inline="always")
+def _ahead_start(r0, rnb):
+    """(row, byte in row) of the first hint: _AHEAD bytes past the start of row r0."""
+    return r0 + _AHEAD // rnb, _AHEAD % rnb
+
+
+@njit(inline="always")
+def _run_ahead(data, offs, ra, pa, debt, rnb):
+    """Hints one cache line per 64 bytes of `debt` (bytes read since), _AHEAD bytes ahead of the reads.
+
+    Rows need not be contiguous: the hint position walks the same row sequence as the reads.
+    """
+    while debt >= 64:
+        if ra < len(offs):
+            _prefetch(data, offs[ra] + pa)
+        debt -= 64
+        pa += 64
+        if pa >= rnb:
+            pa -= rnb
+            ra += 1
+    return ra, pa, debt
+
+
+# --- kernels ------------------------------------------------------------------------
+
+
+def _matmul_kernel(kind: int, vb: int, bb: int):
+    """out[:, lo + r] = x @ dequant(row r) for a block type of vb values in bb bytes (32 in 32 x size for floats)."""
+    groups = vb // 32
+    # Rows of float types end in a partial "block" of width % 32 values, each of bb // 32 bytes.
+    value_bytes = bb // 32 if kind in (_F32, _F16, _BF16) else 0
+
+    @njit(parallel=True, cache=True, fastmath={"contract"})
+    def matmul(data, offs, x, f16, out, lo, width, nch):
+        rows, n = len(offs), x.shape[0]
+        nblk, tail = width // vb, width % vb
+        rnb = max(nblk * bb + tail * value_bytes, 1)
+        for c in prange(nch):
+            _wide_vectors()
+            r0, r1 = _chunk(c, nch, rows)
+            ra, pa = _ahead_start(r0, rnb)
+            debt = 0
+            acc = carray(_stack_f32x256(), 256)
+            w = carray(_stack_f32x32(), 32)
+            for r in range(r0, r1):
+                row = offs[r]
+                acc[: 32 * n] = 0
+                for b in range(nblk):
+                    debt += bb
+                    ra, pa, debt = _run_ahead(data, offs, ra, pa, debt, rnb)
+                    o = row + b * bb
+                    for g in range(groups):
+                        xo = b * vb + 32 * g
+                        s0, m0, s1, m1 = _prep(kind, data, o, g, f16)
+                        for h in range(2):
+                            s, m = (s0, m0) if h == 0 else (s1, m1)
+                            if n == 1:
+                                for j in range(16):
+                                    acc[16 * h + j] += _lane(kind, False, data, o, g, h, j, s, m, f16) * x[0, xo + 16 * h + j]
+                            else:
+                                # One dequantization serves every activation row.
+                                for j in range(16):
+                                    w[j] = _lane(kind, False, data, o, g, h, j, s, m, f16)
+                                for i in range(n):
+                                    for j in range(16):
+                                        acc[32 * i + 16 * h + j] += w[j] * x[i, xo + 16 * h + j]
+                for i in range(n):
+                    total = _sum32(acc[32 * i : 32 * i + 32])
+                    for k in range(tail):
+                        total += _val(kind, data, row + nblk * bb, k, f16) * x[i, nblk * vb + k]
+                    out[i, lo + r] = total
+
+    return matmul
+
+
+def _put(kind, out, r, k, v):
+    """out[r, k] = v, or its bf16 bits into uint16 `out` (BF16 weights: the stored bits, NaNs as they are)."""
+
+
+@overload(_put)
+def _put_impl(kind, out, r, k, v):
+    if out.dtype == types.uint16:
+
+        def put_bf16(kind, out, r, k, v):
+            out[r, k] = _f32_bits(v) >> 16 if kind == _BF16 else _bf16(v)
+
+        return put_bf16
+
+    def put(kind, out, r, k, v):
+        out[r, k] = v
+
+    return put
+
+
+def _dequant_kernel(kind: int, vb: int, bb: int):
+    """out[r] = dequant(row r) as float32, or as bf16 bits into uint16; compiled without contraction."""
+    groups = vb // 32
+    value_bytes = bb // 32 if kind in (_F32, _F16, _BF16) else 0
+
+    @njit(parallel=True, cache=True)
+    def dequant(data, offs, f16, out, nch):
+        rows, width = out.shape
+        nblk, tail = width // vb, width % vb
+        rnb = max(nblk * bb + tail * value_bytes, 1)
+        for c in prange(nch):
+            _wide_vectors()
+            r0, r1 = _chunk(c, nch, rows)
+            ra, pa = _ahead_start(r0, rnb)
+            debt = 0
+            for r in range(r0, r1):
+                row = offs[r]
+                for b in range(nblk):
+                    debt += bb
+                    ra, pa, debt = _run_ahead(data, offs, ra, pa, debt, rnb)
+                    o = row + b * bb
+                    for g in range(groups):
+                        xo = b * vb + 32 * g
+                        s0, m0, s1, m1 = _prep(kind, data, o, g, f16)
+                        for j in range(16):
+                            _put(kind, out, r, xo + j, _lane(kind, True, data, o, g, 0, j, s0, m0, f16))
+                        for j in range(16):
+                            _put(kind, out, r, xo + 16 + j, _lane(kind, True, data, o, g, 1, j, s1, m1, f16))
+                for k in range(tail):
+                    _put(kind, out, r, nblk * vb + k, _val(kind, data, row + nblk * bb, k, f16))
+
+    return dequant
+
+
+def _kernels(t: GGMLType) -> tuple:
+    vb, bb = BLOCK_LAYOUT[t]
+    if vb == 1:  # float types: 32 values at a time
+        vb, bb = 32, 32 * bb
+    return _matmul_kernel(int(t), vb, bb), _dequant_kernel(int(t), vb, bb), BLOCK_LAYOUT[t][0]
+
+
+_KERNELS = {t: _kernels(t) for t in sorted(DECODABLE)}
+
+
+# --- public API ---------------------------------------------------------------------
+
+
+def _block(ggml_type) -> tuple:
+    k = _KERNELS.get(ggml_type)
+    if k is None:
+        t = as_ggml_type(ggml_type)
+        raise UnsupportedError(f"no matmul kernel for GGML type {t.name}")
+    return k
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    # Kernels are compiled for read-only inputs (what the file map gives); a view costs ~0.2 us.
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+def _chunks(rows: int) -> int:
+    # One contiguous chunk of rows per thread, so each thread's prefetch hints run ahead of it unbroken.
+    return max(min(rows, numba.get_num_threads()), 1)
+
+
+def _check_array(name: str, a, dtype, ndim: int) -> None:
+    if not (isinstance(a, np.ndarray) and a.dtype == dtype and a.ndim == ndim and a.flags.c_contiguous):
+        raise ValueError(
+            f"{name} must be a C-contiguous {ndim}-D {np.dtype(dtype).name} array, got "
+            f"{getattr(a, 'dtype', type(a).__name__)} with shape {getattr(a, 'shape', None)}"
+        )
+
+
+def rows_matmul(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width: int,
+                x: np.ndarray, out: np.ndarray, out_lo: int = 0) -> None:
+    """out[:, out_lo : out_lo + len(row_offsets)] = x @ W.T where W[r] = dequant(row at data[row_offsets[r]:]).
+
+    data: 1-D uint8 (normally the read-only file map), row_offsets: 1-D int64, both validated once by
+    check_rows; x: float32 (n, width) C-contiguous, 1 <= n <= MAX_GEMV_ROWS; out: float32 (n, total)
+    C-contiguous writeable. fp32 accumulation of the dequantized weights (decode_f32's values, with
+    FMA contraction). Runs on numba's threads (numba.set_num_threads), one contiguous chunk of rows each.
+    """
+    matmul, _, vb = _block(ggml_type)
+    _check_array("x", x, np.float32, 2)
+    _check_array("out", out, np.float32, 2)
+    n = x.shape[0]
+    if not 1 <= n <= MAX_GEMV_ROWS or x.shape[1] != width or width % vb:
+        raise ValueError(f"x must have shape (n, {width}) with 1 <= n <= {MAX_GEMV_ROWS}, got {x.shape}")
+    if out.shape[0] != n or not 0 <= out_lo <= out.shape[1] - len(row_offsets) or not out.flags.writeable:
+        raise ValueError(
+            f"out must be writeable with {n} rows and columns {out_lo}..{out_lo + len(row_offsets)}, "
+            f"got shape {out.shape}"
+        )
+    matmul(_readonly(data), _readonly(row_offsets), _readonly(x), _F16_TO_F32, out, out_lo, width, _chunks(len(row_offsets)))
+
+
+def rows_dequantize(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width: int, out: np.ndarray) -> None:
+    """out[r] = dequant(row r): float32 out gets decode_f32's values bit for bit, uint16 out the bf16
+    bits of those values rounded to nearest even (decode_bf16's). Parallel over rows on numba's threads.
+    """
+    _, dequant, vb = _block(ggml_type)
+    if not (isinstance(out, np.ndarray) and out.dtype in (np.float32, np.uint16)):
+        raise ValueError(f"out must be float32 or uint16 (bf16 bits), got {getattr(out, 'dtype', type(out).__name__)}")
+    _check_array("out", out, out.dtype, 2)
+    if out.shape != (len(row_offsets), width) or width % vb or not out.flags.writeable:
+        raise ValueError(f"out must be writeable with shape ({len(row_offsets)}, {width}), got {out.shape}")
+    dequant(_readonly(data), _readonly(row_offsets), _F16_TO_F32, out, _chunks(len(row_offsets)))
+
+
+def check_rows(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width: int) -> None:
+    """Validates, once at load, what rows_matmul and rows_dequantize then trust: the type has kernels,
+    width is a whole number of blocks, and every row lies inside data."""
+    t = as_ggml_type(ggml_type)
+    if t not in _KERNELS:
+        raise UnsupportedError(f"no matmul kernel for GGML type {t.name}")
+    _check_array("data", data, np.uint8, 1)
+    _check_array("row_offsets", row_offsets, np.int64, 1)
+    vb, bb = BLOCK_LAYOUT[t]
+    if width < 0 or width % vb:
+        raise ModelFormatError(f"{t.name}: a row of {width} values is not a whole number of {vb}-value blocks")
+    nbytes = width // vb * bb
+    bad = np.flatnonzero((row_offsets < 0) | (row_offsets > data.size - nbytes))
+    if len(bad):
+        i = int(bad[0])
+        raise ModelFormatError(
+            f"{t.name}: row {i} at byte offset {int(row_offsets[i])} ({nbytes} bytes) lies outside "
+            f"the {data.size} bytes of data"
+        )
+
+
+def warmup() -> None:
+    """Compiles every kernel for every type, or loads it from numba's cache, on tiny inputs."""
+    for t, (_, _, vb) in _KERNELS.items():
+        width = max(vb, 32)
+        data = np.zeros(BLOCK_LAYOUT[t][1] * width // vb, np.uint8)
+        offs = np.zeros(1, np.int64)
+        rows_matmul(data, t, offs, width, np.zeros((1, width), np.float32), np.empty((1, 1), np.float32))
+        for dtype in (np.float32, np.uint16):
+            rows_dequantize(data, t, offs, width, np.empty((1, width), dtype))
