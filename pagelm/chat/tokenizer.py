@@ -9,24 +9,39 @@ Two vocabulary kinds are understood:
 Control tokens (type 3) become special tokens (matched whole in text, dropped by
 `decode(skip_special=True)`); user-defined ones (type 4) are matched whole but kept on decode.
 
-Building the 248k-entry Qwen vocabulary takes seconds, so the serialized `tokenizer.json` is
-cached on disk under a hash of the file's tokenizer metadata bytes (see `_cache_key`).
+`gpt2` vocabularies are tokenized by `_ByteBPE`, a compact re-implementation of the BPE model
+step of HF `tokenizers` (same normalizer and pre-tokenizer objects, same merge algorithm, same
+added-token matching), whose tables are flat arrays: the Qwen3.5 vocabulary (248k tokens, 500k
+merges) costs ~15 MiB of anonymous memory there, against 100-300 MiB inside `tokenizers` (its
+hash maps, plus the heap parsing a tokenizer.json leaves behind). Vocabularies it cannot take
+(no byte token for some byte, duplicate tokens, a merge naming an unknown token, ...) and
+`llama` ones are built on HF `tokenizers`.
+
+Building takes seconds (the merges are parsed once), so the result is cached on disk under a hash
+of the file's tokenizer metadata bytes (see `_cache_key`): `<key>.bpe` (the merge table of
+`_ByteBPE`) or `<key>.json` (the serialized HF `tokenizer.json`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import heapq
 import os
+import re
 import struct
+import sys
 import tempfile
+from array import array
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
 from pagelm.errors import ModelFormatError, UnsupportedError
-from pagelm.formats.gguf import GGUFArray, GGUFFile, GGUFValueType
+from pagelm.formats.gguf import _U64, GGUFArray, GGUFFile, GGUFValueType, _skip_strings
 
 # Bump when the way a tokenizer is built changes: old cache entries then stop matching.
-_BUILDER_VERSION = 1
+_BUILDER_VERSION = 2
 _PREFIX = "tokenizer.ggml."
 
 CONTROL, USER_DEFINED = 3, 4
@@ -77,25 +92,31 @@ def _byte_alphabet() -> tuple[dict[int, str], frozenset[str]]:
 class Tokenizer:
     """A model's tokenizer: text <-> token ids, plus its BOS/EOS conventions."""
 
-    def __init__(self, hf, *, bos_id: int | None, eos_ids: tuple[int, ...], add_bos: bool, add_eos: bool,
+    def __init__(self, backend, *, bos_id: int | None, eos_ids: tuple[int, ...], add_bos: bool, add_eos: bool,
                  vocab_size: int, name: str = "<tokenizer>", cache_path: str | None = None,
                  from_cache: bool = False):
-        self.hf = hf  # the tokenizers.Tokenizer
+        # backend: a `_ByteBPE`, or a tokenizers.Tokenizer (then also `self.hf`)
+        self.hf = None if isinstance(backend, _ByteBPE) else backend
+        self._backend = backend if self.hf is None else _HFBackend(backend)
         self.bos_id = bos_id
         self.eos_ids = eos_ids
         self.add_bos, self.add_eos = add_bos, add_eos
         self.vocab_size = vocab_size
         self.name = name
-        self.cache_path = cache_path  # the tokenizer.json this came from or was saved to
+        self.cache_path = cache_path  # the cache entry (.bpe or tokenizer.json) this came from or was saved to
         self.from_cache = from_cache
         self.eos_id = eos_ids[0] if eos_ids else None
-        self._special_ids = frozenset(
-            i for i, t in hf.get_added_tokens_decoder().items() if t.special)
+        self._special_ids = self._backend.special_ids
 
     # ------------------------------------------------------------------------------ building
 
     @classmethod
-    def from_gguf(cls, model: GGUFFile, cache_dir: str | None = None) -> Tokenizer:
+    def from_gguf(cls, model: GGUFFile, cache_dir: str | None = None, *, compact: bool = True) -> Tokenizer:
+        """The tokenizer of `model`, from the cache under `cache_dir` when it has it.
+
+        compact=False builds a `gpt2` vocabulary on HF `tokenizers` even where `_ByteBPE` takes it
+        (for comparisons; it costs 100-300 MiB for a large vocabulary).
+        """
         from tokenizers import Tokenizer as HFTokenizer
 
         md = model.metadata
@@ -114,40 +135,52 @@ class Tokenizer:
         if not isinstance(tokens, GGUFArray) or tokens.element_type != GGUFValueType.STRING or not len(tokens):
             raise ModelFormatError(f"{model.name}: metadata key 'tokenizer.ggml.tokens' must be a non-empty string array")
         n = len(tokens)
+        token_types = md.get(_PREFIX + "token_type")
+        if token_types is not None and len(token_types) != n:
+            raise ModelFormatError(f"{model.name}: metadata key 'tokenizer.ggml.token_type' has {len(token_types)} "
+                                   f"entries, expected {n} (one per token)")
+        types = token_types.to_numpy() if token_types is not None else None
 
         cache_dir = default_cache_dir() if cache_dir is None else cache_dir
-        path = os.path.join(cache_dir, _cache_key(model) + ".json")
-        hf = None
-        if os.path.exists(path):
-            try:
-                hf = HFTokenizer.from_file(path)
-            except Exception:  # a damaged entry: rebuild it
-                hf = None
-        from_cache = hf is not None
-        if hf is None:
-            token_types = md.get(_PREFIX + "token_type")
-            if token_types is not None and len(token_types) != n:
-                raise ModelFormatError(f"{model.name}: metadata key 'tokenizer.ggml.token_type' has {len(token_types)} "
-                                       f"entries, expected {n} (one per token)")
-            types = token_types.to_numpy() if token_types is not None else None
-            if kind == "gpt2":
-                hf = _build_gpt2(model, tokens.tolist(), types, pre)
-            else:
-                hf = _build_spm(model, tokens.tolist(), types)
-            _save_atomic(hf.to_str(), path)
+        key = _cache_key(model)
+        json_path = os.path.join(cache_dir, key + ".json")
+        bpe_path = os.path.join(cache_dir, key + ".bpe")
+        backend, path, from_cache = None, json_path, False
+        if kind == "gpt2" and compact:
+            if os.path.exists(bpe_path):
+                backend = _ByteBPE.build(model, tokens, types, pre, cached=bpe_path)
+                path, from_cache = bpe_path, backend is not None
+            if backend is None and not os.path.exists(json_path):
+                backend = _ByteBPE.build(model, tokens, types, pre, save=bpe_path)
+                path = bpe_path
+        if backend is None:
+            path = json_path
+            if os.path.exists(json_path):
+                try:
+                    backend = HFTokenizer.from_file(json_path)
+                    from_cache = True
+                except Exception:  # a damaged entry: rebuild it
+                    backend = None
+            if backend is None:
+                if kind == "gpt2":
+                    backend = _build_gpt2(model, tokens.tolist(), types, pre)
+                else:
+                    backend = _build_spm(model, tokens.tolist(), types)
+                _save_atomic(backend.to_str(), json_path)
+        _malloc_trim()  # hand back the heap the build (or the JSON parse) left free
 
+        tok = cls(backend, bos_id=None, eos_ids=(), add_bos=False, add_eos=False, vocab_size=n)
         bos = md.get(_PREFIX + "bos_token_id")
         eos = md.get(_PREFIX + "eos_token_id")
         eot = md.get(_PREFIX + "eot_token_id")
-        for key, value in (("bos_token_id", bos), ("eos_token_id", eos), ("eot_token_id", eot)):
+        for name, value in (("bos_token_id", bos), ("eos_token_id", eos), ("eot_token_id", eot)):
             if value is not None and not (isinstance(value, int) and 0 <= value < n):
-                raise ModelFormatError(f"{model.name}: metadata key 'tokenizer.ggml.{key}' is {value!r}, "
+                raise ModelFormatError(f"{model.name}: metadata key 'tokenizer.ggml.{name}' is {value!r}, "
                                        f"expected a token id below {n}")
         eos_ids: list[int] = [i for i in (eos, eot) if i is not None]
-        control = {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
         for text in _END_OF_TURN:
-            i = hf.token_to_id(text)
-            if i is not None and i in control and i not in eos_ids:
+            i = tok.token_to_id(text)
+            if i is not None and i in tok._special_ids and i not in eos_ids:
                 eos_ids.append(i)
         add_bos = bool(md.get(_PREFIX + "add_bos_token", kind == "llama"))
         add_eos = bool(md.get(_PREFIX + "add_eos_token", False))
@@ -157,7 +190,7 @@ class Tokenizer:
         if add_eos and eos is None:
             raise ModelFormatError(f"{model.name}: metadata key 'tokenizer.ggml.add_eos_token' is set but "
                                    f"'tokenizer.ggml.eos_token_id' is missing")
-        return cls(hf, bos_id=bos, eos_ids=tuple(dict.fromkeys(eos_ids)), add_bos=add_bos, add_eos=add_eos,
+        return cls(backend, bos_id=bos, eos_ids=tuple(dict.fromkeys(eos_ids)), add_bos=add_bos, add_eos=add_eos,
                    vocab_size=n, name=model.name, cache_path=path, from_cache=from_cache)
 
     # ------------------------------------------------------------------------------ use
@@ -167,11 +200,11 @@ class Tokenizer:
 
         add_special adds BOS / EOS where the file's add_bos_token / add_eos_token ask for them.
         """
-        return self._wrap(self.hf.encode(text, add_special_tokens=False).ids, add_special)
+        return self._wrap(self._backend.encode(text), add_special)
 
     def encode_batch(self, texts: Sequence[str], add_special: bool = False) -> list[list[int]]:
-        """encode() of each text, in parallel inside `tokenizers`."""
-        return [self._wrap(e.ids, add_special) for e in self.hf.encode_batch(list(texts), add_special_tokens=False)]
+        """encode() of each text (in parallel inside `tokenizers` when built on it)."""
+        return [self._wrap(ids, add_special) for ids in self._backend.encode_batch(list(texts))]
 
     def _wrap(self, ids: list[int], add_special: bool) -> list[int]:
         if add_special:
@@ -182,7 +215,36 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special)
+        return self._backend.decode(list(ids), skip_special)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.name!r}, vocab {self.vocab_size}, bos {self.bos_id}, eos {self.eos_ids})"
+
+
+class _HFBackend:
+    """The `_ByteBPE` interface over a tokenizers.Tokenizer."""
+
+    def __init__(self, hf):
+        self.hf = hf
+        self.special_ids = frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int], skip_special: bool) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special)
 
     def token_to_id(self, token: str) -> int | None:
         return self.hf.token_to_id(token)
@@ -190,11 +252,334 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.hf.id_to_token(token_id)
 
-    def is_special(self, token_id: int) -> bool:
-        return token_id in self._special_ids
 
-    def __repr__(self) -> str:
-        return f"Tokenizer({self.name!r}, vocab {self.vocab_size}, bos {self.bos_id}, eos {self.eos_ids})"
+# Tokens spelled in GPT-2's byte alphabet, as UTF-8: `!`..`~`, U+00A1..U+00AC, U+00AE..U+0143.
+_ALPHABET_UTF8 = re.compile(rb"(?:[\x21-\x7e]|\xc2[\xa1-\xac\xae-\xbf]|[\xc3\xc4][\x80-\xbf]|\xc5[\x80-\x83])*")
+_BPE_MAGIC = b"pagelm-bpe\x00\x01"
+_BPE_HEADER = struct.Struct("<12sQQ")  # magic, tokens, merges
+
+
+class _ByteBPE:
+    """Byte-level BPE with HF `tokenizers`' results and a small memory footprint.
+
+    Only the BPE model step is re-implemented; the rest is HF's own objects or a copy of its rule:
+    added tokens are matched whole in the raw text, leftmost-longest (what `AddedVocabulary`
+    does); each stretch between them goes through HF's normalizer and pre-tokenizer objects (the
+    same ones `_build_gpt2` installs), and each piece through `_bpe`, a line-by-line port of
+    `tokenizers`' `BPE::tokenize` / `Word::merge_all` (whole-piece lookup when ignore_merges;
+    then merges lowest rank first, ties leftmost, queue entries dropped when their pair no longer
+    yields the same token). Decoding follows `decoders.ByteLevel`: each token's bytes (a token
+    spelled outside the byte alphabet stands for its own UTF-8), invalid UTF-8 as U+FFFD.
+
+    The tables are flat: the `tokenizer.ggml.tokens` bytes as stored (a copy, so the tokenizer
+    outlives the file), an offsets array, an open-addressing table of token ids keyed by
+    Python's hash of the spelled token, and the merges as three sorted arrays searched with
+    `bisect` (key `left * n + right`, merge rank, merged token). For Qwen3.5 that is ~4 + 1 + 2 +
+    8 MiB, where `tokenizers` holds 100-300 MiB.
+    """
+
+    def __init__(self):
+        self.special_ids: frozenset[int] = frozenset()
+        self._cache: dict[str, tuple[int, ...]] = {}
+
+    # ------------------------------------------------------------------------------ building
+
+    @classmethod
+    def build(cls, model: GGUFFile, tokens: GGUFArray, types, pre: str, *, cached: str | None = None,
+              save: str | None = None) -> _ByteBPE | None:
+        """The tokenizer, or None where HF `tokenizers` has to build it (it then also reports what
+        is wrong with the file). The merge table comes from `cached` if given, else is built from
+        the file's merges and written to `save`."""
+        from tokenizers import Regex, normalizers, pre_tokenizers
+
+        merges = _require(model, "merges")
+        if not isinstance(merges, GGUFArray) or merges.element_type != GGUFValueType.STRING:
+            return None
+        self = cls()
+        n = self._n = len(tokens)
+        buf, start = tokens._buf, tokens._start
+        end = _skip_strings(buf, start, n, len(buf))
+        if end is None or end - start >= 1 << 32 or n >= 1 << 31:
+            return None
+        region = self._region = bytes(buf[start:end])
+        starts, pos, unpack = array("I"), 0, _U64.unpack_from
+        for _ in range(n):
+            starts.append(pos)
+            pos += 8 + unpack(region, pos)[0]
+        starts.append(pos)
+        self._starts = starts
+        spelling, _ = _byte_alphabet()
+
+        # Token ids by spelled token (HF's vocab: a token stored outside the byte alphabet is
+        # spelled as its UTF-8 bytes). A spelling that occurs twice: left to HF.
+        respelled: dict[int, bytes] = {}
+        self._respelled = respelled
+        in_alphabet = _ALPHABET_UTF8.fullmatch
+        size = 1 << (2 * n).bit_length()
+        table = self._table = array("i", [-1]) * size
+        self._mask = mask = size - 1
+        for i in range(n):
+            s, e = starts[i] + 8, starts[i + 1]
+            key = region[s:e]
+            if not in_alphabet(region, s, e):
+                try:
+                    key.decode("utf-8")
+                except UnicodeDecodeError:
+                    return None
+                key = respelled[i] = "".join(spelling[b] for b in key).encode()
+            h = hash(key) & mask
+            while (j := table[h]) >= 0:
+                if self._key(j) == key:
+                    return None
+                h = (h + 1) & mask
+            table[h] = i
+        char_ids = {}
+        for b, char in spelling.items():
+            i = self._lookup(char.encode())
+            if i is None:  # HF would drop that byte from the text
+                return None
+            char_ids[char] = i
+        self._char_ids = char_ids
+
+        # Added tokens, as `_add_special` adds them to HF.
+        added: dict[str, int] = {}
+        special = set()
+        if types is not None:
+            for kind in (CONTROL, USER_DEFINED):
+                for i in (types == kind).nonzero()[0].tolist():
+                    text = self._raw(i).decode("utf-8")
+                    if not text or (kind == CONTROL and i in respelled):
+                        continue
+                    if text in added:  # HF would keep the first id for both
+                        return None
+                    added[text] = i
+                    if kind == CONTROL:
+                        special.add(i)
+        self._added = added
+        self._added_by_id = {i: t for t, i in added.items()}
+        self.special_ids = frozenset(special)
+        self._added_re = re.compile("|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))) \
+            if added else None
+
+        split, digits, nfc, ignore_merges = _GPT2_PRE[pre]
+        self._ignore_merges = ignore_merges
+        self._normalizer = normalizers.NFC() if nfc else None
+        steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+        steps += [pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        self._pre = pre_tokenizers.Sequence(steps)
+        decode_table = {ord(c): b for b, c in spelling.items()}
+        self._unspell = lambda text: text.translate(decode_table).encode("latin-1")
+
+        if cached is not None:
+            if not self._load_merges(cached, len(merges)):
+                return None
+        else:
+            if not self._build_merges(model, merges):
+                return None
+            if save is not None:
+                _save_atomic(_BPE_HEADER.pack(_BPE_MAGIC, n, len(self._mkeys)) + self._mkeys.tobytes()
+                             + self._mranks.tobytes() + self._mnew.tobytes(), save)
+        return self
+
+    def _build_merges(self, model: GGUFFile, merges: GGUFArray) -> bool:
+        """HF's merge map ((left, right) -> (rank, merged id); a repeated pair keeps its last rank)."""
+        import numpy as np
+
+        n, lookup, unpack = self._n, self._lookup, _U64.unpack_from
+        buf, pos = merges._buf, merges._start
+        m = len(merges)
+        keys, new = array("q"), array("i")
+        for k in range(m):
+            length = unpack(buf, pos)[0]
+            item = bytes(buf[pos + 8:pos + 8 + length])
+            pos += 8 + length
+            cut = item.find(b" ")
+            if cut < 0:
+                raise ModelFormatError(f"{model.name}: metadata key 'tokenizer.ggml.merges' element {k} is "
+                                       f"{item.decode('utf-8', 'replace')!r}, expected two tokens separated by a space")
+            left, right = lookup(item[:cut]), lookup(item[cut + 1:])
+            merged = lookup(item[:cut] + item[cut + 1:])
+            if left is None or right is None or merged is None:
+                return False  # HF reports it
+            keys.append(left * n + right)
+            new.append(merged)
+        flat = np.frombuffer(keys, np.int64)
+        order = np.argsort(flat, kind="stable")
+        ordered = flat[order]
+        last = np.append(ordered[1:] != ordered[:-1], True) if m else np.zeros(0, bool)
+        self._mkeys = array("q", ordered[last].tobytes())
+        self._mranks = array("i", order[last].astype(np.int32).tobytes())
+        self._mnew = array("i", np.frombuffer(new, np.int32)[order[last]].tobytes())
+        return True
+
+    def _load_merges(self, path: str, m: int) -> bool:
+        try:
+            with open(path, "rb") as fh:
+                magic, n, count = _BPE_HEADER.unpack(fh.read(_BPE_HEADER.size))
+                if magic != _BPE_MAGIC or n != self._n or count > m:
+                    return False
+                self._mkeys, self._mranks, self._mnew = array("q"), array("i"), array("i")
+                self._mkeys.fromfile(fh, count)
+                self._mranks.fromfile(fh, count)
+                self._mnew.fromfile(fh, count)
+                if fh.read(1):
+                    return False
+        except (OSError, EOFError, struct.error):
+            return False
+        return True
+
+    # ------------------------------------------------------------------------------ tables
+
+    def _raw(self, i: int) -> bytes:
+        """Token i as stored in the file (UTF-8)."""
+        return self._region[self._starts[i] + 8:self._starts[i + 1]]
+
+    def _key(self, i: int) -> bytes:
+        """Token i as HF's vocabulary spells it (UTF-8)."""
+        return self._respelled.get(i) or self._region[self._starts[i] + 8:self._starts[i + 1]]
+
+    def _lookup(self, key: bytes) -> int | None:
+        table, mask, region, starts, respelled = self._table, self._mask, self._region, self._starts, self._respelled
+        h = hash(key) & mask
+        while (i := table[h]) >= 0:
+            if (region[starts[i] + 8:starts[i + 1]] if i not in respelled else respelled[i]) == key:
+                return i
+            h = (h + 1) & mask
+        return None
+
+    # ------------------------------------------------------------------------------ use
+
+    def encode(self, text: str) -> list[int]:
+        out: list[int] = []
+        pos = 0
+        if self._added_re is not None:
+            added = self._added
+            for match in self._added_re.finditer(text):
+                if match.start() > pos:
+                    self._encode_plain(text[pos:match.start()], out)
+                out.append(added[match.group()])
+                pos = match.end()
+        if pos < len(text):
+            self._encode_plain(text[pos:] if pos else text, out)
+        return out
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    def _encode_plain(self, text: str, out: list[int]) -> None:
+        if self._normalizer is not None and not text.isascii():
+            text = self._normalizer.normalize_str(text)
+        lookup, cache, ignore_merges = self._lookup, self._cache, self._ignore_merges
+        for piece, _ in self._pre.pre_tokenize_str(text):
+            if ignore_merges:
+                i = lookup(piece.encode())
+                if i is not None:
+                    out.append(i)
+                    continue
+            ids = cache.get(piece)
+            if ids is None:
+                ids = self._bpe(piece)
+                if len(cache) >= 4096:
+                    cache.clear()
+                cache[piece] = ids
+            out.extend(ids)
+
+    def _bpe(self, piece: str) -> tuple[int, ...]:
+        """`tokenizers`' Word::merge_all over the piece's byte tokens."""
+        c = [self._char_ids[ch] for ch in piece]
+        size = len(c)
+        if size < 2:
+            return tuple(c)
+        n, keys, ranks, new = self._n, self._mkeys, self._mranks, self._mnew
+        count = len(keys)
+
+        def merge(a: int, b: int):
+            k = a * n + b
+            j = bisect_left(keys, k)
+            return (ranks[j], new[j]) if j < count and keys[j] == k else None
+
+        nxt = list(range(1, size + 1))
+        nxt[-1] = -1
+        prv = list(range(-1, size - 1))
+        alive = [True] * size
+        queue = []
+        for pos in range(size - 1):
+            m = merge(c[pos], c[pos + 1])
+            if m is not None:
+                queue.append((m[0], pos, m[1]))
+        heapq.heapify(queue)
+        pop, push = heapq.heappop, heapq.heappush
+        while queue:
+            _, pos, target = pop(queue)
+            if not alive[pos]:
+                continue
+            right = nxt[pos]
+            if right == -1:
+                continue
+            m = merge(c[pos], c[right])
+            if m is None or m[1] != target:  # an expired entry
+                continue
+            c[pos] = target
+            alive[right] = False
+            after = nxt[right]
+            nxt[pos] = after
+            if after != -1:
+                prv[after] = pos
+            before = prv[pos]
+            if before >= 0:
+                m = merge(c[before], target)
+                if m is not None:
+                    push(queue, (m[0], before, m[1]))
+            if after != -1:
+                m = merge(target, c[after])
+                if m is not None:
+                    push(queue, (m[0], pos, m[1]))
+        return tuple(c[i] for i in range(size) if alive[i])
+
+    def decode(self, ids: list[int], skip_special: bool) -> str:
+        n, region, starts, respelled, added = self._n, self._region, self._starts, self._respelled, self._added_by_id
+        skip = self.special_ids if skip_special else ()
+        chunks: list[bytes] = []
+        run: list[bytes] = []  # UTF-8 of byte-alphabet spellings, unspelled together
+        for i in ids:
+            if i < 0:
+                raise OverflowError("can't convert negative int to unsigned")
+            if i >= n or i in skip:
+                continue  # HF skips ids it does not know
+            raw = region[starts[i] + 8:starts[i + 1]]
+            if i in respelled:
+                if run:
+                    chunks.append(self._unspell(b"".join(run).decode()))
+                    run = []
+                chunks.append(raw)
+            else:
+                run.append(raw)
+        if run:
+            chunks.append(self._unspell(b"".join(run).decode()))
+        return b"".join(chunks).decode("utf-8", "replace")
+
+    def token_to_id(self, token: str) -> int | None:
+        i = self._added.get(token)
+        return i if i is not None else self._lookup(token.encode())
+
+    def id_to_token(self, token_id: int) -> str | None:
+        if not 0 <= token_id < self._n:
+            return None
+        text = self._added_by_id.get(token_id)
+        return text if text is not None else self._key(token_id).decode()
+
+
+def _malloc_trim() -> None:
+    """Return free heap to the system (glibc's malloc_trim; elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # musl and others have no malloc_trim
+        return
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
 
 
 class StreamDecoder:
@@ -263,8 +648,6 @@ def _cache_key(model: GGUFFile) -> str:
     Hashing the whole file would read hundreds of MB; (path, size, mtime) would miss copies and
     could be fooled by an in-place rewrite that keeps the mtime.
     """
-    from pagelm.formats.gguf import _skip_strings  # the reader's own prefix walker
-
     h = hashlib.sha256(f"pagelm-tokenizer/{_BUILDER_VERSION}".encode())
     md = model.metadata
     for key in sorted(k for k in md if k.startswith(_PREFIX)):
@@ -284,7 +667,7 @@ def _cache_key(model: GGUFFile) -> str:
     return h.hexdigest()[:32]
 
 
-def _save_atomic(text: str, path: str) -> None:
+def _save_atomic(text: str | bytes, path: str) -> None:
     """Write `text` to `path` via a unique `.part` file and os.replace (readers never see half a file)."""
     directory = os.path.dirname(path) or "."
     try:
@@ -293,7 +676,7 @@ def _save_atomic(text: str, path: str) -> None:
     except OSError:
         return  # an unwritable cache only costs the next build its time
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        with (os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8")) as fh:
             fh.write(text)
         os.replace(part, path)
     except BaseException as exc:

@@ -114,6 +114,93 @@ def _byte_spelling(data: bytes) -> list[str]:
     return [table[b] for b in data]
 
 
+def _compact_corpus(model: GGUFFile, hf: Tokenizer) -> list[str]:
+    """CORPUS plus the chat template's output, Python docs, every code point in context,
+    special tokens glued to combining marks, and concatenations of random tokens."""
+    import random
+
+    from pydoc_data.topics import topics
+
+    from pagelm.chat.template import ChatTemplate
+
+    rng = random.Random(0)
+    texts = list(CORPUS)
+    template = ChatTemplate(model.metadata["tokenizer.chat_template"])
+    texts.append(template.render([{"role": "system", "content": "Be brief."},
+                                  {"role": "user", "content": "2+2? 日本語で 😀"},
+                                  {"role": "assistant", "content": "<think>\nsum\n</think>\n\n4"},
+                                  {"role": "user", "content": "  code:\n\tdef f():\n\t\treturn 1\n"}],
+                                 enable_thinking=True))
+    docs = "\n".join(topics[k] for k in sorted(topics))
+    texts += [docs[i:i + 3000] for i in range(0, 60_000, 3000)]
+    points = [chr(c) for c in range(0x30000) if not 0xD800 <= c < 0xE000]
+    for i in range(0, len(points), 997):
+        chunk = points[i:i + 997]
+        texts.append("".join(chunk))
+        texts.append("".join(c + rng.choice([" ", "a", "1", "\n", "\u0301", "'S", "", "  "]) for c in chunk))
+    specials = [hf.id_to_token(i) for i in range(248_044, 248_077)]
+    for _ in range(200):
+        texts.append("".join(rng.choice(specials + ["x", " ", "\u0338", "\u0301", "é", "\u212a", "日本", "\n\n", "42"])
+                             for _ in range(8)))
+    for _ in range(1000):
+        ids = [rng.randrange(248_044) for _ in range(rng.randint(1, 10))]
+        texts.append(rng.choice(["", " "]).join(hf.decode([i]) for i in ids))
+    return texts
+
+
+def test_qwen35_compact_matches_tokenizers(qwen35_chat_gguf, cache_dir):
+    """The Qwen3.5 vocabulary goes to _ByteBPE; it must give HF tokenizers' ids and text exactly."""
+    import random
+
+    with GGUFFile.open(qwen35_chat_gguf) as model:
+        compact = Tokenizer.from_gguf(model, cache_dir)
+        hf = Tokenizer.from_gguf(model, cache_dir, compact=False)
+        texts = _compact_corpus(model, hf)
+    assert compact.hf is None and hf.hf is not None
+    assert compact.cache_path.endswith(".bpe")
+    expected = hf.encode_batch(texts)
+    for text, ids in zip(texts, expected):
+        assert compact.encode(text) == ids, text[:200]
+    assert compact.encode_batch(texts[:50], add_special=True) == hf.encode_batch(texts[:50], add_special=True)
+    rng = random.Random(1)
+    n = hf.vocab_size
+    for ids in expected[:300] + [[rng.randrange(n + 3) for _ in range(rng.randint(1, 6))] for _ in range(3000)]:
+        for skip in (False, True):
+            assert compact.decode(ids, skip) == hf.decode(ids, skip), ids  # incl. broken UTF-8, unknown ids
+    for i in [*range(0, n, 97), *range(248_000, n), n]:
+        token = hf.id_to_token(i)
+        assert compact.id_to_token(i) == token
+        if token is not None:
+            assert compact.token_to_id(token) == hf.token_to_id(token)
+    for token in ("no such token", "", " ", "Ġ", "Ġthe", "<think>", "<|im_end|>"):
+        assert compact.token_to_id(token) == hf.token_to_id(token)
+    assert (compact.bos_id, compact.eos_ids, compact.add_bos, compact._special_ids) == \
+        (hf.bos_id, hf.eos_ids, hf.add_bos, hf._special_ids)
+
+
+_MEMORY_CHILD = """
+import sys
+import pagelm.chat.tokenizer as T
+from pagelm.formats.gguf import GGUFFile
+from pagelm.measure.memory import read_memory
+model = GGUFFile.open(sys.argv[1])
+before = read_memory().anonymous
+tok = T.Tokenizer.from_gguf(model, sys.argv[2])
+after = read_memory().anonymous
+assert tok.hf is None and tok.from_cache and tok.encode("Hello world") == [9419, 1814]
+print(after - before)
+"""
+
+
+def test_qwen35_tokenizer_memory(qwen_path, qwen, cache_dir):
+    """The Qwen3.5 tokenizer (cache warm) costs at most 32 MiB of anonymous memory (measured
+    ~15 MiB; tokenizers needed 260-320 MiB)."""
+    assert qwen.hf is None
+    out = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, qwen_path, cache_dir],
+                         check=True, capture_output=True, text=True).stdout
+    assert int(out) <= 32 << 20, f"{int(out) / 2**20:.1f} MiB"
+
+
 def test_cache_is_written_and_used(qwen_path, tmp_path):
     cache = str(tmp_path / "cache")
     with GGUFFile.open(qwen_path) as model:
@@ -187,6 +274,26 @@ def test_small_gpt2_vocabulary(tmp_path):
     assert tok.encode("<s>ab") == [0, 4]
     assert tok.decode([0, 4, 5]) == "<s>ab ab" and tok.decode([0, 4, 5], skip_special=True) == "ab ab"
     assert tok.bos_id == 0 and tok.eos_ids == (0,) and tok.vocab_size == 6
+    assert tok.hf is not None  # no token for most bytes: built on HF tokenizers
+
+
+def test_vocabularies_compact_cannot_take_fall_back(tmp_path):
+    """A byte-level vocabulary _ByteBPE cannot reproduce HF on goes to HF tokenizers: here every
+    byte has a token, but one spelling occurs twice (HF keeps the later id for it)."""
+    strings = lambda items: Typed(GGUFValueType.ARRAY, (GGUFValueType.STRING, items))  # noqa: E731
+    from pagelm.chat.tokenizer import _byte_alphabet
+
+    chars = [_byte_alphabet()[0][b] for b in range(256)]
+    base = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen35",
+            "tokenizer.ggml.merges": strings(["a b", "Ġ ab"])}
+    with _write(tmp_path / "ok.gguf", {**base, "tokenizer.ggml.tokens": strings(chars + ["ab", "Ġab"])}) as model:
+        ok = Tokenizer.from_gguf(model, str(tmp_path / "cache"))
+    with _write(tmp_path / "dup.gguf", {**base, "tokenizer.ggml.tokens": strings(chars + ["ab", "Ġab", "ab"])}) as model:
+        dup = Tokenizer.from_gguf(model, str(tmp_path / "cache"))
+        hf = Tokenizer.from_gguf(model, str(tmp_path / "cache"), compact=False)
+    assert ok.hf is None and ok.encode("ab ab a") == [256, 257, chars.index("Ġ"), chars.index("a")]
+    assert dup.hf is not None and dup.cache_path.endswith(".json")
+    assert dup.encode("ab ab") == hf.encode("ab ab") == [258, 257]
 
 
 # ---------------------------------------------------------------------------------- real files
