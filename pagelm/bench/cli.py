@@ -74,6 +74,31 @@ def _shared(args: argparse.Namespace) -> int:
     return 0
 
 
+def _list_of(flag: str, value: str, allowed: tuple[str, ...]) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if v not in allowed]
+    if not items or bad:
+        raise PagelmError(f"{flag} takes a comma-separated list of {', '.join(allowed)}, got {value!r}")
+    return list(dict.fromkeys(items))
+
+
+def _perplexity(args: argparse.Namespace) -> int:
+    from pagelm.bench.perplexity import DTYPES, WEIGHTS, run_perplexity
+
+    _positive("--tokens", args.tokens)
+    weights = _list_of("--weights", args.weights, WEIGHTS)
+    dtypes = _list_of("--dtype", args.dtype, DTYPES)
+    text = None
+    if args.text:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    argv = sys.argv[sys.argv.index("perplexity"):] if "perplexity" in sys.argv else ["perplexity", args.model]
+    report = run_perplexity(args.model, model_path(args.model, args.models_dir), text, args.tokens, weights, dtypes,
+                            command=shlex.join(["pagelm", "bench", *argv]))
+    print(report.markdown())
+    return 0
+
+
 def _all(args: argparse.Namespace) -> int:
     from pagelm.bench.memory import run_memory
     from pagelm.bench.pressure import run_pressure
@@ -222,6 +247,24 @@ def register(commands) -> None:
     shared.add_argument("--png", metavar="PATH", help="also write a bar chart")
     _models_dir(shared)
     shared.set_defaults(run=_shared)
+
+    perplexity = subcommands.add_parser(
+        "perplexity", help="perplexity on a fixed English text per weights mode and dtype, via prefill and via decode",
+        description="Tokenize the text with the model's tokenizer (its BOS first when it adds one), take the first "
+                    "--tokens tokens, and for each weights mode × dtype load the model in process and compute the "
+                    "perplexity twice: through one prefill over the whole text (the head on every position) and "
+                    "teacher-forced through decode steps. Prints a markdown table, per dtype the ratio mapped/dense "
+                    "− 1 in %, and the command line. The default text is the English documentation bundled with "
+                    "Python (pydoc_data.topics, topics in sorted key order).")
+    perplexity.add_argument("model", metavar="MODEL", help=model_help)
+    perplexity.add_argument("--text", metavar="FILE", help="a UTF-8 text file instead of Python's documentation")
+    perplexity.add_argument("--tokens", type=int, default=2048, help="tokens of the text to score (default 2048)")
+    perplexity.add_argument("--weights", default="mapped,dense", metavar="MODES",
+                            help="comma-separated weights modes (default mapped,dense)")
+    perplexity.add_argument("--dtype", default="bfloat16,float32", metavar="DTYPES",
+                            help="comma-separated compute dtypes (default bfloat16,float32)")
+    _models_dir(perplexity)
+    perplexity.set_defaults(run=_perplexity)
 
     every = subcommands.add_parser(
         "all", help="run every benchmark and rewrite the generated block of OUT/results.md (+ PNGs)",
