@@ -45,6 +45,30 @@ def _load(typingctx, data, offset, ty):
 
 
 @intrinsic
+def _keep_loops(typingctx):
+    """Marks the calling function optsize, so LLVM does not fully unroll its small fixed loops
+    before the loop vectorizer sees them (numba runs no SLP vectorizer). Call it in each prange body."""
+
+    def codegen(context, builder, signature, args):
+        builder.function.attributes.add("optsize")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
+def _shr8(typingctx, byte, shift):
+    """uint8 byte >> shift (< 8) as an 8-bit op: numba widens shifts to 64 bits, and LLVM then
+    vectorizes a shift whose amount varies in 64-bit lanes."""
+
+    def codegen(context, builder, signature, args):
+        i8 = ir.IntType(8)
+        return builder.lshr(builder.trunc(args[0], i8), builder.trunc(args[1], i8))
+
+    return types.uint8(types.uint8, types.intp), codegen
+
+
+@intrinsic
 def _u32_as_f32(typingctx, bits):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
@@ -112,10 +136,15 @@ def _prep(kind, data, o, g, f16):
 
 
 @njit(inline="always")
-def _q5(data, qh, qs, h, j):
-    """Value 16 h + j of a Q5_0/Q5_1 block: nibble from bytes `qs`, fifth bit from the 32 bits at `qh`."""
-    hb = _load(data, qh, np.uint32) >> (16 * h + j) & 1
-    return np.uint8((_u8(data, qs + j) >> 4 * h & 15) | hb << 4)
+def _q5(data, qh, qs, h, j0, jj):
+    """Value 16 h + j0 + jj of a Q5_0/Q5_1 block: nibble from bytes `qs`, fifth bit from the 32 bits at `qh`."""
+    top = _shr8(_u8(data, qh + 2 * h + (j0 >> 3)), jj) & 1
+    return np.uint8((_u8(data, qs + j0 + jj) >> 4 * h & 15) | top << 4)
+
+
+@njit(inline="always")
+def _bits(byte, shift, mask):
+    return np.uint8(_shr8(byte, shift) & mask)
 
 
 @njit(inline="always")
@@ -136,12 +165,13 @@ def _val(kind, data, o, k, f16):
 
 
 @njit(inline="always")
-def _lane(kind, exact, data, o, g, h, j, s, m, f16):
-    """Value 16 h + j of group g of the block at byte o, given that half's scale s and offset m.
+def _lane(kind, exact, data, o, g, h, j0, jj, s, m, f16):
+    """Value 16 h + j0 + jj (j0: 0 or 8, jj < 8) of group g of the block at byte o, given that half's scale s and offset m.
 
     With `exact`, q * d + m keeps the NaN of q * d when both are NaN, as numpy's add does: LLVM may
     swap the operands of an add, and x86 returns the first NaN operand.
     """
+    j = j0 + jj
     if kind == _Q8_0:
         return np.float32(_load(data, o + 2 + 16 * h + j, np.int8)) * s
     if kind == _Q4_0:
@@ -149,20 +179,20 @@ def _lane(kind, exact, data, o, g, h, j, s, m, f16):
     if kind == _Q4_1:
         return _plus(exact, np.float32(np.uint8(_u8(data, o + 4 + j) >> 4 * h & 15)) * s, m)
     if kind == _Q5_0:
-        return np.float32(np.int8(_q5(data, o + 2, o + 6, h, j) - 16)) * s
+        return np.float32(np.int8(_q5(data, o + 2, o + 6, h, j0, jj) - 16)) * s
     if kind == _Q5_1:
-        return _plus(exact, np.float32(_q5(data, o + 4, o + 8, h, j)) * s, m)
+        return _plus(exact, np.float32(_q5(data, o + 4, o + 8, h, j0, jj)) * s, m)
     if kind == _Q4_K:
-        q = _u8(data, o + 16 + 32 * (g >> 1) + 16 * h + j) >> 4 * (g & 1) & 15
+        q = _bits(_u8(data, o + 16 + 32 * (g >> 1) + 16 * h + j), 4 * (g & 1), 15)
         return np.float32(np.uint8(q)) * s - m
     if kind == _Q5_K:
-        q = _u8(data, o + 48 + 32 * (g >> 1) + 16 * h + j) >> 4 * (g & 1) & 15
-        q |= (_u8(data, o + 16 + 16 * h + j) >> g & 1) << 4
+        q = _bits(_u8(data, o + 48 + 32 * (g >> 1) + 16 * h + j), 4 * (g & 1), 15)
+        q |= _bits(_u8(data, o + 16 + 16 * h + j), g, 1) << 4
         return np.float32(np.uint8(q)) * s - m
     if kind == _Q6_K:
         half, k, l = g >> 2, g & 3, 16 * h + j
-        lo = _u8(data, o + 64 * half + 32 * (k & 1) + l) >> 4 * (k >> 1) & 15
-        hi = _u8(data, o + 128 + 32 * half + l) >> 2 * k & 3
+        lo = _bits(_u8(data, o + 64 * half + 32 * (k & 1) + l), 4 * (k >> 1), 15)
+        hi = _bits(_u8(data, o + 128 + 32 * half + l), 2 * k, 3)
         return np.float32(np.int8((lo | hi << 4) - 32)) * s
     return _val(kind, data, o, 16 * h + j, f16)
 
@@ -201,9 +231,88 @@ def _run_ahead(data, offs, ra, pa, debt, rnb):
 # --- kernels ------------------------------------------------------------------------
 
 
+# A group's 32 values are handled by four loops of 8 lanes: the loop vectorizer (8 float32 lanes,
+# AVX2) turns each into straight-line code, so accumulators stay in registers. _keep_loops stops
+# LLVM unrolling those loops into scalar code first (numba runs no SLP vectorizer).
+
+
+@njit(inline="always")
+def _mac8(acc, at, kind, data, o, g, h, j0, s, m, f16, x, xo):
+    for j in range(8):
+        acc[at + j] += _lane(kind, False, data, o, g, h, j0, j, s, m, f16) * x[0, np.uint64(xo + j)]
+
+
+@njit(inline="always")
+def _fill8(w, at, kind, data, o, g, h, j0, s, m, f16):
+    for j in range(8):
+        w[at + j] = _lane(kind, False, data, o, g, h, j0, j, s, m, f16)
+
+
+@njit(inline="always")
+def _put8(out, r, at, kind, data, o, g, h, j0, s, m, f16):
+    for j in range(8):
+        _put(kind, out, r, np.uint64(at + j), _lane(kind, True, data, o, g, h, j0, j, s, m, f16))
+
+
+@njit(inline="always")
+def _mv_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb):
+    acc = carray(_stack_f32x32(), 32)
+    ra, pa = _ahead_start(r0, rnb)
+    debt = 0
+    for r in range(r0, r1):
+        row = offs[r]
+        acc[:] = 0
+        for b in range(nblk):
+            debt += bb
+            ra, pa, debt = _run_ahead(data, offs, ra, pa, debt, rnb)
+            o = row + b * bb
+            for g in range(vb // 32):
+                xo = b * vb + 32 * g
+                s0, m0, s1, m1 = _prep(kind, data, o, g, f16)
+                _mac8(acc, 0, kind, data, o, g, 0, 0, s0, m0, f16, x, xo)
+                _mac8(acc, 8, kind, data, o, g, 0, 8, s0, m0, f16, x, xo + 8)
+                _mac8(acc, 16, kind, data, o, g, 1, 0, s1, m1, f16, x, xo + 16)
+                _mac8(acc, 24, kind, data, o, g, 1, 8, s1, m1, f16, x, xo + 24)
+        total = _sum32(acc)
+        for k in range(tail):
+            total += _val(kind, data, row + nblk * bb, k, f16) * x[0, nblk * vb + k]
+        out[0, lo + r] = total
+
+
+@njit(inline="always")
+def _mm_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb):
+    """As _mv_rows for n > 1 activation rows: each group is dequantized once into w for all of them."""
+    n = x.shape[0]
+    acc = carray(_stack_f32x256(), 256)
+    w = carray(_stack_f32x32(), 32)
+    ra, pa = _ahead_start(r0, rnb)
+    debt = 0
+    for r in range(r0, r1):
+        row = offs[r]
+        acc[: 32 * n] = 0
+        for b in range(nblk):
+            debt += bb
+            ra, pa, debt = _run_ahead(data, offs, ra, pa, debt, rnb)
+            o = row + b * bb
+            for g in range(vb // 32):
+                xo = b * vb + 32 * g
+                s0, m0, s1, m1 = _prep(kind, data, o, g, f16)
+                _fill8(w, 0, kind, data, o, g, 0, 0, s0, m0, f16)
+                _fill8(w, 8, kind, data, o, g, 0, 8, s0, m0, f16)
+                _fill8(w, 16, kind, data, o, g, 1, 0, s1, m1, f16)
+                _fill8(w, 24, kind, data, o, g, 1, 8, s1, m1, f16)
+                for i in range(n):
+                    for l in range(32):
+                        acc[32 * i + l] += w[l] * x[i, np.uint64(xo + l)]
+        for i in range(n):
+            total = _sum32(acc[32 * i : 32 * i + 32])
+            for k in range(tail):
+                total += _val(kind, data, row + nblk * bb, k, f16) * x[i, nblk * vb + k]
+            out[i, lo + r] = total
+
+
 def _matmul_kernel(kind: int, vb: int, bb: int):
     """out[:, lo + r] = x @ dequant(row r) for a block type of vb values in bb bytes (32 in 32 x size for floats)."""
-    groups = vb // 32
     # Rows of float types end in a partial "block" of width % 32 values, each of bb // 32 bytes.
     value_bytes = bb // 32 if kind in (_F32, _F16, _BF16) else 0
 
@@ -214,38 +323,12 @@ def _matmul_kernel(kind: int, vb: int, bb: int):
         rnb = max(nblk * bb + tail * value_bytes, 1)
         for c in prange(nch):
             _wide_vectors()
+            _keep_loops()
             r0, r1 = _chunk(c, nch, rows)
-            ra, pa = _ahead_start(r0, rnb)
-            debt = 0
-            acc = carray(_stack_f32x256(), 256)
-            w = carray(_stack_f32x32(), 32)
-            for r in range(r0, r1):
-                row = offs[r]
-                acc[: 32 * n] = 0
-                for b in range(nblk):
-                    debt += bb
-                    ra, pa, debt = _run_ahead(data, offs, ra, pa, debt, rnb)
-                    o = row + b * bb
-                    for g in range(groups):
-                        xo = b * vb + 32 * g
-                        s0, m0, s1, m1 = _prep(kind, data, o, g, f16)
-                        for h in range(2):
-                            s, m = (s0, m0) if h == 0 else (s1, m1)
-                            if n == 1:
-                                for j in range(16):
-                                    acc[16 * h + j] += _lane(kind, False, data, o, g, h, j, s, m, f16) * x[0, xo + 16 * h + j]
-                            else:
-                                # One dequantization serves every activation row.
-                                for j in range(16):
-                                    w[j] = _lane(kind, False, data, o, g, h, j, s, m, f16)
-                                for i in range(n):
-                                    for j in range(16):
-                                        acc[32 * i + 16 * h + j] += w[j] * x[i, xo + 16 * h + j]
-                for i in range(n):
-                    total = _sum32(acc[32 * i : 32 * i + 32])
-                    for k in range(tail):
-                        total += _val(kind, data, row + nblk * bb, k, f16) * x[i, nblk * vb + k]
-                    out[i, lo + r] = total
+            if n == 1:
+                _mv_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb)
+            else:
+                _mm_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb)
 
     return matmul
 
@@ -281,6 +364,7 @@ def _dequant_kernel(kind: int, vb: int, bb: int):
         rnb = max(nblk * bb + tail * value_bytes, 1)
         for c in prange(nch):
             _wide_vectors()
+            _keep_loops()
             r0, r1 = _chunk(c, nch, rows)
             ra, pa = _ahead_start(r0, rnb)
             debt = 0
@@ -293,10 +377,10 @@ def _dequant_kernel(kind: int, vb: int, bb: int):
                     for g in range(groups):
                         xo = b * vb + 32 * g
                         s0, m0, s1, m1 = _prep(kind, data, o, g, f16)
-                        for j in range(16):
-                            _put(kind, out, r, xo + j, _lane(kind, True, data, o, g, 0, j, s0, m0, f16))
-                        for j in range(16):
-                            _put(kind, out, r, xo + 16 + j, _lane(kind, True, data, o, g, 1, j, s1, m1, f16))
+                        _put8(out, r, xo, kind, data, o, g, 0, 0, s0, m0, f16)
+                        _put8(out, r, xo + 8, kind, data, o, g, 0, 8, s0, m0, f16)
+                        _put8(out, r, xo + 16, kind, data, o, g, 1, 0, s1, m1, f16)
+                        _put8(out, r, xo + 24, kind, data, o, g, 1, 8, s1, m1, f16)
                 for k in range(tail):
                     _put(kind, out, r, nblk * vb + k, _val(kind, data, row + nblk * bb, k, f16))
 
