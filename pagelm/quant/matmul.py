@@ -12,7 +12,7 @@ from numba.extending import intrinsic, overload
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.quant.codecs import DECODABLE
-from pagelm.quant.kernels import _F16_TO_F32, _bf16, _f32_bits, _prefetch, _stack_f32x32, _sum32, _wide_vectors
+from pagelm.quant.kernels import _F16_TO_F32, _f32_bits, _prefetch, _stack_f32x32, _sum32, _wide_vectors
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
 
 MAX_GEMV_ROWS = 8
@@ -69,21 +69,28 @@ def _shr8(typingctx, byte, shift):
 
 
 @intrinsic
+def _bf16_bits(typingctx, value):
+    """kernels._bf16 in 32-bit integer ops (numba's are 64-bit, which vectorize at half the width):
+    round to nearest even; a NaN keeps its sign and upper bits, quieted."""
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        u = builder.bitcast(args[0], i32)
+        hi = builder.lshr(u, i32(16))
+        rounded = builder.lshr(builder.add(builder.add(u, i32(0x7FFF)), builder.and_(hi, i32(1))), i32(16))
+        nan = builder.fcmp_unordered("uno", args[0], args[0])
+        bits = builder.select(nan, builder.or_(hi, i32(0x40)), rounded)
+        return builder.trunc(bits, ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
 def _u32_as_f32(typingctx, bits):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
 
     return types.float32(types.uint32), codegen
-
-
-@intrinsic
-def _stack_f32x256(typingctx):
-    """256 float32 on the stack (n <= 8 rows of 32 accumulators), which LLVM knows alias nothing."""
-
-    def codegen(context, builder, signature, args):
-        return cgutils.alloca_once(builder, ir.FloatType(), size=256)
-
-    return types.CPointer(types.float32)(), codegen
 
 
 @njit(inline="always")
@@ -245,7 +252,7 @@ def _mac8(acc, at, kind, data, o, g, h, j0, s, m, f16, x, xo):
 @njit(inline="always")
 def _fill8(w, at, kind, data, o, g, h, j0, s, m, f16):
     for j in range(8):
-        w[at + j] = _lane(kind, False, data, o, g, h, j0, j, s, m, f16)
+        w[np.uint64(at + j)] = _lane(kind, False, data, o, g, h, j0, j, s, m, f16)
 
 
 @njit(inline="always")
@@ -280,16 +287,21 @@ def _mv_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb)
 
 
 @njit(inline="always")
+def _fma8(acc, at, w, x, i, k):
+    for j in range(8):
+        acc[at + j] += w[np.uint64(k + j)] * x[i, np.uint64(k + j)]
+
+
+@njit(inline="always")
 def _mm_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb):
-    """As _mv_rows for n > 1 activation rows: each group is dequantized once into w for all of them."""
-    n = x.shape[0]
-    acc = carray(_stack_f32x256(), 256)
-    w = carray(_stack_f32x32(), 32)
+    """As _mv_rows for n > 1 activation rows: each row is dequantized once, into w, for all of them."""
+    n, width = x.shape
+    acc = carray(_stack_f32x32(), 32)
+    w = np.empty(width, np.float32)
     ra, pa = _ahead_start(r0, rnb)
     debt = 0
     for r in range(r0, r1):
         row = offs[r]
-        acc[: 32 * n] = 0
         for b in range(nblk):
             debt += bb
             ra, pa, debt = _run_ahead(data, offs, ra, pa, debt, rnb)
@@ -297,17 +309,22 @@ def _mm_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb)
             for g in range(vb // 32):
                 xo = b * vb + 32 * g
                 s0, m0, s1, m1 = _prep(kind, data, o, g, f16)
-                _fill8(w, 0, kind, data, o, g, 0, 0, s0, m0, f16)
-                _fill8(w, 8, kind, data, o, g, 0, 8, s0, m0, f16)
-                _fill8(w, 16, kind, data, o, g, 1, 0, s1, m1, f16)
-                _fill8(w, 24, kind, data, o, g, 1, 8, s1, m1, f16)
-                for i in range(n):
-                    for l in range(32):
-                        acc[32 * i + l] += w[l] * x[i, np.uint64(xo + l)]
+                _fill8(w, xo, kind, data, o, g, 0, 0, s0, m0, f16)
+                _fill8(w, xo + 8, kind, data, o, g, 0, 8, s0, m0, f16)
+                _fill8(w, xo + 16, kind, data, o, g, 1, 0, s1, m1, f16)
+                _fill8(w, xo + 24, kind, data, o, g, 1, 8, s1, m1, f16)
+        for k in range(tail):
+            w[nblk * vb + k] = _val(kind, data, row + nblk * bb, k, f16)
         for i in range(n):
-            total = _sum32(acc[32 * i : 32 * i + 32])
-            for k in range(tail):
-                total += _val(kind, data, row + nblk * bb, k, f16) * x[i, nblk * vb + k]
+            acc[:] = 0
+            for k in range(0, nblk * vb, 32):
+                _fma8(acc, 0, w, x, i, k)
+                _fma8(acc, 8, w, x, i, k + 8)
+                _fma8(acc, 16, w, x, i, k + 16)
+                _fma8(acc, 24, w, x, i, k + 24)
+            total = _sum32(acc)
+            for k in range(nblk * vb, width):
+                total += w[k] * x[i, k]
             out[i, lo + r] = total
 
 
@@ -342,7 +359,7 @@ def _put_impl(kind, out, r, k, v):
     if out.dtype == types.uint16:
 
         def put_bf16(kind, out, r, k, v):
-            out[r, k] = _f32_bits(v) >> 16 if kind == _BF16 else _bf16(v)
+            out[r, k] = _f32_bits(v) >> 16 if kind == _BF16 else _bf16_bits(v)
 
         return put_bf16
 
