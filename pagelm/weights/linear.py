@@ -22,6 +22,22 @@ TILE_VALUES = 1 << 22
 _TILE_ALIGN = 64
 
 
+def _native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+NATIVE_BF16 = _native_bf16()
+
+
+def gemm_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The type a many-row product of `dtype` operands runs in on `device`."""
+    widen = dtype == torch.bfloat16 and device.type == "cpu" and not NATIVE_BF16
+    return torch.float32 if widen else dtype
+
+
 def tile_rows(in_features: int) -> int:
     """Rows of W per GEMM of a many-row product (the same in both modes)."""
     rows = max(1, TILE_VALUES // in_features)
@@ -48,14 +64,15 @@ class Linear:
         raise NotImplementedError
 
     def _many_rows(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.dtype)
+        gemm = gemm_dtype(self.dtype, x.device)
+        x = x.to(self.dtype).to(gemm)
         n, step = self.out_features, tile_rows(self.in_features)
         if step >= n:
-            return F.linear(x, self._tile(0, n))
+            return F.linear(x, self._tile(0, n).to(gemm)).to(self.dtype)
         out = torch.empty(x.shape[0], n, dtype=self.dtype, device=x.device)
         for lo in range(0, n, step):
             hi = min(lo + step, n)
-            out[:, lo:hi] = F.linear(x, self._tile(lo, hi))
+            out[:, lo:hi] = F.linear(x, self._tile(lo, hi).to(gemm))
         return out
 
 
