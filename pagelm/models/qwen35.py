@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from pagelm.errors import ModelFormatError, PagelmError
 from pagelm.models.decoder import Decoder, nbytes
+from pagelm.models.delta_rule import delta_rule_step
 from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
@@ -261,10 +262,14 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, state: torch.Tensor) -> torch.T
     q, k: (T, nk, dk) normalised (q also scaled); v: (T, nv, dv); g (log decay), beta: (T, nv);
     all fp32. Value head j reads key head j mod nk. Per token: S = e^g·S; δ = β(v − Sᵀk);
     S += k δᵀ; o = Sᵀq, computed as o = e^g·S₀ᵀq + (k·q)δ from one read of the old state.
-    Returns o (T, nv, dv).
+    Returns o (T, nv, dv). On the CPU each token is one compiled step (`delta_rule.delta_rule_step`).
     """
     T, nv, dv = v.shape
     out = torch.empty(T, nv, dv, dtype=torch.float32, device=v.device)
+    if v.device.type == "cpu" and state.is_contiguous():
+        for t in range(T):
+            out[t] = delta_rule_step(q[t], k[t], v[t], g[t], beta[t], state)
+        return out
     decay = g.exp()
     for t in range(T):
         kq = torch.stack((k[t], q[t]), 1)  # (nk, 2, dk)
