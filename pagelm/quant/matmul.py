@@ -404,11 +404,54 @@ def _dequant_kernel(kind: int, vb: int, bb: int):
     return dequant
 
 
+@njit(inline="always")
+def _kq_pair(kind, data, o, p, j):
+    """Values j of groups 2p and 2p + 1 of a Q4_K / Q5_K block (the low and high nibbles of one byte)."""
+    if kind == _Q4_K:
+        byte = _u8(data, o + 16 + 32 * p + j)
+        return np.uint8(byte & 15), np.uint8(byte >> 4)
+    byte, top = _u8(data, o + 48 + 32 * p + j), _u8(data, o + 16 + j)
+    return (np.uint8((byte & 15) | (_shr8(top, 2 * p) & 1) << 4),
+            np.uint8((byte >> 4) | (_shr8(top, 2 * p + 1) & 1) << 4))
+
+
+def _dequant_kq_kernel(kind: int, bb: int):
+    """As _dequant_kernel for Q4_K / Q5_K, two groups at a time: both nibbles of each byte, so the
+    loop over a group's 32 values vectorizes (the per-group variable shift kept it scalar)."""
+
+    @njit(parallel=True, cache=True)
+    def dequant(data, offs, f16, out, nch):
+        rows, width = out.shape
+        nblk = width // 256
+        rnb = max(nblk * bb, 1)
+        for c in prange(nch):
+            _wide_vectors()
+            r0, r1 = _chunk(c, nch, rows)
+            ra, pa = _ahead_start(r0, rnb)
+            debt = 0
+            for r in range(r0, r1):
+                for b in range(nblk):
+                    debt += bb
+                    ra, pa, debt = _run_ahead(data, offs, ra, pa, debt, rnb)
+                    o = offs[r] + b * bb
+                    for p in range(4):
+                        s0, m0, _, _ = _prep(kind, data, o, 2 * p, f16)
+                        s1, m1, _, _ = _prep(kind, data, o, 2 * p + 1, f16)
+                        at = b * 256 + 64 * p
+                        for j in range(32):
+                            lo, hi = _kq_pair(kind, data, o, p, j)
+                            _put(kind, out, r, np.uint64(at + j), np.float32(lo) * s0 - m0)
+                            _put(kind, out, r, np.uint64(at + 32 + j), np.float32(hi) * s1 - m1)
+
+    return dequant
+
+
 def _kernels(t: GGMLType) -> tuple:
     vb, bb = BLOCK_LAYOUT[t]
     if vb == 1:  # float types: 32 values at a time
         vb, bb = 32, 32 * bb
-    return _matmul_kernel(int(t), vb, bb), _dequant_kernel(int(t), vb, bb), BLOCK_LAYOUT[t][0]
+    dequant = _dequant_kq_kernel(int(t), bb) if t in (_T.Q4_K, _T.Q5_K) else _dequant_kernel(int(t), vb, bb)
+    return _matmul_kernel(int(t), vb, bb), dequant, BLOCK_LAYOUT[t][0]
 
 
 _KERNELS = {t: _kernels(t) for t in sorted(DECODABLE)}
