@@ -165,7 +165,7 @@ def test_prefill_split_decode_and_restore_agree(case: Case):
 def test_bfloat16_close_to_float32(case: Case):
     """The bf16 path (bf16 rows, weights and KV cache) stays near float32: measured 1.6e-2
     (SmolLM2) and 3.4e-2 (Gemma 3) relative on random ids; a dtype slip would be O(1)."""
-    bf16 = type(case.model)(case.config, case.file, dtype=torch.bfloat16)
+    bf16 = type(case.model)(case.config, WeightLoader(case.file, "mapped", torch.bfloat16))
     rows = load_token_embedding(case.file, rows="bf16").lookup(np.asarray(case.prompts[1]))
     h = bf16.forward(torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16), bf16.new_state(len(rows)))
     assert h.dtype == torch.float32

@@ -186,8 +186,12 @@ def test_ps_reports_model_cache_requests_and_memory(smol):
     assert set(body["requests"]) == {"served", "cancelled", "failed", "queued", "running"}
     assert body["requests"]["served"] >= 1
     memory = body["memory"]
-    assert set(memory) == {"anonymous_bytes", "rss_bytes", "file_rss_bytes", "peak_rss_bytes"}
+    assert set(memory) == {"anonymous_bytes", "rss_bytes", "file_rss_bytes", "peak_rss_bytes",
+                           "weights_anonymous_bytes", "tokenizer_anonymous_bytes", "state_bytes"}
     assert 0 < memory["anonymous_bytes"] < memory["rss_bytes"] <= memory["peak_rss_bytes"]
+    # weights mapped (the default): norms and the prefill scratch tile, not the matrices
+    assert 0 < memory["weights_anonymous_bytes"] <= 32 << 20
+    assert 0 < memory["state_bytes"] < memory["anonymous_bytes"]
 
 
 def test_metrics_mirror_ps(smol):
