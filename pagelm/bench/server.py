@@ -35,7 +35,7 @@ class ServerConfig:
 
     @property
     def label(self) -> str:
-        return f"{self.embedding}, cache {'on' if self.prefix_cache else 'off'}"
+        return f"embedding {self.embedding}, cache {'on' if self.prefix_cache else 'off'}"
 
     def flags(self) -> list[str]:
         return ["--embedding", self.embedding, "--weights", self.weights, "--ctx-len", str(self.ctx_len),
