@@ -139,7 +139,7 @@ def run_memory(models: list[tuple[str, str]], n_runs: int, prompt_tokens: int, n
         long_text = text_of_tokens(path, prompt_tokens)
         for run in range(1, n_runs + 1):
             for mode in MODES:  # interleaved, so drift in the machine's load hits both modes alike
-                progress(f"memory {result.model}: run {run}/{n_runs}, embedding {mode}")
+                progress(f"memory {result.model}: run {run}/{n_runs}, {mode}")
                 result.runs[mode].append(measure_once(path, mode, long_text, prompt_tokens, new_tokens))
         report.models.append(result)
         progress(result.saving_line())

@@ -214,7 +214,7 @@ class WeightLoader:
         """Load the compiled kernels this model uses now rather than inside the first request."""
         kernels.warmup()
         if self.weights == "mapped":
-            matmul.warmup()
+            matmul.warmup({g.ggml_type for op in self._operators for g in op.groups})
 
     @property
     def nbytes(self) -> int:
