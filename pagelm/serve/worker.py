@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from pagelm import heap
 from pagelm.chat.model import Prompt
 from pagelm.chat.reasoning import ReasoningSplitter
 from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
@@ -164,6 +165,8 @@ class Worker:
                 self.running = None
                 with self._lock:
                     self._jobs.pop(job.id, None)
+                if self._queue.empty():
+                    heap.trim()  # idle: give back what the request's temporaries left in every malloc arena
 
     def _split_points(self, start: int, end: int, boundaries: list[int]) -> list[int]:
         points = {b for b in boundaries if start < b < end}
