@@ -11,7 +11,8 @@ types it encodes, random bytes with finite fp16 scales for the others. Prints on
 from __future__ import annotations
 
 import argparse
-import time
+import os
+import sys
 
 import numba
 import numpy as np
@@ -20,6 +21,9 @@ import torch
 from pagelm.quant import BLOCK_LAYOUT, ENCODABLE, GGMLType, decode_bf16, encode
 from pagelm.quant.matmul import check_rows, rows_dequantize, rows_matmul, warmup
 from pagelm.quant.types import SCALE_FIELDS
+
+sys.path.insert(0, os.path.dirname(__file__))
+from head import median_ms  # noqa: E402
 
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]
 SHAPES = ["3584x1024", "1024x3584"]
@@ -36,17 +40,6 @@ def random_rows(rng: np.random.Generator, t: GGMLType, rows: int, width: int) ->
     for at in SCALE_FIELDS[t]:
         blocks[:, at : at + 2] = rng.uniform(1e-3, 4e-3, (len(blocks), 1)).astype(np.float16).view(np.uint8)
     return raw
-
-
-def median_ms(fns: list, calls: int) -> list[float]:
-    """Median ms per call of each of `fns`, called in turn so that all see the same background load."""
-    times = [[] for _ in fns]
-    for _ in range(calls):
-        for fn, ts in zip(fns, times):
-            start = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - start)
-    return [float(np.median(ts)) * 1e3 for ts in times]
 
 
 def bench(t: GGMLType, rows: int, width: int, calls: int) -> str:
