@@ -21,6 +21,7 @@ from pagelm.quant import DECODABLE, decode_f32
 from pagelm.quant import kernels, matmul
 from pagelm.weights.embedding import EmbeddingMode, OutputHead, RowFormat, TokenEmbedding, load_output_head, load_token_embedding
 from pagelm.weights.linear import DenseLinear, Linear, MappedLinear, RowGroup, Scratch
+from pagelm.weights.mapped import MappedTensor
 
 WeightsMode = Literal["mapped", "dense"]
 WEIGHTS_MODES: tuple[str, ...] = ("mapped", "dense")
@@ -195,14 +196,8 @@ class WeightLoader:
                 groups.append(RowGroup(info.ggml_type, offsets, lo))
             lo += len(order)
             # bring the matrix into the page cache in the background
-            self._advise(info, mmap.MADV_WILLNEED)
+            MappedTensor(self.file, info.name).advise(mmap.MADV_WILLNEED)
         return MappedLinear(data, groups, in_features, self.dtype, self.scratch)
-
-    def _advise(self, info: TensorInfo, advice: int) -> None:
-        if self.file.mmap is None:
-            return
-        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
-        self.file.mmap.madvise(advice, start, info.offset + info.nbytes - start)
 
     def token_embedding(self, mode: EmbeddingMode, rows: RowFormat) -> TokenEmbedding:
         return load_token_embedding(self.file, mode, rows)
