@@ -70,20 +70,22 @@ class ChatModel:
         """Whether the template opens a reasoning block when thinking is asked for."""
         return self.template.think_open(enable_thinking=True)
 
-    def chat_prompt(self, messages: list[dict], think: bool | None = None) -> Prompt:
-        """Render `messages` with the generation prompt; `think` None leaves the template's default."""
-        text = self.template.render(messages, add_generation_prompt=True, enable_thinking=think)
+    def chat_prompt(self, messages: list[dict], think: bool | None = None, tools: list[dict] | None = None) -> Prompt:
+        """Render `messages` (and the `tools` offered, in the template's function form) with the
+        generation prompt; `think` None leaves the template's default."""
+        text = self.template.render(messages, add_generation_prompt=True, enable_thinking=think, tools=tools)
         tokens = self.tokenizer.encode(text, add_special=True)
         boundaries = []
         for k in range(len(messages)):
             try:
-                part = self.template.render(messages[: k + 1], add_generation_prompt=False, enable_thinking=think)
+                part = self.template.render(messages[: k + 1], add_generation_prompt=False, enable_thinking=think,
+                                            tools=tools)
             except TemplateError:
                 # a template that refuses a conversation without a user message (Qwen's): the
                 # boundary is where this prompt and one going on with another user message part
                 try:
                     other = self.template.render(messages[: k + 1] + [{"role": "user", "content": "\x00"}],
-                                                 add_generation_prompt=False, enable_thinking=think)
+                                                 add_generation_prompt=False, enable_thinking=think, tools=tools)
                 except TemplateError:
                     continue
                 ids = self.tokenizer.encode(other, add_special=True)
