@@ -11,12 +11,16 @@ with it a greedy answer) can differ between a restored state and a recomputed on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property, partial
 from pathlib import Path
+from typing import Callable
 
-from pagelm.chat.template import ChatTemplate, TemplateError
+from pagelm.chat.boundaries import MessageEnds
+from pagelm.chat.template import ChatTemplate
 from pagelm.chat.tokenizer import Tokenizer
 from pagelm.engine import Model
 from pagelm import heap
+from pagelm.errors import PagelmError
 from pagelm.measure.memory import read_memory
 from pagelm.weights import EmbeddingMode
 from pagelm.weights.loader import WeightsMode
@@ -24,13 +28,15 @@ from pagelm.weights.loader import WeightsMode
 
 @dataclass
 class Prompt:
-    """Tokens to generate from, the positions worth a checkpoint, and whether the answer starts
-    inside a reasoning block."""
+    """Tokens to generate from, the positions worth a checkpoint (where messages end), whether the
+    answer starts inside a reasoning block, and for a chat `answered(reasoning, content)`: the
+    conversation with that answer, as the next request will render it, up to the answer's end."""
 
     tokens: list[int]
     boundaries: list[int] = field(default_factory=list)
     think_open: bool = False
     split_reasoning: bool = True
+    answered: Callable[[str, str], Prompt | None] | None = None
 
 
 @dataclass
@@ -70,35 +76,40 @@ class ChatModel:
         """Whether the template opens a reasoning block when thinking is asked for."""
         return self.template.think_open(enable_thinking=True)
 
+    @cached_property
+    def message_ends(self) -> MessageEnds:
+        return MessageEnds(self.template)
+
     def chat_prompt(self, messages: list[dict], think: bool | None = None, tools: list[dict] | None = None) -> Prompt:
         """Render `messages` (and the `tools` offered, in the template's function form) with the
         generation prompt; `think` None leaves the template's default."""
-        text = self.template.render(messages, add_generation_prompt=True, enable_thinking=think, tools=tools)
+        tokens, ends, text = self._render(messages, think, tools)
+        return Prompt(tokens, sorted({n for n in ends if n is not None}), think_open=self.template.think_prefix(text),
+                      answered=partial(self._answered, messages, think, tools))
+
+    def _render(self, messages: list[dict], think: bool | None, tools: list[dict] | None):
+        """(prompt tokens, per message the token count where it ends or None, prompt text)."""
+        args = dict(add_generation_prompt=True, enable_thinking=think, tools=tools)
+        text = self.template.render(messages, **args)
         tokens = self.tokenizer.encode(text, add_special=True)
-        boundaries = []
-        for k in range(len(messages)):
-            try:
-                part = self.template.render(messages[: k + 1], add_generation_prompt=False, enable_thinking=think,
-                                            tools=tools)
-            except TemplateError:
-                # a template that refuses a conversation without a user message (Qwen's): the
-                # boundary is where this prompt and one going on with another user message part
-                try:
-                    other = self.template.render(messages[: k + 1] + [{"role": "user", "content": "\x00"}],
-                                                 add_generation_prompt=False, enable_thinking=think, tools=tools)
-                except TemplateError:
-                    continue
-                ids = self.tokenizer.encode(other, add_special=True)
-                common = next((i for i, (a, b) in enumerate(zip(tokens, ids)) if a != b), min(len(tokens), len(ids)))
-                if 0 < common < len(tokens):
-                    boundaries.append(common)
-                continue
-            if not part or not text.startswith(part):
-                continue
-            ids = self.tokenizer.encode(part, add_special=True)
-            if 0 < len(ids) < len(tokens) and tokens[: len(ids)] == ids:
-                boundaries.append(len(ids))
-        return Prompt(tokens, sorted(set(boundaries)), think_open=self.template.think_prefix(text))
+        ends = self.message_ends.token_ends(self.message_ends.text_ends(messages, text, **args), text, tokens,
+                                           self.tokenizer)
+        return tokens, ends, text
+
+    def _answered(self, messages: list[dict], think: bool | None, tools: list[dict] | None, reasoning: str,
+                  content: str) -> Prompt | None:
+        """The conversation with this answer appended, as the next request (a user message after
+        it) renders it, up to the answer's end: its tokens and message ends; None when the answer
+        gets no end."""
+        answer = {"role": "assistant", "content": content, **({"reasoning_content": reasoning} if reasoning else {})}
+        try:
+            tokens, ends, _ = self._render([*messages, answer, {"role": "user", "content": "?"}], think, tools)
+        except PagelmError:
+            return None
+        end = ends[len(messages)]
+        if end is None:
+            return None
+        return Prompt(tokens[:end], sorted({n for n in ends[:len(messages)] if n is not None and n < end}) + [end])
 
     def raw_prompt(self, text: str) -> Prompt:
         """Plain text completion: no template, no reasoning split."""
