@@ -65,6 +65,19 @@ def test_lookup_takes_the_longest_proper_prefix(qwen):
     assert (cache.lookups, cache.hits, cache.tokens_reused) == (5, 3, 110)
 
 
+def test_longest_may_take_all_the_tokens_and_is_not_counted(qwen):
+    cache = PrefixCache(slots=8, max_bytes=1 << 30)
+    session = qwen.session(256)
+    session.prefill(PROMPT[:20])
+    cache.store(session)
+    session.prefill(PROMPT[20:50])
+    whole = cache.store(session)
+    assert cache.longest(PROMPT[:50]) is whole
+    assert len(cache.longest(PROMPT[:49]).tokens) == 20
+    assert cache.longest(PROMPT[1:50]) is None
+    assert (cache.lookups, cache.hits, cache.tokens_reused) == (0, 0, 0)
+
+
 def test_checkpoints_of_one_request_share_their_kv_segments(qwen):
     cache = PrefixCache(slots=8, max_bytes=1 << 30)
     session = qwen.session(256)

@@ -79,15 +79,28 @@ class PrefixCache:
         prompt = tuple(prompt)
         with self._lock:
             self.lookups += 1
-            best = None
-            for tokens, entry in self._entries.items():
-                n = len(tokens)
-                if n < len(prompt) and (best is None or n > len(best.tokens)) and prompt[:n] == tokens:
-                    best = entry
+            best = self._longest(prompt, len(prompt) - 1)
             if best is not None:
                 self.hits += 1
                 self.tokens_reused += len(best.tokens)
-                self._entries.move_to_end(best.tokens)
+        return best
+
+    def longest(self, tokens: Sequence[int]) -> Checkpoint | None:
+        """The longest checkpoint whose tokens are a prefix of `tokens` or all of them, marked
+        most recently used; not counted as a lookup (the server's own use, not a request's)."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            return self._longest(tuple(tokens), len(tokens))
+
+    def _longest(self, tokens: tuple[int, ...], limit: int) -> Checkpoint | None:
+        best = None
+        for key, entry in self._entries.items():
+            n = len(key)
+            if n <= limit and (best is None or n > len(best.tokens)) and tokens[:n] == key:
+                best = entry
+        if best is not None:
+            self._entries.move_to_end(best.tokens)
         return best
 
     def restore(self, entry: Checkpoint, session: Session) -> None:

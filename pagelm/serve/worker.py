@@ -4,6 +4,15 @@ each prefilled from the longest cached prefix and streamed back as text deltas.
 Owns the queue, cancel-by-id, the prefill split points (message boundaries and every
 `checkpoint_interval` tokens, the same with the cache on or off so both compute the same
 segments), stop strings and the reasoning split. HTTP shapes belong to the protocol modules.
+
+After a chat answer has gone out, the cache keeps the answer as the next request will render it
+(`Prompt.answered`), not as it was generated: Qwen3.5's template writes a past answer without the
+think block its generation prompt had, and a state computed token by token in decode is not the
+one a prefill computes. From the longest checkpoint of that rendering, the rest (the answer,
+header and end: at most 64 tokens more than were generated, or nothing is done) is prefilled split
+at the same points a later request's prefill uses, and checkpointed. This is skipped when another
+request is already waiting as the reply goes out (decided before it goes out, so a client that
+waits for each reply always finds it done); once begun it runs to its end.
 """
 
 from __future__ import annotations
@@ -86,6 +95,19 @@ class StopMatcher:
         return held
 
 
+class _Answer:
+    """Passes a job's events on to `emit` and keeps the text of the answer they carry."""
+
+    def __init__(self, emit: Callable):
+        self._emit, self.reasoning, self.content = emit, [], []
+
+    def emit(self, event) -> None:
+        if isinstance(event, Delta):
+            self.reasoning.append(event.reasoning)
+            self.content.append(event.content)
+        self._emit(event)
+
+
 class Job:
     """One request's trip through the worker; events arrive on `events` in the caller's loop."""
 
@@ -151,10 +173,14 @@ class Worker:
         while (job := self._queue.get()) is not None:
             self.running = job
             try:
-                result = self._run(job, job.emit)
+                answer = _Answer(job.emit)
+                result = self._run(job, answer.emit)
                 self.cancelled += result.finish_reason == "cancelled"
                 self.served += 1
+                idle = self._queue.empty()
                 job.emit(result)
+                if idle and result.finish_reason != "cancelled":
+                    self._keep_answer(job.prompt, answer, result.completion_tokens)
             except Exception as e:  # noqa: BLE001 - the worker must outlive any one request
                 if not isinstance(e, PagelmError):
                     log.exception("request %s failed", job.id)
@@ -244,5 +270,23 @@ class Worker:
             if reasoning or content:
                 emit(Delta(reasoning, content))
         result.decode_s = time.perf_counter() - start
-        cache.store(session, base)
         return result
+
+    def _keep_answer(self, prompt: Prompt, answer: _Answer, generated: int) -> None:
+        """Checkpoint the answer as the next request will render it (see the module docstring)."""
+        if prompt.answered is None or not self.cache.enabled:
+            return
+        try:
+            kept = prompt.answered("".join(answer.reasoning), "".join(answer.content))
+            if kept is None or len(kept.tokens) >= self.ctx_len:
+                return
+            base = self.cache.longest(kept.tokens)
+            if base is None or not 0 < len(kept.tokens) - len(base.tokens) <= generated + 64:
+                return
+            self.cache.restore(base, self.session)
+            for point in [*self._split_points(len(base.tokens), len(kept.tokens), kept.boundaries), len(kept.tokens)]:
+                self.session.prefill(kept.tokens[len(self.session.tokens):point])
+                base = self.cache.store(self.session, base) or base
+        except Exception:  # noqa: BLE001 - the reply is out; the next request finds a reset session
+            log.exception("keeping the answer in the prefix cache failed")
+            self.session.reset()
