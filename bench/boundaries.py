@@ -2,7 +2,7 @@
 
 A 42-message conversation of about 5,000 tokens (a system prompt, then users and assistants in
 turn, seeded pseudo-word text) on a model's own tokenizer and chat template. Times, median of
---runs, in the request's thread: rendering and encoding the prompt (what every request pays), the
+--runs calls of each in turn: rendering and encoding the prompt (what every request pays), the
 old boundaries (each prefix of the conversation rendered and encoded again; the oracle in
 tests/test_boundaries.py) and the new ones (one marked render, tokens mapped at special tokens).
 
@@ -12,10 +12,10 @@ tests/test_boundaries.py) and the new ones (one marked render, tokens mapped at 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
+
+from head import median_ms
 
 from pagelm.bench.inputs import display_name, model_path, text_of_tokens
 from pagelm.chat.model import ChatModel
@@ -33,15 +33,6 @@ def conversation(path: str) -> list[dict]:
         role = "user" if k % 2 else "assistant"
         messages.append({"role": role, "content": text_of_tokens(path, per_message, seed=k)})
     return messages
-
-
-def median_ms(fn, runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
 
 
 def main() -> int:
@@ -63,13 +54,13 @@ def main() -> int:
         def new():
             return ends.token_ends(ends.text_ends(messages, text, **render_args), text, tokens, chat.tokenizer)
 
-        prompt = chat.chat_prompt(messages, think=False)
-        same = prompt.boundaries == old_boundaries(chat, messages, think=False)
-        base = median_ms(lambda: chat.tokenizer.encode(chat.template.render(messages, **render_args), add_special=True),
-                         args.runs)
-        old_ms = median_ms(lambda: old_boundaries(chat, messages, think=False), max(3, args.runs // 4)) - base
-        print(f"| {display_name(name)} | {len(messages)} | {len(tokens):,} | {base:.1f} | {old_ms:.0f} | "
-              f"{median_ms(new, args.runs):.1f} | {'yes' if same else 'no (past answers end now)'} |")
+        def prompt():
+            return chat.tokenizer.encode(chat.template.render(messages, **render_args), add_special=True)
+
+        same = chat.chat_prompt(messages, think=False).boundaries == old_boundaries(chat, messages, think=False)
+        base, old, new_ms = median_ms([prompt, lambda: old_boundaries(chat, messages, think=False), new], args.runs)
+        print(f"| {display_name(name)} | {len(messages)} | {len(tokens):,} | {base:.1f} | {old - base:.0f} | "
+              f"{new_ms:.1f} | {'yes' if same else 'no (past answers end now)'} |")
     return 0
 
 

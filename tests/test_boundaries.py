@@ -127,12 +127,17 @@ def test_qwen_boundaries_are_the_old_ones_plus_the_ends_of_past_answers(qwen):
         assert prompt.boundaries == sorted(expected), seed
 
 
+def conversations(which: str):
+    """(seed, messages, think, tools) of each seed; SmolLM2's template renders no tools."""
+    for seed in SEEDS:
+        messages, think, tools = conversation(seed)
+        yield seed, messages, think, tools if which == "qwen" else None
+
+
 @pytest.mark.parametrize("which", ["qwen", "smollm"])
 def test_a_boundary_and_the_tokens_before_it_do_not_depend_on_what_follows(which, request):
     chat = request.getfixturevalue(which)
-    for seed in SEEDS:
-        messages, think, tools = conversation(seed)
-        tools = tools if which == "qwen" else None
+    for seed, messages, think, tools in conversations(which):
         prompt = chat.chat_prompt(messages, think, tools)
         ends = ends_of(chat, messages, think, tools)
         for k in range(len(messages) - 1):
@@ -146,9 +151,7 @@ def test_a_boundary_and_the_tokens_before_it_do_not_depend_on_what_follows(which
 @pytest.mark.parametrize("which", ["qwen", "smollm"])
 def test_answered_is_the_next_request_up_to_the_end_of_the_answer(which, request):
     chat = request.getfixturevalue(which)
-    for seed in SEEDS:
-        messages, think, tools = conversation(seed)
-        tools = tools if which == "qwen" else None
+    for seed, messages, think, tools in conversations(which):
         reasoning, content = ("", "Sunny, 21 °C.") if seed % 2 else ("It is warm.", "Warm\n\nand dry.")
         answered = chat.chat_prompt(messages, think, tools).answered(reasoning, content)
         answer = {"role": "assistant", "content": content, "reasoning_content": reasoning}
