@@ -3,9 +3,11 @@ messages turned into prompt tokens with the positions where each message ends.
 
 The message boundaries are where a prefix cache can checkpoint: the next turn of the same
 conversation, or another one with the same system prompt, starts with exactly those tokens.
-They are found after every message, not just the last few: the server cuts prefill at them, and
-a prefix must be cut at the same places whichever request computes it, or the arithmetic (and
-with it a greedy answer) can differ between a restored state and a recomputed one.
+They are found after every message, not just the last few (from one marked render, see
+`boundaries`): the server cuts prefill at them, and a prefix must be cut at the same places
+whichever request computes it, or the arithmetic (and with it a greedy answer) can differ between
+a restored state and a recomputed one. For the same reason a chat prompt can render its answer as
+the next request will (`Prompt.answered`), cut at the same places, for the server to checkpoint.
 """
 
 from __future__ import annotations
