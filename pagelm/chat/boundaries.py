@@ -11,7 +11,9 @@ An end counts only where a special token of the prompt starts (the next turn's `
 the generation prompt's). The tokenizer matches special tokens before it splits the text between
 them, so when every occurrence of that token's text in the prompt became that token, the text
 before it encodes to exactly the prompt's tokens before it. A message whose text runs on into the
-next one's (Qwen3.5's consecutive tool results share one user turn) gets no end.
+next one's (Qwen3.5's consecutive tool results share one user turn) gets no end, and neither does
+any message of a template without such a loop (its prompts are checkpointed only every
+`--checkpoint-interval` tokens).
 """
 
 from __future__ import annotations
