@@ -188,8 +188,8 @@ def _open_chat(args: argparse.Namespace):
     return conversation, params
 
 
-def _answer(conversation, params, text: str, echo_reasoning: bool) -> None:
-    for reasoning, content in conversation.ask(text, params):
+def _answer(conversation, params, text: str, echo_reasoning: bool, grammar=None) -> None:
+    for reasoning, content in conversation.ask(text, params, grammar=grammar):
         if reasoning and echo_reasoning:
             print(reasoning, end="", file=sys.stderr, flush=True)
         if content:
@@ -212,7 +212,7 @@ def _print_stats(conversation) -> None:
 _REPL_HELP = "/think on|off, /clear, /set temperature|top_k|top_p|min_p|seed|max_tokens VALUE, /stats, /bye"
 
 
-def _repl(conversation, params) -> int:
+def _repl(conversation, params, grammar) -> int:
     from dataclasses import replace
 
     try:
@@ -251,11 +251,23 @@ def _repl(conversation, params) -> int:
                 print(f"(unknown command; {_REPL_HELP})", file=sys.stderr)
             continue
         try:
-            _answer(conversation, params, line, echo_reasoning=True)
+            _answer(conversation, params, line, echo_reasoning=True, grammar=grammar)
         except KeyboardInterrupt:
             print("\n(interrupted)", file=sys.stderr)
         except PagelmError as e:
             print(f"pagelm: error: {e}", file=sys.stderr)
+
+
+def _read_schema(path: str) -> dict:
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PagelmError(f"--json-schema {path}: not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise PagelmError(f"--json-schema {path}: a JSON schema must be an object, got {type(schema).__name__}")
+    return schema
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -265,18 +277,27 @@ def _run(args: argparse.Namespace) -> int:
             and not os.path.exists(args.model):
         args.model, args.prompt = None, args.model  # `pagelm run "Why is the sky blue?"`
     args.model = args.model or store.DEFAULT_MODEL
+    schema = _read_schema(args.json_schema) if args.json_schema else None
     conversation, params = _open_chat(args)
+    grammar = None
+    if args.format or args.json_schema:
+        from pagelm.grammar import Grammar, GrammarError
+
+        try:
+            grammar = Grammar.json_schema(conversation.tokenizer, schema)
+        except GrammarError as e:
+            raise PagelmError(f"--json-schema {args.json_schema}: {e}" if args.json_schema else str(e)) from None
     if args.prompt is None:
-        return _repl(conversation, params)
+        return _repl(conversation, params, grammar)
     if args.json:
-        for _ in conversation.ask(args.prompt, params):
+        for _ in conversation.ask(args.prompt, params, grammar=grammar):
             pass
         turn = conversation.last
         print(json.dumps({"content": turn.content, "reasoning": turn.reasoning, "token_ids": turn.token_ids,
                           "prompt_tokens": turn.prompt_tokens, "completion_tokens": len(turn.token_ids),
                           "finish_reason": turn.finish_reason}))
     else:
-        _answer(conversation, params, args.prompt, echo_reasoning=args.think)
+        _answer(conversation, params, args.prompt, echo_reasoning=args.think, grammar=grammar)
     if args.stats:
         _print_stats(conversation)
     return 0
@@ -408,6 +429,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true",
                      help="print one JSON object (content, reasoning, token ids, counts) as the last line")
     run.add_argument("--stats", action="store_true", help="prompt/decode tok/s and memory to stderr")
+    structured = run.add_mutually_exclusive_group()
+    structured.add_argument("--format", choices=["json"],
+                            help="json: the answer is one JSON object, enforced token by token (grammar-constrained "
+                                 "decoding); with --think the reasoning stays free")
+    structured.add_argument("--json-schema", metavar="FILE",
+                            help="the answer is compact JSON valid under the JSON schema in FILE, enforced token by "
+                                 "token; a schema the grammar library cannot compile is an error naming the feature. "
+                                 "Bound strings (maxLength), numbers and arrays (maxItems) to be sure the answer "
+                                 "ends within --max-tokens")
     run.set_defaults(run=_run, think=False)
 
     serve = commands.add_parser(

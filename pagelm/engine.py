@@ -10,7 +10,7 @@ import importlib
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -21,6 +21,9 @@ from pagelm.errors import PagelmError, UnsupportedError
 from pagelm.sampling import Sampler, SamplingParams
 from pagelm.weights import EmbeddingMode
 from pagelm.weights.loader import WeightLoader, WeightsMode
+
+if TYPE_CHECKING:
+    from pagelm.grammar import Matcher
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # GGUF general.architecture -> (module, config class, model class); imported only when used
@@ -142,10 +145,11 @@ class Session:
         self.logits = None if checkpoint.logits is None else checkpoint.logits.copy()
 
     def generate(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
-                 cancel: threading.Event | None = None) -> Iterator[int]:
+                 cancel: threading.Event | None = None, constraint: Matcher | None = None) -> Iterator[int]:
         """Prefill `prompt` (may be empty to continue from the current state), then yield sampled
         tokens until a stop token, max_tokens, the context end, or `cancel` is set (checked
-        before every step). A stop token is yielded, then generation ends."""
+        before every step). A stop token is yielded, then generation ends. `constraint` (a
+        grammar's matcher) forbids the tokens its grammar does not allow at each step."""
         sampler = Sampler(params)
         stops = set(params.stop_tokens) | set(self.model.eos_tokens)
         logits = self.prefill(prompt) if len(prompt) else self.logits
@@ -155,7 +159,12 @@ class Session:
         for _ in range(params.max_tokens):
             if cancel is not None and cancel.is_set():
                 return
+            if constraint is not None:
+                # a copy: self.logits stays the model's own (checkpoints keep it)
+                logits = constraint.mask(logits.copy())
             token = sampler.sample(logits, seen)
+            if constraint is not None:
+                constraint.accept(token)
             yield token
             if token in stops or len(self.tokens) >= self.max_len:
                 return

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from pagelm.chat.reasoning import ReasoningSplitter
 from pagelm.chat.template import ChatTemplate
@@ -17,6 +17,9 @@ from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
 from pagelm.engine import Model
 from pagelm.errors import PagelmError
 from pagelm.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from pagelm.grammar import Grammar
 
 
 @dataclass
@@ -72,9 +75,10 @@ class Conversation:
         return 0
 
     def ask(self, text: str, params: SamplingParams = SamplingParams(),
-            cancel: threading.Event | None = None) -> Iterator[tuple[str, str]]:
+            cancel: threading.Event | None = None, grammar: Grammar | None = None) -> Iterator[tuple[str, str]]:
         """Add a user message and stream the answer as (reasoning_delta, content_delta) pairs.
-        The finished turn is in `self.last`; the assistant message joins the history."""
+        The finished turn is in `self.last`; the assistant message joins the history. `grammar`
+        constrains the answer (the content: reasoning, when thinking, stays free)."""
         self.messages.append({"role": "user", "content": text})
         prompt = self._prompt_ids()
         if len(prompt) >= self.max_len:
@@ -84,10 +88,12 @@ class Conversation:
         turn.reused_tokens = self._reuse_or_reset(prompt)
         stops = tuple(params.stop_tokens) + self.tokenizer.eos_ids
         params = replace(params, stop_tokens=stops, max_tokens=min(params.max_tokens, self.max_len - len(prompt)))
-        splitter = ReasoningSplitter(think_open=self.template.think_open(prompt_text=None, enable_thinking=self.think))
+        think_open = self.template.think_open(prompt_text=None, enable_thinking=self.think)
+        splitter = ReasoningSplitter(think_open=think_open)
+        constraint = None if grammar is None else grammar.matcher(after_reasoning=think_open)
         decoder = StreamDecoder(self.tokenizer)
         start = time.perf_counter()
-        for token in self.session.generate(prompt[turn.reused_tokens:], params, cancel=cancel):
+        for token in self.session.generate(prompt[turn.reused_tokens:], params, cancel=cancel, constraint=constraint):
             if not turn.token_ids:
                 turn.prefill_s = time.perf_counter() - start
                 start = time.perf_counter()

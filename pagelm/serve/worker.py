@@ -33,6 +33,7 @@ from pagelm.chat.reasoning import ReasoningSplitter
 from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
 from pagelm.engine import Model, Session
 from pagelm.errors import PagelmError
+from pagelm.grammar import Grammar
 from pagelm.sampling import SamplingParams
 from pagelm.serve.prefix_cache import PrefixCache
 
@@ -114,9 +115,10 @@ class Job:
     _ids = itertools.count(1)
 
     def __init__(self, prompt: Prompt, params: SamplingParams, stop: tuple[str, ...] = (),
-                 max_len: int | None = None, request_id: str | None = None):
+                 max_len: int | None = None, request_id: str | None = None, grammar: Grammar | None = None):
         self.id = request_id or f"req-{uuid.uuid4().hex[:20]}"
         self.prompt, self.params, self.stop, self.max_len = prompt, params, stop, max_len
+        self.grammar = grammar
         self.cancel = threading.Event()
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
@@ -242,7 +244,9 @@ class Worker:
 
         result.finish_reason = "length"
         stopped = False  # by a stop string
-        tokens = session.generate(prompt[cursor:], params, cancel=job.cancel)
+        constraint = None if job.grammar is None else job.grammar.matcher(
+            after_reasoning=job.prompt.think_open and job.prompt.split_reasoning)
+        tokens = session.generate(prompt[cursor:], params, cancel=job.cancel, constraint=constraint)
         for token in tokens:
             if result.completion_tokens == 0:
                 result.prefill_s = time.perf_counter() - start
