@@ -13,7 +13,9 @@ import pytest
 
 from pagelm.chat.conversation import Conversation
 from pagelm.chat.model import ChatModel
+from pagelm.chat.tokenizer import Tokenizer
 from pagelm.errors import PagelmError
+from pagelm.formats.gguf import GGUFFile
 from pagelm.grammar import MAX_GRAMMAR_BYTES, Grammar, GrammarError, token_bytes
 from pagelm.sampling import Sampler, SamplingParams
 
@@ -49,8 +51,11 @@ def chat(request):
     return request.getfixturevalue(request.param)
 
 
-def test_token_bytes_are_what_the_tokenizer_decodes(chat):
-    tok = chat.tokenizer
+@pytest.mark.parametrize("gguf", ["smollm2_gguf", "qwen35_chat_gguf", "gemma3_gguf"])
+def test_token_bytes_are_what_the_tokenizer_decodes(request, gguf):
+    # byte-level BPE on HF tokenizers, on pagelm's own _ByteBPE, and SentencePiece (Gemma 3)
+    with GGUFFile.open(request.getfixturevalue(gguf)) as file:
+        tok = Tokenizer.from_gguf(file)
     spelled = token_bytes(tok)
     assert len(spelled) == tok.vocab_size
     differing = [i for i in range(tok.vocab_size)
