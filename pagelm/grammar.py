@@ -127,7 +127,7 @@ class Grammar:
         if not isinstance(text, str):
             raise GrammarError(f"a Lark grammar must be text, got {type(text).__name__}")
         _check_size("Lark grammar", text)
-        return cls(tokenizer, llguidance.LLMatcher.grammar_from_lark(text))
+        return cls(tokenizer, json.dumps({"grammars": [{"lark_grammar": text}]}))
 
     def matcher(self, after_reasoning: bool = False) -> Matcher:
         """A fresh state for one generation; after_reasoning: the constraint starts only once the

@@ -16,7 +16,7 @@ from pagelm.chat.model import ChatModel
 from pagelm.chat.tokenizer import Tokenizer
 from pagelm.errors import PagelmError
 from pagelm.formats.gguf import GGUFFile
-from pagelm.grammar import MAX_GRAMMAR_BYTES, Grammar, GrammarError, token_bytes
+from pagelm.grammar import JSON_OPTIONS, MAX_GRAMMAR_BYTES, Grammar, GrammarError, token_bytes
 from pagelm.sampling import Sampler, SamplingParams
 
 # Every string, number and array bounded: a random-weight model ends it within max_tokens only
@@ -148,10 +148,29 @@ def test_after_reasoning_the_thinking_is_free_and_the_answer_constrained(qwen35)
     allowed = _allowed(matcher.mask(zeros.copy()))
     assert brace in allowed and hello not in allowed
     assert all(tok.decode([i]).startswith("{") for i in allowed)
-    for token in tok.encode('{"a":1}'):
-        matcher.mask(zeros.copy())
-        matcher.accept(token)
+    _walk(matcher, tok, '{"a":1}')
     assert _allowed(matcher.mask(zeros.copy())) == set(tok.eos_ids)
+
+
+def _walk(matcher, tok, text: str) -> None:
+    """Feed `text`'s tokens, each one checked to be allowed first."""
+    for token in tok.encode(text):
+        assert np.isfinite(matcher.mask(np.zeros(tok.vocab_size, np.float32))[token]), tok.decode([token])
+        matcher.accept(token)
+
+
+def test_a_lark_grammar_embedding_a_schema_constrains_after_reasoning(qwen35):
+    tok = qwen35.tokenizer
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "x-guidance": JSON_OPTIONS}
+    grammar = Grammar.lark(tok, r'start: "<tool_call>\n" %json ' + json.dumps(schema) + r' "\n</tool_call>"')
+    matcher = grammar.matcher(after_reasoning=True)
+    _walk(matcher, tok, "The weather where?\n</think>")
+    assert {tok.decode([i]) for i in _allowed(matcher.mask(np.zeros(tok.vocab_size, np.float32)))} == {"<tool_call>"}
+    _walk(matcher, tok, '<tool_call>\n{"city":')
+    assert not np.isfinite(matcher.mask(np.zeros(tok.vocab_size, np.float32))[tok.encode(" ")[0]])  # compact
+    _walk(matcher, tok, '"Paris"}\n</tool_call>')
+    assert matcher.done and _allowed(matcher.mask(np.zeros(tok.vocab_size, np.float32))) == set(tok.eos_ids)
 
 
 def _answers(chat: ChatModel, grammar: Grammar, question: str, temperature: float, max_tokens: int,
@@ -160,6 +179,7 @@ def _answers(chat: ChatModel, grammar: Grammar, question: str, temperature: floa
         conversation = Conversation(chat.model, chat.tokenizer, chat.template, max_len=512, system=system)
         params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
         content = "".join(c for _, c in conversation.ask(question, params, grammar=grammar))
+        assert np.isfinite(conversation.session.logits).all()  # masked a copy: the session keeps the model's own
         yield conversation.last.finish_reason, content
 
 
