@@ -144,7 +144,7 @@ class Grammar:
         if close is not None and self._tokenizer.is_special(close):
             start = f"start: /(.|\\n)*/ <[{close}]> @answer"
         else:
-            start = 'start: reasoning @answer\nreasoning[suffix="</think>"]: /(.|\\n)*/'
+            start = f'start: reasoning @answer\nreasoning[suffix="{THINK_END}"]: /(.|\\n)*/'
         answer, *rest = json.loads(self._grammar)["grammars"]
         return self._compile(json.dumps({"grammars": [{"lark_grammar": start}, {**answer, "name": "answer"}, *rest]}))
 
