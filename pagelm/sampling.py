@@ -70,7 +70,14 @@ class Sampler:
         logits = self.penalize(logits, seen or Counter())
         if p.temperature == 0 or p.top_k == 1:
             return int(np.argmax(logits))
-        ids, scaled = self._candidates(logits.astype(np.float64) / p.temperature)
+        scaled = logits.astype(np.float64) / p.temperature
+        allowed = np.isfinite(scaled)
+        if allowed.all():
+            ids, scaled = self._candidates(scaled)
+        else:  # a grammar forbade some tokens (-inf): draw among the others
+            index = np.flatnonzero(allowed)
+            ids, scaled = self._candidates(scaled[index])
+            ids = index[ids]
         probs = np.exp(scaled - scaled.max())
         probs /= probs.sum()
         if p.min_p > 0:
@@ -79,10 +86,12 @@ class Sampler:
         return int(ids[self.rng.choice(ids.size, p=probs)])
 
     def _candidates(self, scaled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids (best first) and their scaled logits after top-k and top-p."""
+        """Token ids and their scaled logits after top-k and top-p (best first when either cuts)."""
         p = self.params
         limit = p.top_k or (_TOP_P_CANDIDATES if p.top_p < 1 else 0)
-        if limit and limit < scaled.size:
+        if not limit:
+            return np.arange(scaled.size), scaled  # every token stays a candidate: no order needed
+        if limit < scaled.size:
             ids = np.argpartition(-scaled, limit - 1)[:limit]
         else:
             ids = np.arange(scaled.size)

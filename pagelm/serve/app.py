@@ -14,8 +14,9 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from starlette.applications import Starlette
@@ -26,7 +27,9 @@ from starlette.routing import Route
 
 from pagelm.chat.model import ChatModel, Prompt
 from pagelm.chat.template import TemplateError
+from pagelm.chat.tools import PlainStream, Tool, ToolCallStream, ToolFormat, tool_format
 from pagelm.errors import PagelmError
+from pagelm.grammar import Grammar, GrammarError
 from pagelm.measure.memory import read_memory
 from pagelm.sampling import SamplingParams
 from pagelm.serve.prefix_cache import PrefixCache
@@ -34,6 +37,29 @@ from pagelm.serve.requests import RequestError, request_id
 from pagelm.serve.worker import Delta, Failed, Job, QueueFull, Result, Worker
 
 log = logging.getLogger("pagelm.serve")
+GRAMMAR_CACHE_SIZE = 32  # compiled grammars kept, least recently used dropped
+
+
+@dataclass(frozen=True)
+class JsonAnswer:
+    """A request for an answer that is JSON: any object (schema None) or one a schema validates."""
+
+    schema: dict | None = None
+
+
+@dataclass
+class ChatPlan:
+    """A chat request made ready: its prompt, the grammar the answer must follow, and the tools
+    whose calls are read back out of the answer."""
+
+    prompt: Prompt
+    grammar: Grammar | None = None
+    tools: list[Tool] = field(default_factory=list)
+    form: ToolFormat | None = None
+
+    def answer_stream(self) -> ToolCallStream | PlainStream:
+        """What splits this request's streamed answer into content and tool calls."""
+        return ToolCallStream(self.form, self.tools) if self.tools else PlainStream()
 
 
 @dataclass
@@ -66,6 +92,7 @@ class Server:
         self.load_s = 0.0
         self.started = time.time()
         self.on_load = lambda error: None  # called from the loading thread: None on success
+        self._grammars: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
 
     def load(self) -> None:
         start = time.perf_counter()
@@ -117,12 +144,57 @@ class Server:
             raise RequestError(f"the body must be a JSON object, got {type(value).__name__}")
         return value
 
-    async def chat_prompt(self, messages: list[dict], think: bool | None) -> Prompt:
+    async def plan_chat(self, messages: list[dict], think: bool | None, tools: list[Tool] = (),
+                        choice: str | Tool = "auto", parallel: bool = True, answer: JsonAnswer | None = None) -> ChatPlan:
+        """The prompt with the tools rendered in, and the grammar that `choice` (a forced call) or
+        `answer` (JSON) asks for. `choice` none offers no tools: none rendered, none parsed."""
         chat = self.require_ready()
+        tools = list(tools) if choice != "none" else []
+        form = tool_format(chat.template.source) if tools else None
+        if tools and form is None:
+            raise RequestError(f"model '{chat.name}' cannot call tools: its chat template renders no tool calls",
+                               param="tools")
+        forced = choice == "required" or isinstance(choice, Tool)
+        if forced and answer is not None:
+            raise RequestError("a JSON answer format and a tool_choice that forces a call cannot be combined",
+                               param="response_format")
         try:
-            return await run_in_threadpool(chat.chat_prompt, messages, think)
+            prompt = await run_in_threadpool(chat.chat_prompt, messages, think,
+                                             [t.for_template() for t in tools] or None)
         except TemplateError as e:
             raise RequestError(str(e)) from None
+        grammar = None
+        if forced:
+            chosen = [choice] if isinstance(choice, Tool) else tools
+            grammar = await self._grammar("lark", form.grammar(chosen, parallel and not isinstance(choice, Tool)),
+                                          "tools")
+        elif answer is not None:
+            grammar = await self.json_grammar(answer)
+        return ChatPlan(prompt, grammar, tools, form)
+
+    async def json_grammar(self, answer: JsonAnswer | None) -> Grammar | None:
+        if answer is None:
+            return None
+        return await self._grammar("json", json.dumps(answer.schema, sort_keys=True), "response_format")
+
+    async def _grammar(self, kind: str, text: str, param: str) -> Grammar:
+        """A compiled grammar (Lark text, or a JSON schema as JSON text), from the cache when it can."""
+        key = (kind, text)
+        if key in self._grammars:
+            self._grammars.move_to_end(key)
+            return self._grammars[key]
+        tokenizer = self.require_ready().tokenizer
+        try:
+            if kind == "lark":
+                grammar = await run_in_threadpool(Grammar.lark, tokenizer, text)
+            else:
+                grammar = await run_in_threadpool(Grammar.json_schema, tokenizer, json.loads(text))
+        except GrammarError as e:
+            raise RequestError(str(e), param=param) from None
+        self._grammars[key] = grammar
+        while len(self._grammars) > GRAMMAR_CACHE_SIZE:
+            self._grammars.popitem(last=False)
+        return grammar
 
     async def raw_prompt(self, text: str) -> Prompt:
         return await run_in_threadpool(self.require_ready().raw_prompt, text)
@@ -133,7 +205,7 @@ class Server:
                                f"{len(images)} image(s) in this request")
 
     def start(self, request: Request, prompt: Prompt, params: SamplingParams, stop: tuple[str, ...],
-              id_prefix: str, max_len: int | None = None) -> Job:
+              id_prefix: str, max_len: int | None = None, grammar: Grammar | None = None) -> Job:
         """Queue a generation; 400 if the prompt cannot fit, 503 if the queue is full."""
         self.require_ready()
         limit = min(max_len or self.settings.ctx_len, self.settings.ctx_len)
@@ -143,7 +215,7 @@ class Server:
             raise RequestError(f"the prompt is {len(prompt.tokens)} tokens long but the context is {limit} tokens "
                                f"(it must leave room for at least one generated token)", code="context_length_exceeded")
         rid = request_id(request.headers.get("x-request-id"))
-        job = Job(prompt, params, stop, max_len=limit, request_id=rid or f"{id_prefix}-{_hex_id()}")
+        job = Job(prompt, params, stop, max_len=limit, request_id=rid or f"{id_prefix}-{_hex_id()}", grammar=grammar)
         try:
             self.worker.submit(job)
         except QueueFull as e:

@@ -13,8 +13,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pagelm import __version__
-from pagelm.serve.app import Server, events
-from pagelm.serve.requests import RequestError, boolean, integer, messages_from, sampling, stop_strings, string
+from pagelm.chat.tools import ToolCall, tool_format
+from pagelm.serve.app import JsonAnswer, Server, events
+from pagelm.serve.requests import (RequestError, boolean, integer, messages_from, sampling, stop_strings, string,
+                                   tools_from)
 from pagelm.serve.worker import Delta, Job, Result
 
 # Ollama option names → the OpenAI-style names `sampling` reads
@@ -50,6 +52,21 @@ def _think(body: dict) -> bool | None:
             raise RequestError("think must be true, false, low, medium or high")
         return True
     return boolean(body, "think")
+
+
+def _json_answer(value) -> JsonAnswer | None:
+    """Ollama's `format`: "json" (any JSON object) or a JSON schema."""
+    if value is None or value == "":
+        return None
+    if value == "json":
+        return JsonAnswer()
+    if isinstance(value, dict):
+        return JsonAnswer(value)
+    raise RequestError('format must be "json" or a JSON schema object')
+
+
+def _tool_call(call: ToolCall, index: int) -> dict:
+    return {"id": call.id, "function": {"index": index, "name": call.name, "arguments": call.arguments}}
 
 
 def _done(result: Result) -> dict:
@@ -96,26 +113,33 @@ def routes(server: Server) -> list[Route]:
         (params, stop, num_ctx), streamed = check(body)
         messages, images = messages_from(body.get("messages"), "ollama")
         server.check_images(images)
-        prompt = await server.chat_prompt(messages, _think(body))
-        job = server.start(request, prompt, params, stop, "chat", max_len=num_ctx)
+        plan = await server.plan_chat(messages, _think(body), tools_from(body.get("tools")),
+                                      answer=_json_answer(body.get("format")))
+        job = server.start(request, plan.prompt, params, stop, "chat", max_len=num_ctx, grammar=plan.grammar)
         name = server.chat.name
+        calls = plan.answer_stream()
 
-        def message(reasoning: str, content: str) -> dict:
-            m = {"role": "assistant", "content": content}
+        def message(reasoning: str, pieces: list) -> dict:
+            m = {"role": "assistant", "content": "".join(p for p in pieces if isinstance(p, str))}
             if reasoning:
                 m["thinking"] = reasoning
+            found = [p for p in pieces if isinstance(p, ToolCall)]
+            if found:
+                first = len(calls.calls) - len(found)
+                m["tool_calls"] = [_tool_call(c, first + i) for i, c in enumerate(found)]
             return m
 
         def record(event) -> dict:
             if isinstance(event, Delta):
-                return {"model": name, "created_at": _now(), "message": message(event.reasoning, event.content),
+                return {"model": name, "created_at": _now(), "message": message(event.reasoning,
+                                                                                calls.push(event.content)),
                         "done": False}
-            return {"model": name, "created_at": _now(), "message": message("", ""), **_done(event)}
+            return {"model": name, "created_at": _now(), "message": message("", calls.finish()), **_done(event)}
 
         def merge(deltas: list[Delta], result: Result) -> dict:
+            pieces = [p for d in deltas for p in calls.push(d.content)] + calls.finish()
             return {"model": name, "created_at": _now(),
-                    "message": message("".join(d.reasoning for d in deltas), "".join(d.content for d in deltas)),
-                    **_done(result)}
+                    "message": message("".join(d.reasoning for d in deltas), pieces), **_done(result)}
 
         return await respond(request, job, streamed, record, merge)
 
@@ -134,12 +158,14 @@ def routes(server: Server) -> list[Route]:
             raise RequestError("images must be a list of base64 strings")
         _, images = messages_from([{"role": "user", "content": "", "images": images}], "ollama")
         server.check_images(images)
+        answer = _json_answer(body.get("format"))
         if boolean(body, "raw"):
-            prompt = await server.raw_prompt(text)
+            prompt, grammar = await server.raw_prompt(text), await server.json_grammar(answer)
         else:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-            prompt = await server.chat_prompt(messages, _think(body))
-        job = server.start(request, prompt, params, stop, "gen", max_len=num_ctx)
+            plan = await server.plan_chat(messages, _think(body), answer=answer)
+            prompt, grammar = plan.prompt, plan.grammar
+        job = server.start(request, prompt, params, stop, "gen", max_len=num_ctx, grammar=grammar)
         name = server.chat.name
 
         def record(event) -> dict:
@@ -179,7 +205,8 @@ def routes(server: Server) -> list[Route]:
         chat = server.chat
         metadata = chat.model.file.metadata
         info = {k: v for k, v in metadata.items() if not k.startswith("tokenizer.") and isinstance(v, (int, float, str))}
-        capabilities = ["completion"] + (["thinking"] if chat.thinks else [])
+        capabilities = (["completion"] + (["tools"] if tool_format(chat.template.source) else [])
+                        + (["thinking"] if chat.thinks else []))
         return JSONResponse({"modelfile": "", "parameters": "", "template": chat.template.source,
                              "details": _details(server), "model_info": info, "capabilities": capabilities})
 

@@ -14,9 +14,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pagelm.serve.app import Server, events
+from pagelm.chat.tools import ToolCall
+from pagelm.serve.app import JsonAnswer, Server, events
 from pagelm.serve.requests import (RequestError, boolean, integer, messages_from, sampling, stop_strings,
-                                   string)
+                                   string, tool_choice_from, tools_from)
 from pagelm.serve.worker import Delta, Job, Result
 
 REASONING_EFFORT_OFF = {"none", "minimal"}
@@ -37,6 +38,36 @@ def _think(body: dict) -> bool | None:
             raise RequestError("reasoning_effort must be none, minimal, low, medium or high", param="reasoning_effort")
         return effort not in REASONING_EFFORT_OFF
     return None
+
+
+def _json_answer(value) -> JsonAnswer | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JsonAnswer()
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise RequestError("response_format.json_schema.schema must be a JSON schema object",
+                               param="response_format")
+        return JsonAnswer(schema)
+    raise RequestError('response_format.type must be "text", "json_object" or "json_schema"', param="response_format")
+
+
+def _tool_call(call: ToolCall, index: int | None = None) -> dict:
+    """A call as OpenAI writes it: in a message, or (with its index) in a streamed delta."""
+    entry = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_json}}
+    return entry if index is None else {"index": index, **entry}
+
+
+def _split(parts: list) -> tuple[str, list[ToolCall]]:
+    """(content, tool calls) of what an answer stream gave back."""
+    return "".join(p for p in parts if isinstance(p, str)), [p for p in parts if isinstance(p, ToolCall)]
 
 
 def _common(server: Server, body: dict) -> tuple:
@@ -68,16 +99,17 @@ def routes(server: Server) -> list[Route]:
     def model_name() -> str:
         return server.require_ready().name
 
-    async def stream(job: Job, chunk) -> AsyncIterator[str]:
+    async def stream(job: Job, chunks) -> AsyncIterator[str]:
         try:
             async for event in events(job):
-                yield _sse(chunk(event))
+                for chunk in chunks(event):
+                    yield _sse(chunk)
         except RequestError as e:
             yield _sse({"error": {"message": str(e), "type": "server_error", "code": None, "param": None}})
         yield "data: [DONE]\n\n"
 
-    def streaming(job: Job, chunk) -> Response:
-        return StreamingResponse(stream(job, chunk), media_type="text/event-stream",
+    def streaming(job: Job, chunks) -> Response:
+        return StreamingResponse(stream(job, chunks), media_type="text/event-stream",
                                  headers={"X-Request-Id": job.id, "Cache-Control": "no-cache"})
 
     async def chat_completions(request: Request) -> Response:
@@ -85,40 +117,62 @@ def routes(server: Server) -> list[Route]:
         params, stop, streamed = _common(server, body)
         messages, images = messages_from(body.get("messages"), "openai")
         server.check_images(images)
-        prompt = await server.chat_prompt(messages, _think(body))
-        job = server.start(request, prompt, params, stop, "chatcmpl")
+        tools = tools_from(body.get("tools"))
+        parallel = boolean(body, "parallel_tool_calls")
+        plan = await server.plan_chat(messages, _think(body), tools, tool_choice_from(body.get("tool_choice"), tools),
+                                      parallel is not False, _json_answer(body.get("response_format")))
+        job = server.start(request, plan.prompt, params, stop, "chatcmpl", grammar=plan.grammar)
         created, name = int(time.time()), model_name()
         head = {"id": job.id, "object": "chat.completion.chunk", "created": created, "model": name}
+        calls = plan.answer_stream()
+
+        def finish_reason(result: Result) -> str:
+            return "tool_calls" if calls.calls and result.finish_reason == "stop" else result.finish_reason
 
         if streamed:
-            first = [True]
+            first, sent = [True], [0]
 
-            def chunk(event) -> dict:
+            def choice(delta: dict, reason: str | None = None) -> dict:
+                if first[0]:
+                    delta, first[0] = {"role": "assistant", **delta}, False
+                return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
+
+            def chunks(event) -> list[dict]:
+                delta = {}
                 if isinstance(event, Delta):
-                    delta = {"role": "assistant"} if first[0] else {}
-                    first[0] = False
                     if event.reasoning:
                         delta["reasoning_content"] = event.reasoning
-                    if event.content:
-                        delta["content"] = event.content
-                    return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
-                return {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": event.finish_reason}],
-                        "usage": _usage(event)}
+                    pieces = calls.push(event.content)
+                else:
+                    pieces = calls.finish()
+                content, new_calls = _split(pieces)
+                if content:
+                    delta["content"] = content
+                out = [choice(delta)] if delta else []
+                for call in new_calls:
+                    out.append(choice({"tool_calls": [_tool_call(call, sent[0])]}))
+                    sent[0] += 1
+                if isinstance(event, Result):
+                    out.append({**choice({}, finish_reason(event)), "usage": _usage(event)})
+                return out
 
-            return streaming(job, chunk)
+            return streaming(job, chunks)
 
-        reasoning, content, result = [], [], None
+        reasoning, parts, result = [], [], None
         async for event in events(job, request):
             if isinstance(event, Delta):
                 reasoning.append(event.reasoning)
-                content.append(event.content)
+                parts += calls.push(event.content)
             else:
                 result = event
-        message = {"role": "assistant", "content": "".join(content)}
+        content, found = _split(parts + calls.finish())
+        message = {"role": "assistant", "content": content if content or not found else None}
         if "".join(reasoning):
             message["reasoning_content"] = "".join(reasoning)
+        if found:
+            message["tool_calls"] = [_tool_call(c) for c in found]
         return JSONResponse({"id": job.id, "object": "chat.completion", "created": created, "model": name,
-                             "choices": [{"index": 0, "message": message, "finish_reason": result.finish_reason}],
+                             "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(result)}],
                              "usage": _usage(result)}, headers={"X-Request-Id": job.id})
 
     async def completions(request: Request) -> Response:
@@ -135,14 +189,14 @@ def routes(server: Server) -> list[Route]:
         head = {"id": job.id, "object": "text_completion", "created": created, "model": name}
 
         if streamed:
-            def chunk(event) -> dict:
+            def chunks(event) -> list[dict]:
                 if isinstance(event, Delta):
-                    return {**head, "choices": [{"index": 0, "text": event.content, "finish_reason": None,
-                                                 "logprobs": None}]}
-                return {**head, "choices": [{"index": 0, "text": "", "finish_reason": event.finish_reason,
-                                             "logprobs": None}], "usage": _usage(event)}
+                    return [{**head, "choices": [{"index": 0, "text": event.content, "finish_reason": None,
+                                                  "logprobs": None}]}]
+                return [{**head, "choices": [{"index": 0, "text": "", "finish_reason": event.finish_reason,
+                                              "logprobs": None}], "usage": _usage(event)}]
 
-            return streaming(job, chunk)
+            return streaming(job, chunks)
 
         parts, result = [], None
         async for event in events(job, request):

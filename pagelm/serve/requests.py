@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import re
 from typing import Any
 
+from pagelm.chat.tools import Tool
 from pagelm.sampling import SamplingParams
 
 MAX_IMAGE_BYTES = 20 << 20
@@ -17,6 +19,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 IMAGE_MAGIC = {b"\x89PNG\r\n\x1a\n": "png", b"\xff\xd8\xff": "jpeg", b"GIF87a": "gif", b"GIF89a": "gif"}
+MAX_TOOLS = 128
+MAX_TOOLS_BYTES = 256 << 10
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+TOOL_CHOICES = ("auto", "none", "required")
 ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
@@ -114,11 +120,98 @@ def decode_image(data: Any, where: str) -> bytes:
     return raw
 
 
+def tools_from(value: Any) -> list[Tool]:
+    """The functions a request offers, from OpenAI's (and Ollama's) `tools` list."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise RequestError("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects",
+                           param="tools")
+    if len(value) > MAX_TOOLS or len(json.dumps(value)) > MAX_TOOLS_BYTES:
+        raise RequestError(f"tools: at most {MAX_TOOLS} tools of at most {MAX_TOOLS_BYTES >> 10} KiB in all",
+                           param="tools")
+    tools = {}
+    for i, entry in enumerate(value):
+        where = f"tools[{i}]"
+        function = entry.get("function") if isinstance(entry, dict) else None
+        if not isinstance(function, dict) or entry.get("type", "function") != "function":
+            raise RequestError(f'{where} must be {{"type": "function", "function": {{"name": ..., "parameters": '
+                               f'...}}}}', param="tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise RequestError(f"{where}.function.name must be 1-64 letters, digits, _ . or -, got {name!r}",
+                               param="tools")
+        if name in tools:
+            raise RequestError(f"{where}: a second function named {name!r}", param="tools")
+        description = function.get("description") or ""
+        if not isinstance(description, str):
+            raise RequestError(f"{where}.function.description must be a string", param="tools")
+        parameters = function.get("parameters")
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
+        if (not isinstance(parameters, dict) or parameters.get("type", "object") != "object"
+                or not isinstance(parameters.get("properties", {}), dict)):
+            raise RequestError(f"{where}.function.parameters must be a JSON schema of type object (with "
+                               f"\"properties\" an object)", param="tools")
+        tools[name] = Tool(name, description, parameters)
+    return list(tools.values())
+
+
+def tool_choice_from(value: Any, tools: list[Tool]) -> str | Tool:
+    """`auto`, `none`, `required`, or the one Tool a request names."""
+    if value is None:
+        return "auto"
+    if isinstance(value, str):
+        if value not in TOOL_CHOICES:
+            raise RequestError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or "
+                               f'{{"type": "function", "function": {{"name": ...}}}}, got {value!r}', param="tool_choice")
+        if value == "required" and not tools:
+            raise RequestError("tool_choice is required but the request offers no tools", param="tool_choice")
+        return value
+    function = value.get("function") if isinstance(value, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise RequestError('tool_choice must name a function as {"type": "function", "function": {"name": ...}}',
+                           param="tool_choice")
+    chosen = next((t for t in tools if t.name == name), None)
+    if chosen is None:
+        raise RequestError(f"tool_choice names function {name!r}, which is not among the request's tools",
+                           param="tool_choice")
+    return chosen
+
+
+def _tool_calls(value: Any, protocol: str, where: str) -> list[dict]:
+    """An assistant message's tool calls as templates read them: arguments as an object."""
+    if not isinstance(value, list):
+        raise RequestError(f"{where}.tool_calls must be a list", param="messages")
+    calls = []
+    for j, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"{where}.tool_calls[{j}] must have function.name", param="messages")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise RequestError(f"{where}.tool_calls[{j}].function.arguments is not valid JSON",
+                                   param="messages") from None
+        if not isinstance(arguments, dict):
+            raise RequestError(f"{where}.tool_calls[{j}].function.arguments must be a JSON object"
+                               + (" (as a string)" if protocol == "openai" else ""), param="messages")
+        plain = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            plain["id"] = call["id"]
+        calls.append(plain)
+    return calls
+
+
 def messages_from(value: Any, protocol: str) -> tuple[list[dict], list[bytes]]:
     """(template messages, images) from an OpenAI or Ollama `messages` list."""
     if not isinstance(value, list) or not value:
         raise RequestError("messages must be a non-empty list", param="messages")
-    messages, images = [], []
+    messages, images, call_ids = [], [], set()
     for i, message in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -147,6 +240,17 @@ def messages_from(value: Any, protocol: str) -> tuple[list[dict], list[bytes]]:
             raise RequestError(f"{where}.content must be a string"
                                + (" or a list of content parts" if protocol == "openai" else ""), param="messages")
         plain = {"role": ROLE_ALIASES[role], "content": content}
+        if role == "assistant" and message.get("tool_calls") is not None:
+            plain["tool_calls"] = _tool_calls(message["tool_calls"], protocol, where)
+            call_ids.update(c["id"] for c in plain["tool_calls"] if "id" in c)
+        if role == "tool" and protocol == "openai":
+            call_id = message.get("tool_call_id")
+            if call_id not in call_ids:
+                raise RequestError(f"{where}.tool_call_id {call_id!r} matches no tool call of an earlier assistant "
+                                   f"message", param="messages")
+            plain["tool_call_id"] = call_id
+        if role == "tool" and isinstance(message.get("tool_name" if protocol == "ollama" else "name"), str):
+            plain["name"] = message["tool_name" if protocol == "ollama" else "name"]
         reasoning = message.get("reasoning_content") if protocol == "openai" else message.get("thinking")
         if isinstance(reasoning, str) and reasoning:
             plain["reasoning_content"] = reasoning

@@ -1,0 +1,298 @@
+"""Tool calls in a chat template's own words: which form a template writes calls in, reading
+calls back out of generated text as it streams, and the grammar that forces a call.
+
+Two forms exist among the templates pagelm knows:
+- Qwen3.5's XML form: `<tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nvalue\\n</parameter>\\n
+  </function>\\n</tool_call>`, values written raw (strings as they are, other types as JSON);
+- the JSON form of Qwen2.5 / Hermes-style templates: `<tool_call>\\n{"name": ..., "arguments":
+  {...}}\\n</tool_call>`.
+A template that renders neither has no tool support; the server refuses tools for it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# bounds that keep a forced call finite on any model, random weights included: a raw string
+# value ends by this many characters, and at most this many calls are forced in one answer
+MAX_STRING_CHARS = 512
+MAX_PARALLEL_CALLS = 4
+# JSON inside a call is written the way templates' `tojson` writes it (Python's json.dumps): single
+# spaces after , and :, no other whitespace (which a model could otherwise emit without end)
+TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call: its name, description and the JSON schema of its arguments."""
+
+    name: str
+    description: str = ""
+    parameters: dict = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    def for_template(self) -> dict:
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+    @property
+    def properties(self) -> dict:
+        props = self.parameters.get("properties")
+        return props if isinstance(props, dict) else {}
+
+    @property
+    def required(self) -> list[str]:
+        required = self.parameters.get("required")
+        return [r for r in required if r in self.properties] if isinstance(required, list) else []
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+def _schema_types(schema: Any) -> set[str]:
+    """The JSON types a schema allows (empty: any)."""
+    if not isinstance(schema, dict):
+        return set()
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return {kind}
+    if isinstance(kind, list):
+        return {k for k in kind if isinstance(k, str)}
+    if "enum" in schema and isinstance(schema["enum"], list):
+        return {_json_type(v) for v in schema["enum"]}
+    if "const" in schema:
+        return {_json_type(schema["const"])}
+    union = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(union, list):
+        return set().union(*(_schema_types(s) for s in union)) if all(_schema_types(s) for s in union) else set()
+    return set()
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), "string")
+
+
+def _length_bounds(schema: dict) -> tuple[int, int]:
+    """A string schema's (minLength, maxLength), the maximum capped at MAX_STRING_CHARS."""
+    def bound(key: str, default: int) -> int:
+        value = schema.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
+
+    high = min(bound("maxLength", MAX_STRING_CHARS), MAX_STRING_CHARS)
+    return min(bound("minLength", 0), high), high
+
+
+def _embedded(schema: dict) -> str:
+    """A schema for Lark's `%json`, with TEMPLATE_JSON's whitespace."""
+    return json.dumps({**schema, "x-guidance": TEMPLATE_JSON})
+
+
+def _is_raw_string(schema: Any) -> bool:
+    """Whether the XML form writes this parameter's value as raw text (a string-only schema)."""
+    return _schema_types(schema) == {"string"}
+
+
+def typed_value(text: str, schema: Any) -> Any:
+    """An XML-form parameter value as the type its schema asks for; text when it is not valid
+    JSON of an allowed type (nothing is dropped)."""
+    types = _schema_types(schema)
+    if types == {"string"}:
+        return text
+    if "boolean" in types and text.strip() in ("True", "False"):  # how a Python template writes bools
+        return text.strip() == "True"
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    kind = _json_type(value)
+    if not types or kind in types or (kind == "integer" and "number" in types):
+        return value
+    return text
+
+
+class ToolFormat:
+    """How one template family writes a call; subclasses fill in the block's inside."""
+
+    name = ""
+
+    def parse(self, inner: str, tools: dict[str, Tool]) -> ToolCall | None:
+        """The call written between `<tool_call>` and `</tool_call>`; None when it is not one."""
+        raise NotImplementedError
+
+    def call_rule(self, tools: list[Tool]) -> list[str]:
+        """Lark rules defining `call_body`: what a forced call may say between the tags."""
+        raise NotImplementedError
+
+    def grammar(self, tools: list[Tool], parallel: bool) -> str:
+        """An llguidance Lark grammar: one call to one of `tools` (up to MAX_PARALLEL_CALLS when
+        `parallel`), nothing else."""
+        repeat = f'("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
+        rules = [f"start: call {repeat}".rstrip(),
+                 f"call: {json.dumps(OPEN)} \"\\n\" call_body \"\\n\" {json.dumps(CLOSE)}"]
+        return "\n".join(rules + self.call_rule(tools)) + "\n"
+
+
+PARAMETER_END = json.dumps("\n</parameter>\n")
+
+
+class QwenXmlFormat(ToolFormat):
+    name = "qwen-xml"
+    FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?(.*?)</function>\s*", re.S)
+    PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+    def parse(self, inner: str, tools: dict[str, Tool]) -> ToolCall | None:
+        match = self.FUNCTION.fullmatch(inner)
+        if not match or match.group(1) not in tools:
+            return None
+        tool = tools[match.group(1)]
+        body = match.group(2)
+        arguments = {name: typed_value(value, tool.properties.get(name))
+                     for name, value in self.PARAMETER.findall(body)}
+        if self.PARAMETER.sub("", body).strip():
+            return None  # text outside the parameters: not a call this format wrote
+        return ToolCall(tool.name, arguments)
+
+    def call_rule(self, tools: list[Tool]) -> list[str]:
+        rules = ["call_body: " + " | ".join(f"fn_{i}" for i in range(len(tools)))]
+        for i, tool in enumerate(tools):
+            params = []
+            for j, (name, schema) in enumerate(tool.properties.items()):
+                head = json.dumps(f"<parameter={name}>\n")
+                rules.append(f"param_{i}_{j}: {head} value_{i}_{j}")
+                if _is_raw_string(schema) and isinstance(schema.get("enum"), list):
+                    rules.append(f"value_{i}_{j}: (" + " | ".join(json.dumps(str(v)) for v in schema["enum"])
+                                 + f") {PARAMETER_END}")
+                elif _schema_types(schema) == {"boolean"}:  # the template writes Python's True / False
+                    rules.append(f'value_{i}_{j}: ("true" | "false" | "True" | "False") {PARAMETER_END}')
+                elif _is_raw_string(schema):
+                    # raw text up to the first closing tag (lazy), bounded, never a call tag
+                    low, high = _length_bounds(schema)
+                    rules.append(f"value_{i}_{j}[suffix={PARAMETER_END}]: RAW_{i}_{j}")
+                    rules.append(f"RAW_{i}_{j}: /(?s:.{{{low},{high}}})/ & ~/(?s:.*)<\\/?tool_call>(?s:.*)/")
+                else:
+                    rules.append(f"value_{i}_{j}: %json {_embedded(schema if isinstance(schema, dict) else {})} "
+                                 f"{PARAMETER_END}")
+                params.append(f"param_{i}_{j}" + ("" if name in tool.required else "?"))
+            head = json.dumps(f"<function={tool.name}>\n")
+            rules.append(f'fn_{i}: {head} {" ".join(params)} "</function>"')
+        return rules
+
+
+class JsonFormat(ToolFormat):
+    name = "json"
+
+    def parse(self, inner: str, tools: dict[str, Tool]) -> ToolCall | None:
+        try:
+            value = json.loads(inner)
+        except ValueError:
+            return None
+        if not isinstance(value, dict) or value.get("name") not in tools:
+            return None
+        arguments = value.get("arguments", value.get("parameters", {}))
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                return None
+        return ToolCall(value["name"], arguments) if isinstance(arguments, dict) else None
+
+    def call_rule(self, tools: list[Tool]) -> list[str]:
+        calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                  "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+        return [f"call_body: %json {_embedded({'anyOf': calls})}"]
+
+
+def tool_format(template_source: str | None) -> ToolFormat | None:
+    """The form a chat template writes calls in; None when it renders no calls at all."""
+    source = template_source or ""
+    if OPEN not in source or "tool_calls" not in source:
+        return None
+    return QwenXmlFormat() if "<function=" in source else JsonFormat()
+
+
+class PlainStream:
+    """The answer text of a request that offers no tools: all content."""
+
+    calls: tuple[ToolCall, ...] = ()
+
+    def push(self, text: str) -> list[str | ToolCall]:
+        return [text] if text else []
+
+    def finish(self) -> list[str | ToolCall]:
+        return []
+
+
+class ToolCallStream:
+    """Splits streamed answer text into content and complete tool calls. Text that might begin
+    a call is held until it is known; a block that does not parse as a call, or one left open at
+    the end, comes back as content, so nothing the model wrote is lost."""
+
+    def __init__(self, form: ToolFormat, tools: Iterable[Tool]):
+        self.form = form
+        self.tools = {t.name: t for t in tools}
+        self.held = ""
+        self.calls: list[ToolCall] = []
+
+    def push(self, text: str) -> list[str | ToolCall]:
+        self.held += text
+        out: list[str | ToolCall] = []
+        while True:
+            start = self.held.find(OPEN)
+            if start < 0:
+                break
+            end = self.held.find(CLOSE, start + len(OPEN))
+            if end < 0:
+                self._content(self.held[:start], out, before_call=True)
+                self.held = self.held[start:]
+                return out
+            call = self.form.parse(self.held[start + len(OPEN) : end], self.tools)
+            if call is None:
+                self._content(self.held[: end + len(CLOSE)], out)
+            else:
+                self._content(self.held[:start], out, before_call=True)
+                self.calls.append(call)
+                out.append(call)
+            self.held = self.held[end + len(CLOSE) :]
+        # keep back a tail that could be the start of OPEN, and whitespace that may precede a call
+        keep = next((k for k in range(min(len(OPEN) - 1, len(self.held)), 0, -1)
+                     if self.held.endswith(OPEN[:k])), 0)
+        cut = len(self.held) - keep
+        cut = len(self.held[:cut].rstrip())
+        self._content(self.held[:cut], out)
+        self.held = self.held[cut:]
+        return out
+
+    def finish(self) -> list[str | ToolCall]:
+        held, self.held = self.held, ""
+        out: list[str | ToolCall] = []
+        if not self.calls or held.strip():
+            self._content(held, out)
+        return out
+
+    def _content(self, text: str, out: list, before_call: bool = False) -> None:
+        if before_call:
+            text = text.rstrip()
+        if self.calls and not text.strip():
+            return  # the separators between calls
+        if text:
+            out.append(text)

@@ -1,0 +1,143 @@
+"""Tool calls in the template's words: which form a template writes, reading calls back out of
+streamed text (whatever the chunking), typing XML-form values by schema, and the forcing grammar."""
+
+import json
+
+import llguidance
+import pytest
+
+from pagelm.chat.qwen35_template import QWEN35_TEMPLATE
+from pagelm.chat.template import ChatTemplate
+from pagelm.chat.tools import (MAX_STRING_CHARS, JsonFormat, QwenXmlFormat, Tool, ToolCall, ToolCallStream,
+                               tool_format, typed_value)
+
+WEATHER = Tool("get_weather", "Current weather", {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+                   "unit": {"type": "string", "enum": ["c", "f"]}, "where": {"type": "object"}},
+    "required": ["city"]})
+CLOCK = Tool("clock")
+
+# Qwen2.5's tool-call rendering (the JSON-in-<tool_call> form of Hermes-style templates), trimmed
+HERMES_TEMPLATE = """{%- for message in messages %}
+    {{- '<|im_start|>' + message.role + '\\n' + message.content }}
+    {%- for tool_call in message.tool_calls or [] %}
+        {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+        {{- '\\n<tool_call>\\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}
+        {{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}
+    {%- endfor %}
+    {{- '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+
+
+def rendered_answer(template_source: str, calls: list[dict], content: str = "") -> str:
+    """The assistant message as the template writes it, between its header and <|im_end|>."""
+    text = ChatTemplate(template_source).render(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content, "tool_calls": calls}],
+        add_generation_prompt=False)
+    answer = text.split("<|im_start|>assistant\n")[-1].split("</think>\n\n")[-1]
+    return answer[: answer.index("<|im_end|>")].lstrip("\n")
+
+
+CALLS = [{"type": "function", "function": {"name": "get_weather",
+                                           "arguments": {"city": "Paris\nFrance", "days": 3, "metric": True,
+                                                         "where": {"lat": 1.5}}}},
+         {"type": "function", "function": {"name": "clock", "arguments": {}}}]
+
+
+def test_forms_are_told_apart_by_the_template():
+    assert isinstance(tool_format(QWEN35_TEMPLATE), QwenXmlFormat)
+    assert isinstance(tool_format(HERMES_TEMPLATE), JsonFormat)
+    assert tool_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    assert tool_format(None) is None
+
+
+@pytest.mark.parametrize("source", [QWEN35_TEMPLATE, HERMES_TEMPLATE], ids=["qwen-xml", "json"])
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1000])
+def test_calls_the_template_writes_are_read_back(source, chunk):
+    text = rendered_answer(source, CALLS, content="Let me look.")
+    stream = ToolCallStream(tool_format(source), [WEATHER, CLOCK])
+    pieces = [p for i in range(0, len(text), chunk) for p in stream.push(text[i : i + chunk])] + stream.finish()
+    content = "".join(p for p in pieces if isinstance(p, str))
+    calls = [p for p in pieces if isinstance(p, ToolCall)]
+    assert content == "Let me look."
+    assert [(c.name, c.arguments) for c in calls] == [(c["function"]["name"], c["function"]["arguments"])
+                                                      for c in CALLS]
+    assert len({c.id for c in calls}) == 2
+
+
+def test_text_that_is_not_a_call_is_kept():
+    stream = ToolCallStream(QwenXmlFormat(), [WEATHER])
+    text = "a < b and <tool_call>\n<function=unknown>\n</function>\n</tool_call> then <tool_ca"
+    pieces = stream.push(text) + stream.finish()
+    assert "".join(pieces) == text  # an unknown function and an unfinished tag come back as content
+
+
+def test_xml_values_are_typed_by_schema():
+    assert typed_value("3", {"type": "integer"}) == 3
+    assert typed_value("3", {"type": "string"}) == "3"
+    assert typed_value("False", {"type": "boolean"}) is False  # how a Python template renders False
+    assert typed_value('{"a": [1]}', {"type": "object"}) == {"a": [1]}
+    assert typed_value("3.5", {"type": "integer"}) == "3.5"  # not an integer: kept as written
+    assert typed_value("null", {"type": ["string", "null"]}) is None
+    assert typed_value("abc", {}) == "abc"
+
+
+def byte_tokenizer() -> llguidance.LLTokenizer:
+    """One token per byte plus an end token: enough to walk a grammar byte by byte."""
+
+    class Bytes:
+        tokens = [bytes([i]) for i in range(256)] + [b"<end>"]
+        eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+
+        def __call__(self, text):
+            return list(text if isinstance(text, bytes) else text.encode())
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()))
+
+
+def accepts(grammar: str, text: str) -> bool:
+    tokenizer = byte_tokenizer()
+    matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar))
+    assert not matcher.is_error(), matcher.get_error()
+    return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("source", [QWEN35_TEMPLATE, HERMES_TEMPLATE], ids=["qwen-xml", "json"])
+def test_the_forcing_grammar_accepts_what_the_template_writes_and_nothing_else(source):
+    form = tool_format(source)
+    grammar = form.grammar([WEATHER, CLOCK], parallel=True)
+    one = rendered_answer(source, CALLS[:1])
+    both = rendered_answer(source, CALLS)
+    assert accepts(grammar, one)
+    assert accepts(grammar, both)
+    assert not accepts(form.grammar([WEATHER, CLOCK], parallel=False), both)
+    assert not accepts(grammar, "Sure! " + one)  # a forced call is only the call
+    assert not accepts(form.grammar([CLOCK], parallel=False), one)  # a named function is the only one
+    missing = rendered_answer(source, [{"type": "function", "function": {"name": "get_weather",
+                                                                         "arguments": {"days": 2}}}])
+    assert not accepts(grammar, missing)  # `city` is required
+
+
+def test_a_call_serialises_its_arguments_as_openai_does():
+    call = ToolCall("f", {"x": "é", "n": 1})
+    assert json.loads(call.arguments_json) == {"x": "é", "n": 1}
+    assert call.id.startswith("call_")
+
+
+def test_forced_raw_strings_are_bounded_and_never_hold_a_call_tag():
+    bounded = Tool("f", "", {"type": "object", "properties": {"s": {"type": "string", "minLength": 2,
+                                                                     "maxLength": 5}}, "required": ["s"]})
+    grammar = QwenXmlFormat().grammar([bounded], parallel=False)
+
+    def call(value: str) -> str:
+        return f"<tool_call>\n<function=f>\n<parameter=s>\n{value}\n</parameter>\n</function>\n</tool_call>"
+
+    assert accepts(grammar, call("ab")) and accepts(grammar, call("a\nbcd"))
+    assert not accepts(grammar, call("a")) and not accepts(grammar, call("abcdef"))
+    assert not accepts(grammar, call("a</tool_call>"))
+    unbounded = QwenXmlFormat().grammar([Tool("f", "", {"type": "object", "properties": {"s": {"type": "string"}}})],
+                                        parallel=False)
+    assert accepts(unbounded, call("x" * MAX_STRING_CHARS))
+    assert not accepts(unbounded, call("x" * (MAX_STRING_CHARS + 1)))
