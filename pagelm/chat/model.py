@@ -20,6 +20,7 @@ from typing import Callable
 from pagelm.chat.boundaries import MessageEnds
 from pagelm.chat.template import ChatTemplate
 from pagelm.chat.tokenizer import Tokenizer
+from pagelm.chat.tools import Tool, ToolCallStream, tool_format
 from pagelm.engine import Model
 from pagelm import heap
 from pagelm.errors import PagelmError
@@ -104,14 +105,34 @@ class ChatModel:
         it) renders it, up to the answer's end: its tokens and message ends; None when the answer
         gets no end."""
         answer = {"role": "assistant", "content": content, **({"reasoning_content": reasoning} if reasoning else {})}
+        follow = {"role": "user", "content": "?"}
+        calls = self._tool_calls(content, tools)
+        if calls:  # what the client sends back: the calls as structured messages, then their results
+            answer["content"], answer["tool_calls"] = calls
+            follow = {"role": "tool", "content": "?"}
         try:
-            tokens, ends, _ = self._render([*messages, answer, {"role": "user", "content": "?"}], think, tools)
+            tokens, ends, _ = self._render([*messages, answer, follow], think, tools)
         except PagelmError:
             return None
         end = ends[len(messages)]
         if end is None:
             return None
         return Prompt(tokens[:end], sorted({n for n in ends[:len(messages)] if n is not None and n < end}) + [end])
+
+    def _tool_calls(self, content: str, tools: list[dict] | None) -> tuple[str, list[dict]] | None:
+        """(the text, the calls as a request's assistant message carries them) of an answer that
+        calls tools in the template's form; None when it calls none."""
+        form = tool_format(self.template.source) if tools else None
+        if form is None:
+            return None
+        stream = ToolCallStream(form, [Tool(t["function"]["name"], parameters=t["function"].get("parameters") or {})
+                                       for t in tools])
+        pieces = stream.push(content) + stream.finish()
+        if not stream.calls:
+            return None
+        text = "".join(p for p in pieces if isinstance(p, str))
+        return text, [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                      for c in stream.calls]
 
     def raw_prompt(self, text: str) -> Prompt:
         """Plain text completion: no template, no reasoning split."""

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import AsyncIterator
 
@@ -164,7 +165,8 @@ def routes(server: Server) -> list[Route]:
         else:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
             plan = await server.plan_chat(messages, _think(body), answer=answer)
-            prompt, grammar = plan.prompt, plan.grammar
+            # a generate client never sends the answer back: nothing to keep for a next turn
+            prompt, grammar = replace(plan.prompt, answered=None), plan.grammar
         job = server.start(request, prompt, params, stop, "gen", max_len=num_ctx, grammar=grammar)
         name = server.chat.name
 

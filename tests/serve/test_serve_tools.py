@@ -240,3 +240,21 @@ def test_a_model_without_tool_support_says_so(smol):
 def test_show_lists_tools_for_a_template_that_calls_them(qwen):
     with qwen.client() as c:
         assert "tools" in c.post("/api/show", json={"model": qwen.model}).json()["capabilities"]
+
+
+def test_the_turn_after_a_call_prefills_only_the_tool_results(qwen):
+    """The server keeps a call answer as the client sends it back (structured tool_calls), so the
+    request carrying the results reuses it and prefills only them."""
+    client = qwen.openai()
+    extra = {"chat_template_kwargs": {"enable_thinking": False}}
+    first = client.chat.completions.create(model=qwen.model, messages=ASK, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=200, temperature=0, seed=7,
+                                           extra_body=extra)
+    call = first.choices[0].message.tool_calls[0]
+    messages = ASK + [first.choices[0].message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    second = client.chat.completions.create(model=qwen.model, messages=messages, tools=TOOLS, max_tokens=4,
+                                            temperature=0, extra_body=extra)
+    new = second.usage.prompt_tokens - second.usage.prompt_tokens_details.cached_tokens
+    # <|im_start|>user \n <tool_response> \n sunny \n </tool_response> <|im_end|> \n + the generation prompt
+    assert new <= 20, second.usage
