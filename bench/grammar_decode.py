@@ -1,13 +1,15 @@
 """What constrained decoding adds to a decode step: one process, one model, N tokens decoded
-unconstrained and constrained by bench/grammar_mask.py's JSON schema, alternating, --runs times.
+unconstrained and constrained, alternating, --runs times: by bench/grammar_mask.py's JSON schema,
+or (`--grammar tool-call`) by the grammar of a forced call to a weather tool in Qwen3.5's XML form.
 Per-token time is the decode loop's (first token to last) over the tokens after the first; the
 mask time is pagelm.grammar.Matcher's mask + accept alone.
 
-    .venv/bin/python bench/grammar_decode.py [MODEL.gguf] [--tokens 64] [--runs 5]
+    .venv/bin/python bench/grammar_decode.py [MODEL.gguf] [--tokens 64] [--runs 5] [--grammar json|tool-call]
 
 MODEL defaults to bench/models/qwen3.5-0.8b-q8_0.gguf (`pagelm synth --shape qwen3.5-0.8b
 --layer-type Q8_0 bench/models/qwen3.5-0.8b-q8_0.gguf` writes it). Random weights write an endless
-string in the schema's first (unbounded) string field, so both sides decode the full N tokens.
+string in the schema's first (unbounded) string field (or the call's raw `city` value, up to 512
+characters), so both sides decode the full N tokens.
 """
 
 from __future__ import annotations
@@ -19,8 +21,14 @@ import time
 from grammar_mask import SCHEMA
 
 from pagelm.chat.model import ChatModel
+from pagelm.chat.tools import QwenXmlFormat, Tool
 from pagelm.grammar import Grammar, Matcher
 from pagelm.sampling import SamplingParams
+
+
+WEATHER = Tool("get_weather", "Weather forecast for a city", {
+    "type": "object", "required": ["city"],
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 14}}})
 
 
 class TimedMatcher:
@@ -57,12 +65,20 @@ def main() -> None:
     parser.add_argument("model", nargs="?", default="bench/models/qwen3.5-0.8b-q8_0.gguf")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--grammar", choices=["json", "tool-call"], default="json")
     args = parser.parse_args()
     chat = ChatModel.open(args.model)
     start = time.perf_counter()
-    grammar = Grammar.json_schema(chat.tokenizer, SCHEMA)
-    print(f"{chat.name}: llguidance tokenizer + schema compile {time.perf_counter() - start:.2f} s")
-    prompt = chat.chat_prompt([{"role": "user", "content": "Describe Ada Lovelace as JSON."}], think=False).tokens
+    if args.grammar == "json":
+        what = "JSON schema"
+        grammar = Grammar.json_schema(chat.tokenizer, SCHEMA)
+        prompt = chat.chat_prompt([{"role": "user", "content": "Describe Ada Lovelace as JSON."}], think=False).tokens
+    else:
+        what = "forced tool call"
+        grammar = Grammar.lark(chat.tokenizer, QwenXmlFormat().grammar([WEATHER], parallel=False))
+        prompt = chat.chat_prompt([{"role": "user", "content": "Weather in Paris?"}], think=False,
+                                  tools=[WEATHER.for_template()]).tokens
+    print(f"{chat.name}: llguidance tokenizer + {what} compile {time.perf_counter() - start:.2f} s")
     params = SamplingParams(temperature=0.8, seed=1, max_tokens=args.tokens)
     decode(chat, prompt, params, None)  # warm-up: kernels, page cache
     free_ms, constrained_ms, mask_ms = [], [], []
@@ -81,7 +97,7 @@ def main() -> None:
     print(f"\n| decode, {args.tokens} tokens, median of {args.runs} | ms / token |")
     print("|---|---:|")
     print(f"| unconstrained | {free:.2f} |")
-    print(f"| constrained (JSON schema) | {constrained:.2f} |")
+    print(f"| constrained ({what}) | {constrained:.2f} |")
     print(f"| of which mask + accept | {statistics.median(mask_ms):.3f} |")
     print(f"| constrained / unconstrained | {constrained / free:.3f} |")
 
