@@ -139,6 +139,12 @@ class ToolFormat:
         """The call written between `<tool_call>` and `</tool_call>`; None when it is not one."""
         raise NotImplementedError
 
+    def inner_end(self, text: str, start: int) -> int:
+        """Where the `</tool_call>` closing the block whose inside begins at `start` is; -1 while
+        it has not come. A value inside may itself contain `</tool_call>`, so each form
+        finds the end by its own structure."""
+        raise NotImplementedError
+
     def call_rule(self, tools: list[Tool]) -> list[str]:
         """Lark rules defining `call_body`: what a forced call may say between the tags."""
         raise NotImplementedError
@@ -159,6 +165,12 @@ class QwenXmlFormat(ToolFormat):
     name = "qwen-xml"
     FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?(.*?)</function>\s*", re.S)
     PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+    END = re.compile(r"</function>\s*(?=</tool_call>)")
+
+    def inner_end(self, text: str, start: int) -> int:
+        match = self.END.search(text, start)
+        return -1 if match is None else match.end()
 
     def parse(self, inner: str, tools: dict[str, Tool]) -> ToolCall | None:
         match = self.FUNCTION.fullmatch(inner)
@@ -185,10 +197,10 @@ class QwenXmlFormat(ToolFormat):
                 elif _schema_types(schema) == {"boolean"}:  # the template writes Python's True / False
                     rules.append(f'value_{i}_{j}: ("true" | "false" | "True" | "False") {PARAMETER_END}')
                 elif _is_raw_string(schema):
-                    # raw text up to the first closing tag (lazy), bounded, never a call tag
+                    # raw text up to the first closing tag (lazy), bounded
                     low, high = _length_bounds(schema)
                     rules.append(f"value_{i}_{j}[suffix={PARAMETER_END}]: RAW_{i}_{j}")
-                    rules.append(f"RAW_{i}_{j}: /(?s:.{{{low},{high}}})/ & ~/(?s:.*)<\\/?tool_call>(?s:.*)/")
+                    rules.append(f"RAW_{i}_{j}: /(?s:.{{{low},{high}}})/")
                 else:
                     rules.append(f"value_{i}_{j}: %json {_embedded(schema if isinstance(schema, dict) else {})} "
                                  f"{PARAMETER_END}")
@@ -200,6 +212,17 @@ class QwenXmlFormat(ToolFormat):
 
 class JsonFormat(ToolFormat):
     name = "json"
+
+    def inner_end(self, text: str, start: int) -> int:
+        body = len(text) - len(text[start:].lstrip())
+        if not text.startswith("{", body):  # not JSON: the first closing tag ends it
+            return text.find(CLOSE, start)
+        try:
+            _, end = json.JSONDecoder().raw_decode(text, body)
+        except ValueError:  # not complete yet (or malformed: then finish() gives it back as content)
+            return -1
+        end = len(text) - len(text[end:].lstrip())
+        return end if text.startswith(CLOSE, end) else text.find(CLOSE, end)
 
     def parse(self, inner: str, tools: dict[str, Tool]) -> ToolCall | None:
         try:
@@ -260,7 +283,7 @@ class ToolCallStream:
             start = self.held.find(OPEN)
             if start < 0:
                 break
-            end = self.held.find(CLOSE, start + len(OPEN))
+            end = self.form.inner_end(self.held, start + len(OPEN))
             if end < 0:
                 self._content(self.held[:start], out, before_call=True)
                 self.held = self.held[start:]

@@ -126,7 +126,7 @@ def test_a_call_serialises_its_arguments_as_openai_does():
     assert call.id.startswith("call_")
 
 
-def test_forced_raw_strings_are_bounded_and_never_hold_a_call_tag():
+def test_forced_raw_strings_are_bounded():
     bounded = Tool("f", "", {"type": "object", "properties": {"s": {"type": "string", "minLength": 2,
                                                                      "maxLength": 5}}, "required": ["s"]})
     grammar = QwenXmlFormat().grammar([bounded], parallel=False)
@@ -136,8 +136,16 @@ def test_forced_raw_strings_are_bounded_and_never_hold_a_call_tag():
 
     assert accepts(grammar, call("ab")) and accepts(grammar, call("a\nbcd"))
     assert not accepts(grammar, call("a")) and not accepts(grammar, call("abcdef"))
-    assert not accepts(grammar, call("a</tool_call>"))
     unbounded = QwenXmlFormat().grammar([Tool("f", "", {"type": "object", "properties": {"s": {"type": "string"}}})],
                                         parallel=False)
     assert accepts(unbounded, call("x" * MAX_STRING_CHARS))
     assert not accepts(unbounded, call("x" * (MAX_STRING_CHARS + 1)))
+
+
+@pytest.mark.parametrize("source", [QWEN35_TEMPLATE, HERMES_TEMPLATE], ids=["qwen-xml", "json"])
+def test_a_value_holding_the_closing_tag_does_not_end_the_call(source):
+    calls = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}}]
+    text = rendered_answer(source, calls)
+    stream = ToolCallStream(tool_format(source), [WEATHER])
+    pieces = [p for ch in text for p in stream.push(ch)] + stream.finish()
+    assert [(p.name, p.arguments) for p in pieces] == [("get_weather", {"city": "a</tool_call>b"})]
