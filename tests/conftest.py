@@ -24,3 +24,18 @@ def qwen35_chat_gguf(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("qwen35-chat") / "qwen3.5-tiny-chat.gguf"
     write_model(str(path), SHAPES["qwen3.5-tiny-chat"], seed=0, name="synthetic qwen3.5-tiny-chat")
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_chat(smollm2_gguf):
+    """SmolLM2 opened for chat (model, tokenizer, template), shared by the in-process tests."""
+    from pagelm.chat.model import ChatModel
+
+    return ChatModel.open(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def qwen35_chat(qwen35_chat_gguf):
+    from pagelm.chat.model import ChatModel
+
+    return ChatModel.open(qwen35_chat_gguf)

@@ -78,39 +78,29 @@ def conversation(seed: int) -> tuple[list[dict], bool | None, list | None]:
 SEEDS = range(60)
 
 
-@pytest.fixture(scope="module")
-def qwen(qwen35_chat_gguf):
-    return ChatModel.open(qwen35_chat_gguf)
-
-
-@pytest.fixture(scope="module")
-def smollm(smollm2_gguf):
-    return ChatModel.open(smollm2_gguf)
-
-
 def ends_of(chat, messages, think, tools):
     return chat._render(messages, think, tools)[1]
 
 
-def test_chatml_boundaries_are_the_old_ones(smollm):
+def test_chatml_boundaries_are_the_old_ones(smollm2_chat):
     for seed in SEEDS:
         messages, think, _ = conversation(seed)
-        prompt = smollm.chat_prompt(messages, think)
-        assert prompt.boundaries == old_boundaries(smollm, messages, think), seed
+        prompt = smollm2_chat.chat_prompt(messages, think)
+        assert prompt.boundaries == old_boundaries(smollm2_chat, messages, think), seed
         assert len(prompt.boundaries) == len(messages)  # every message ends before the next <|im_start|>
 
 
-def test_qwen_boundaries_are_the_old_ones_plus_the_ends_of_past_answers(qwen):
+def test_qwen_boundaries_are_the_old_ones_plus_the_ends_of_past_answers(qwen35_chat):
     """The old algorithm found Qwen3.5's system end through a probe user message, so past the next
     turn's `<|im_start|>user\\n`, and no end for a past answer (a conversation cut after an answer
     renders it with a think block): now the system ends before that header, and each past answer
     and group of tool results ends where the template writes it in the conversation."""
     for seed in SEEDS:
         messages, think, tools = conversation(seed)
-        prompt = qwen.chat_prompt(messages, think, tools)
-        old = old_boundaries(qwen, messages, think, tools)
-        ends = ends_of(qwen, messages, think, tools)
-        header = qwen.tokenizer.encode("<|im_start|>user\n")
+        prompt = qwen35_chat.chat_prompt(messages, think, tools)
+        old = old_boundaries(qwen35_chat, messages, think, tools)
+        ends = ends_of(qwen35_chat, messages, think, tools)
+        header = qwen35_chat.tokenizer.encode("<|im_start|>user\n")
         expected = set(old)
         if messages[0]["role"] == "system":
             system_end = ends[0]
@@ -131,10 +121,10 @@ def conversations(which: str):
     """(seed, messages, think, tools) of each seed; SmolLM2's template renders no tools."""
     for seed in SEEDS:
         messages, think, tools = conversation(seed)
-        yield seed, messages, think, tools if which == "qwen" else None
+        yield seed, messages, think, tools if which == "qwen35_chat" else None
 
 
-@pytest.mark.parametrize("which", ["qwen", "smollm"])
+@pytest.mark.parametrize("which", ["qwen35_chat", "smollm2_chat"])
 def test_a_boundary_and_the_tokens_before_it_do_not_depend_on_what_follows(which, request):
     chat = request.getfixturevalue(which)
     for seed, messages, think, tools in conversations(which):
@@ -148,7 +138,7 @@ def test_a_boundary_and_the_tokens_before_it_do_not_depend_on_what_follows(which
             assert [b for b in other.boundaries if b <= ends[k]] == [b for b in prompt.boundaries if b <= ends[k]]
 
 
-@pytest.mark.parametrize("which", ["qwen", "smollm"])
+@pytest.mark.parametrize("which", ["qwen35_chat", "smollm2_chat"])
 def test_answered_is_the_next_request_up_to_the_end_of_the_answer(which, request):
     chat = request.getfixturevalue(which)
     for seed, messages, think, tools in conversations(which):
@@ -163,13 +153,13 @@ def test_answered_is_the_next_request_up_to_the_end_of_the_answer(which, request
         assert chat.tokenizer.decode(answered.tokens).endswith(content + "<|im_end|>\n")
 
 
-def test_qwen_answer_is_rendered_without_the_think_block_of_its_generation_prompt(qwen):
+def test_qwen_answer_is_rendered_without_the_think_block_of_its_generation_prompt(qwen35_chat):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    prompt = qwen.chat_prompt(messages, think=False)
-    assert qwen.tokenizer.decode(prompt.tokens).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    prompt = qwen35_chat.chat_prompt(messages, think=False)
+    assert qwen35_chat.tokenizer.decode(prompt.tokens).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     answered = prompt.answered("", "Hello!")
     assert answered.tokens[:prompt.boundaries[-1]] == prompt.tokens[:prompt.boundaries[-1]]
-    assert qwen.tokenizer.decode(answered.tokens[prompt.boundaries[-1]:]) == "<|im_start|>assistant\nHello!<|im_end|>\n"
+    assert qwen35_chat.tokenizer.decode(answered.tokens[prompt.boundaries[-1]:]) == "<|im_start|>assistant\nHello!<|im_end|>\n"
 
 
 def test_marks_go_into_loops_over_the_messages_only_and_keep_whitespace_control():
@@ -184,7 +174,7 @@ def test_marks_go_into_loops_over_the_messages_only_and_keep_whitespace_control(
     assert marked_source("{% endfor %}{% for m in messages %}") == ("{% endfor %}{% for m in messages %}", 0)
 
 
-def test_content_holding_a_mark_gets_no_boundaries(smollm):
+def test_content_holding_a_mark_gets_no_boundaries(smollm2_chat):
     messages = [{"role": "user", "content": "a \U000F0000 b"}, {"role": "assistant", "content": "ok"},
                 {"role": "user", "content": "c"}]
-    assert smollm.chat_prompt(messages).boundaries == []
+    assert smollm2_chat.chat_prompt(messages).boundaries == []

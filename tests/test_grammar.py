@@ -36,17 +36,7 @@ PERSON = {
 }
 
 
-@pytest.fixture(scope="module")
-def smollm2(smollm2_gguf):
-    return ChatModel.open(smollm2_gguf)
-
-
-@pytest.fixture(scope="module")
-def qwen35(qwen35_chat_gguf):
-    return ChatModel.open(qwen35_chat_gguf)
-
-
-@pytest.fixture(params=["smollm2", "qwen35"])
+@pytest.fixture(params=["smollm2_chat", "qwen35_chat"])
 def chat(request):
     return request.getfixturevalue(request.param)
 
@@ -72,9 +62,9 @@ def test_token_bytes_are_what_the_tokenizer_decodes(request, gguf):
     (["type", "object"], "must be an object"),
     ({"type": "object", "description": "x" * MAX_GRAMMAR_BYTES}, f"limit of {MAX_GRAMMAR_BYTES}"),
 ])
-def test_schemas_that_cannot_compile_name_the_problem(smollm2, schema, named):
+def test_schemas_that_cannot_compile_name_the_problem(smollm2_chat, schema, named):
     with pytest.raises(GrammarError, match=named) as caught:
-        Grammar.json_schema(smollm2.tokenizer, schema)
+        Grammar.json_schema(smollm2_chat.tokenizer, schema)
     assert isinstance(caught.value, PagelmError)
 
 
@@ -82,9 +72,9 @@ def test_schemas_that_cannot_compile_name_the_problem(smollm2, schema, named):
     ('start: greeting "!"', "unknown name"),
     ("start: " + '"a" | ' * (MAX_GRAMMAR_BYTES // 6) + '"b"', f"limit of {MAX_GRAMMAR_BYTES}"),
 ])
-def test_lark_grammars_that_cannot_compile_name_the_problem(smollm2, text, named):
+def test_lark_grammars_that_cannot_compile_name_the_problem(smollm2_chat, text, named):
     with pytest.raises(GrammarError, match=named):
-        Grammar.lark(smollm2.tokenizer, text)
+        Grammar.lark(smollm2_chat.tokenizer, text)
 
 
 def _allowed(masked: np.ndarray) -> set[int]:
@@ -98,8 +88,8 @@ def _allowed(masked: np.ndarray) -> set[int]:
     SamplingParams(temperature=2.0, min_p=0.05),
     SamplingParams(temperature=1.5, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5),
 ], ids=["greedy", "top_p", "top_k", "min_p", "penalties"])
-def test_masked_tokens_are_never_sampled(smollm2, params):
-    tok = smollm2.tokenizer
+def test_masked_tokens_are_never_sampled(smollm2_chat, params):
+    tok = smollm2_chat.tokenizer
     grammar = Grammar.lark(tok, 'start: "yes" | "no"')
     favourite = tok.encode("maybe")[0]
     for seed in range(20):
@@ -116,8 +106,8 @@ def test_masked_tokens_are_never_sampled(smollm2, params):
             assert token == max(allowed, key=lambda i: logits[i])
 
 
-def test_a_complete_answer_is_done_and_allows_only_the_stop_tokens(smollm2):
-    tok = smollm2.tokenizer
+def test_a_complete_answer_is_done_and_allows_only_the_stop_tokens(smollm2_chat):
+    tok = smollm2_chat.tokenizer
     matcher = Grammar.lark(tok, 'start: "yes" | "no"').matcher()
     for token in tok.encode("yes"):
         assert not matcher.done and np.isfinite(matcher.mask(np.zeros(tok.vocab_size, np.float32))[token])
@@ -129,8 +119,8 @@ def test_a_complete_answer_is_done_and_allows_only_the_stop_tokens(smollm2):
         matcher.accept(tok.encode("no")[0])
 
 
-def test_after_reasoning_the_thinking_is_free_and_the_answer_constrained(qwen35):
-    tok = qwen35.tokenizer
+def test_after_reasoning_the_thinking_is_free_and_the_answer_constrained(qwen35_chat):
+    tok = qwen35_chat.tokenizer
     grammar = Grammar.json_schema(tok, None)
     zeros = np.zeros(tok.vocab_size, np.float32)
     hello, brace = tok.encode("Hello")[0], tok.encode("{")[0]
@@ -159,8 +149,8 @@ def _walk(matcher, tok, text: str) -> None:
         matcher.accept(token)
 
 
-def test_a_lark_grammar_embedding_a_schema_constrains_after_reasoning(qwen35):
-    tok = qwen35.tokenizer
+def test_a_lark_grammar_embedding_a_schema_constrains_after_reasoning(qwen35_chat):
+    tok = qwen35_chat.tokenizer
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
               "x-guidance": JSON_OPTIONS}
     grammar = Grammar.lark(tok, r'start: "<tool_call>\n" %json ' + json.dumps(schema) + r' "\n</tool_call>"')
@@ -190,13 +180,13 @@ def test_schema_answers_parse_and_validate_20_of_20(chat):
         jsonschema.validate(json.loads(content), PERSON)
 
 
-def test_json_object_answers_parse_20_of_20(smollm2):
+def test_json_object_answers_parse_20_of_20(smollm2_chat):
     # Any JSON object is unbounded: it ends when the model ends it. Random weights (the synthetic
     # Qwen3.5) never close a string; SmolLM2 does when the prompt shows a short answer (without
     # one, 16 of 20 seeds: the others repeat items until max_tokens).
-    grammar = Grammar.json_schema(smollm2.tokenizer, None)
+    grammar = Grammar.json_schema(smollm2_chat.tokenizer, None)
     system = 'You answer with one short JSON object, for example {"name": "Marie Curie", "age": 66}.'
-    for finish, content in _answers(smollm2, grammar, "Give the name and the age of a famous scientist.", 0.5, 200,
+    for finish, content in _answers(smollm2_chat, grammar, "Give the name and the age of a famous scientist.", 0.5, 200,
                                     system):
         assert finish == "stop", content
         assert isinstance(json.loads(content), dict)

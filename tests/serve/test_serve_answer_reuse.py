@@ -5,7 +5,6 @@ so only the new message is prefilled; answers stay those of a server with the ca
 import httpx
 import pytest
 
-from pagelm.chat.model import ChatModel
 
 SYSTEM = "You are a terse assistant. Answer in a few words."
 QUESTIONS = ["Name a colour.", "Name a fruit of that colour.", "Where does it grow?"]
@@ -19,13 +18,9 @@ def chat(server, messages, think):
     return r.json()["choices"][0]["message"], r.json()["usage"]
 
 
-@pytest.fixture(scope="module")
-def model(qwen35_chat_gguf):
-    return ChatModel.open(qwen35_chat_gguf)
-
-
 @pytest.mark.parametrize("think", [False, True])
-def test_the_next_turn_prefills_only_the_new_message(qwen, qwen_nocache, model, think):
+def test_the_next_turn_prefills_only_the_new_message(qwen, qwen_nocache, qwen35_chat, think):
+    model = qwen35_chat
     generation_prompt = "<|im_start|>assistant\n<think>\n" + ("" if think else "\n</think>\n\n")
     histories = {"on": [{"role": "system", "content": SYSTEM}], "off": [{"role": "system", "content": SYSTEM}]}
     kept = None
