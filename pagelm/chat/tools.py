@@ -133,8 +133,6 @@ def typed_value(text: str, schema: Any) -> Any:
 class ToolFormat:
     """How one template family writes a call; subclasses fill in the block's inside."""
 
-    name = ""
-
     def parse(self, inner: str, tools: dict[str, Tool]) -> ToolCall | None:
         """The call written between `<tool_call>` and `</tool_call>`; None when it is not one."""
         raise NotImplementedError
@@ -162,7 +160,6 @@ PARAMETER_END = json.dumps("\n</parameter>\n")
 
 
 class QwenXmlFormat(ToolFormat):
-    name = "qwen-xml"
     FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?(.*?)</function>\s*", re.S)
     PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
@@ -211,7 +208,6 @@ class QwenXmlFormat(ToolFormat):
 
 
 class JsonFormat(ToolFormat):
-    name = "json"
 
     def inner_end(self, text: str, start: int) -> int:
         body = len(text) - len(text[start:].lstrip())
