@@ -139,12 +139,13 @@ class Grammar:
 
     @cached_property
     def _after_reasoning(self) -> llguidance.LLMatcher:
-        # free text up to and including the first </think>, then the grammar as a sub-grammar
+        # free text up to and including the first </think>, the blank line templates write after
+        # it, then the grammar as a sub-grammar
         close = self._tokenizer.token_to_id(THINK_END)
         if close is not None and self._tokenizer.is_special(close):
-            start = f"start: /(.|\\n)*/ <[{close}]> @answer"
+            start = f'start: /(.|\\n)*/ <[{close}]> "\\n\\n"? @answer'
         else:
-            start = f'start: reasoning @answer\nreasoning[suffix="{THINK_END}"]: /(.|\\n)*/'
+            start = f'start: reasoning "\\n\\n"? @answer\nreasoning[suffix="{THINK_END}"]: /(.|\\n)*/'
         answer, *rest = json.loads(self._grammar)["grammars"]
         return self._compile(json.dumps({"grammars": [{"lark_grammar": start}, {**answer, "name": "answer"}, *rest]}))
 
