@@ -188,8 +188,8 @@ class SafetensorsFile:
 class ShardedSafetensors:
     """The tensors of a checkpoint directory, over one or many shards, each its own map."""
 
-    def __init__(self, shards: dict[str, SafetensorsFile], owner: dict[str, str]):
-        self.shards, self._owner = shards, owner
+    def __init__(self, name: str, shards: dict[str, SafetensorsFile], owner: dict[str, str]):
+        self.name, self.shards, self._owner = name, shards, owner
         self.tensors: dict[str, TensorInfo] = {name: shards[shard].tensors[name] for name, shard in owner.items()}
 
     @classmethod
@@ -203,7 +203,7 @@ class ShardedSafetensors:
                 if not os.path.exists(single):
                     raise ModelFormatError(f"{path}: neither {INDEX_NAME} nor {SINGLE_NAME} is in this directory")
                 f = SafetensorsFile.open(single)
-                return cls({SINGLE_NAME: f}, dict.fromkeys(f.tensors, SINGLE_NAME))
+                return cls(single, {SINGLE_NAME: f}, dict.fromkeys(f.tensors, SINGLE_NAME))
         else:
             directory, index = os.path.dirname(path) or ".", path
         weight_map = _read_weight_map(index)
@@ -225,12 +225,12 @@ class ShardedSafetensors:
             for f in shards.values():
                 f.close()
             raise
-        return cls(shards, weight_map)
+        return cls(index, shards, weight_map)
 
     def shard_of(self, name: str) -> SafetensorsFile:
         shard = self._owner.get(name)
         if shard is None:
-            raise ModelFormatError(f"{', '.join(self.shards)}: no tensor named '{name}'")
+            raise ModelFormatError(f"{self.name}: no tensor named '{name}'")
         return self.shards[shard]
 
     def file_offset(self, name: str) -> int:

@@ -4,8 +4,8 @@ the same bytes.
 
 Cases run: 1 seed file of 629 bytes x (every truncation + 5 header-length values + 3 byte edits
 at every offset + 8 replacements of every JSON number) = 2,825 deterministic files (asserted;
-306 of them the package accepts too), plus 3,000 hypothesis examples of 1-4 stacked bit flips, u64 overwrites, truncations, insertions,
-deletions and JSON number replacements.
+306 of them the package accepts too), plus 3,000 hypothesis examples of 1-4 stacked bit flips,
+u32/u64 overwrites, truncations, insertions, deletions and JSON number replacements.
 """
 
 import functools
@@ -18,6 +18,8 @@ import safetensors.torch
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from test_gguf_fuzz import apply as apply_byte_edits  # pytest puts this folder on sys.path
 
 from pagelm.errors import PagelmError
 from pagelm.formats.safetensors import SafetensorsFile
@@ -105,28 +107,18 @@ def test_deterministic_mutations():
 
 
 def apply(seed: bytes, ops) -> bytes:
-    data = bytearray(seed)
+    """The GGUF fuzzer's byte edits, plus "number": replace the next JSON number after `pos`."""
+    data = seed
     for op, pos, arg in ops:
-        pos %= len(data) + 1
-        if op == "flip" and pos < len(data):
-            data[pos] ^= 1 << (arg % 8)
-        elif op == "u64":
-            data[pos : pos + 8] = struct.pack("<Q", [0, 2**63, 2**64 - 1, len(seed)][arg % 4] if arg < 8 else arg)
-        elif op == "truncate":
-            del data[pos:]
-        elif op == "insert":
-            data[pos:pos] = arg.to_bytes(8, "little")[: 1 + arg % 8]
-        elif op == "delete":
-            del data[pos : pos + 1 + arg % 16]
-        elif op == "number":
-            m = NUMBER.search(data, pos)
-            if m:
-                data[m.start() : m.end()] = NUMBER_EDITS[arg % len(NUMBER_EDITS)]
-    return bytes(data)
+        if op != "number":
+            data = apply_byte_edits(data, [(op, pos, arg)])
+        elif m := NUMBER.search(data, pos % (len(data) + 1)):
+            data = data[: m.start()] + NUMBER_EDITS[arg % len(NUMBER_EDITS)] + data[m.end() :]
+    return data
 
 
 OPS = st.tuples(
-    st.sampled_from(["flip", "u64", "truncate", "insert", "delete", "number"]),
+    st.sampled_from(["flip", "u32", "u64", "truncate", "insert", "delete", "number"]),
     st.integers(0, 2000),
     st.integers(0, 2**64 - 1),
 )

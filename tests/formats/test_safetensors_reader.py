@@ -144,6 +144,16 @@ def test_bad_index(tmp_path, weight_map, message):
         ShardedSafetensors.open(tmp_path)
 
 
+def test_bad_shard_and_unknown_name(tmp_path):
+    weight_map = save_sharded(tmp_path, [{"w": ARRAYS["f32"]}, {"v": ARRAYS["u8"]}])
+    with ShardedSafetensors.open(tmp_path) as s:
+        with pytest.raises(ModelFormatError, match=r"index\.json: no tensor named 'nope'"):
+            s.tensor("nope")
+    (tmp_path / weight_map["v"]).write_bytes(struct.pack("<Q", 99) + b"{}")
+    with pytest.raises(ModelFormatError, match=r"model-00002-of-00002\.safetensors: header length 99 exceeds"):
+        ShardedSafetensors.open(tmp_path)
+
+
 def test_tensor_in_two_shards(tmp_path):
     safetensors.numpy.save_file({"w": ARRAYS["f32"]}, tmp_path / "a.safetensors")
     safetensors.numpy.save_file({"w": ARRAYS["f32"]}, tmp_path / "b.safetensors")
