@@ -61,13 +61,13 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"non-standard constant {name}")
 
 
-def _parse_json(text: bytes, where: str) -> dict[str, Any]:
+def _parse_json(text: bytes | memoryview, where: str) -> dict[str, Any]:
     """A JSON object with unique keys; anything else (bad UTF-8, NaN, nesting that overflows
     the parser's recursion, over-long integers) is a ModelFormatError naming `where`."""
     try:
         value = json.loads(str(text, "utf-8"), object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
     except UnicodeDecodeError as e:
-        raise ModelFormatError(f"{where} is not valid UTF-8 (byte {e.start})") from None
+        raise ModelFormatError(f"{where} is not valid UTF-8 (its byte {e.start})") from None
     except (ValueError, RecursionError) as e:
         raise ModelFormatError(f"{where} is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(value, dict):
