@@ -7,7 +7,6 @@ decodes tensor data (quantized or not) and never copies it out of the map.
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import struct
 from array import array
@@ -20,6 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from pagelm.formats.mapped import MappedFile
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, row_nbytes
 
@@ -216,31 +216,10 @@ class GGUFArray(Sequence):
             raise ModelFormatError(f"{self._where} element {i} is not valid UTF-8 (byte offset {pos + 8})") from None
 
 
-class GGUFFile:
+class GGUFFile(MappedFile):
     """A parsed GGUF file. Tensor data and metadata arrays stay in the buffer (the map)."""
 
-    def __init__(self, buf: memoryview, name: str, mm: mmap.mmap | None = None, path: str | None = None):
-        self.name, self.path, self.mmap, self._buf = name, path, mm, buf
-        self.file_size = len(buf)
-        self._parse()
-
-    @classmethod
-    def open(cls, path: str | os.PathLike) -> GGUFFile:
-        name = os.fspath(path)
-        with open(name, "rb") as fh:
-            if os.fstat(fh.fileno()).st_size == 0:
-                raise ModelFormatError(f"{name}: empty file, expected a GGUF header (byte offset 0)")
-            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        buf = memoryview(mm)
-        try:
-            return cls(buf, name, mm, name)
-        except BaseException:
-            _release(buf, mm)
-            raise
-
-    @classmethod
-    def from_buffer(cls, buf, name: str = "<buffer>") -> GGUFFile:
-        return cls(memoryview(buf).cast("B").toreadonly(), name)
+    expected = "a GGUF header"
 
     def _parse(self) -> None:
         cur = _Cursor(self._buf, self.name)
@@ -383,24 +362,6 @@ class GGUFFile:
         if info is None:
             raise ModelFormatError(f"{self.name}: no tensor named '{name}'")
         return np.frombuffer(self._buf, np.uint8, info.nbytes, info.offset)
-
-    def close(self) -> None:
-        _release(self._buf, self.mmap)
-
-    def __enter__(self) -> GGUFFile:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _release(buf: memoryview, mm: mmap.mmap | None) -> None:
-    try:
-        buf.release()
-        if mm is not None:
-            mm.close()
-    except BufferError:
-        pass  # numpy views still point into the map; it is unmapped when the last one is freed
 
 
 # ---------------------------------------------------------------------------------- writer

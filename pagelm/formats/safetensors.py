@@ -8,7 +8,6 @@ Everything in the header is checked against the file before any tensor byte is t
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from collections.abc import Mapping
@@ -20,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from pagelm.errors import ModelFormatError, UnsupportedError
-from pagelm.formats.gguf import _release
+from pagelm.formats.mapped import MappedFile
 
 MAX_HEADER_BYTES = 100 << 20  # the limit the safetensors package itself enforces
 MAX_INDEX_BYTES = 100 << 20
@@ -79,31 +78,10 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-class SafetensorsFile:
+class SafetensorsFile(MappedFile):
     """A parsed safetensors file. Tensor data stays in the buffer (the map)."""
 
-    def __init__(self, buf: memoryview, name: str, mm: mmap.mmap | None = None, path: str | None = None):
-        self.name, self.path, self.mmap, self._buf = name, path, mm, buf
-        self.file_size = len(buf)
-        self._parse()
-
-    @classmethod
-    def open(cls, path: str | os.PathLike) -> SafetensorsFile:
-        name = os.fspath(path)
-        with open(name, "rb") as fh:
-            if os.fstat(fh.fileno()).st_size == 0:
-                raise ModelFormatError(f"{name}: empty file, expected an 8-byte safetensors header length (byte offset 0)")
-            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        buf = memoryview(mm)
-        try:
-            return cls(buf, name, mm, name)
-        except BaseException:
-            _release(buf, mm)
-            raise
-
-    @classmethod
-    def from_buffer(cls, buf, name: str = "<buffer>") -> SafetensorsFile:
-        return cls(memoryview(buf).cast("B").toreadonly(), name)
+    expected = "an 8-byte safetensors header length"
 
     def _parse(self) -> None:
         if self.file_size < 8:
@@ -174,15 +152,6 @@ class SafetensorsFile:
             view = view != 0  # any nonzero byte is true, as in the GGUF reader
             view.flags.writeable = False
         return view
-
-    def close(self) -> None:
-        _release(self._buf, self.mmap)
-
-    def __enter__(self) -> SafetensorsFile:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class ShardedSafetensors:

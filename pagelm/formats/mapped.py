@@ -1,0 +1,61 @@
+"""A model file mapped read-only: opening, the buffer every reader parses in place, closing.
+
+Each container's reader (GGUF, safetensors) subclasses MappedFile and implements `_parse`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+from pagelm.errors import ModelFormatError
+
+
+class MappedFile:
+    """A file's bytes as a read-only memoryview over its map (or over a buffer, for tests)."""
+
+    expected = "a header"  # what an empty file lacks, for its error message
+
+    def __init__(self, buf: memoryview, name: str, mm: mmap.mmap | None = None, path: str | None = None):
+        self.name, self.path, self.mmap, self._buf = name, path, mm, buf
+        self.file_size = len(buf)
+        self._parse()
+
+    def _parse(self) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def open(cls, path: str | os.PathLike):
+        name = os.fspath(path)
+        with open(name, "rb") as fh:
+            if os.fstat(fh.fileno()).st_size == 0:
+                raise ModelFormatError(f"{name}: empty file, expected {cls.expected} (byte offset 0)")
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        buf = memoryview(mm)
+        try:
+            return cls(buf, name, mm, name)
+        except BaseException:
+            release(buf, mm)
+            raise
+
+    @classmethod
+    def from_buffer(cls, buf, name: str = "<buffer>"):
+        return cls(memoryview(buf).cast("B").toreadonly(), name)
+
+    def close(self) -> None:
+        release(self._buf, self.mmap)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def release(buf: memoryview, mm: mmap.mmap | None) -> None:
+    try:
+        buf.release()
+        if mm is not None:
+            mm.close()
+    except BufferError:
+        pass  # numpy views still point into the map; it is unmapped when the last one is freed
