@@ -20,7 +20,7 @@ from typing import Callable
 from pagelm.chat.boundaries import MessageEnds
 from pagelm.chat.template import ChatTemplate
 from pagelm.chat.tokenizer import Tokenizer
-from pagelm.chat.tools import Tool, ToolCallStream, tool_format
+from pagelm.chat.tools import Tool, ToolCallStream, ToolFormat, tool_format
 from pagelm.engine import Model
 from pagelm import heap
 from pagelm.errors import PagelmError
@@ -83,6 +83,11 @@ class ChatModel:
     def message_ends(self) -> MessageEnds:
         return MessageEnds(self.template)
 
+    @cached_property
+    def tool_form(self) -> ToolFormat | None:
+        """How the template writes tool calls; None when it renders none."""
+        return tool_format(self.template.source)
+
     def chat_prompt(self, messages: list[dict], think: bool | None = None, tools: list[dict] | None = None) -> Prompt:
         """Render `messages` (and the `tools` offered, in the template's function form) with the
         generation prompt; `think` None leaves the template's default."""
@@ -122,10 +127,9 @@ class ChatModel:
     def _tool_calls(self, content: str, tools: list[dict] | None) -> tuple[str, list[dict]] | None:
         """(the text, the calls as a request's assistant message carries them) of an answer that
         calls tools in the template's form; None when it calls none."""
-        form = tool_format(self.template.source) if tools else None
-        if form is None:
+        if not tools or self.tool_form is None:
             return None
-        stream = ToolCallStream(form, [Tool(t["function"]["name"], parameters=t["function"].get("parameters") or {})
+        stream = ToolCallStream(self.tool_form, [Tool(t["function"]["name"], parameters=t["function"].get("parameters") or {})
                                        for t in tools])
         pieces = stream.push(content) + stream.finish()
         if not stream.calls:

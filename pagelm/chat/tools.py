@@ -115,9 +115,9 @@ def _is_raw_string(schema: Any) -> bool:
 def typed_value(text: str, schema: Any) -> Any:
     """An XML-form parameter value as the type its schema asks for; text when it is not valid
     JSON of an allowed type (nothing is dropped)."""
-    types = _schema_types(schema)
-    if types == {"string"}:
+    if _is_raw_string(schema):
         return text
+    types = _schema_types(schema)
     if "boolean" in types and text.strip() in ("True", "False"):  # how a Python template writes bools
         return text.strip() == "True"
     try:

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from pagelm.chat.model import ChatModel, Prompt
 from pagelm.chat.template import TemplateError
-from pagelm.chat.tools import PlainStream, Tool, ToolCallStream, ToolFormat, tool_format
+from pagelm.chat.tools import PlainStream, Tool, ToolCallStream, ToolFormat
 from pagelm.errors import PagelmError
 from pagelm.grammar import Grammar, GrammarError
 from pagelm.measure.memory import read_memory
@@ -150,7 +150,7 @@ class Server:
         `answer` (JSON) asks for. `choice` none offers no tools: none rendered, none parsed."""
         chat = self.require_ready()
         tools = list(tools) if choice != "none" else []
-        form = tool_format(chat.template.source) if tools else None
+        form = chat.tool_form if tools else None
         if tools and form is None:
             raise RequestError(f"model '{chat.name}' cannot call tools: its chat template renders no tool calls",
                                param="tools")

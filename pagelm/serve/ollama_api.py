@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pagelm import __version__
-from pagelm.chat.tools import ToolCall, tool_format
+from pagelm.chat.tools import ToolCall
 from pagelm.serve.app import JsonAnswer, Server, events
 from pagelm.serve.requests import (RequestError, boolean, integer, messages_from, sampling, stop_strings, string,
                                    tools_from)
@@ -207,7 +207,7 @@ def routes(server: Server) -> list[Route]:
         chat = server.chat
         metadata = chat.model.file.metadata
         info = {k: v for k, v in metadata.items() if not k.startswith("tokenizer.") and isinstance(v, (int, float, str))}
-        capabilities = (["completion"] + (["tools"] if tool_format(chat.template.source) else [])
+        capabilities = (["completion"] + (["tools"] if chat.tool_form else [])
                         + (["thinking"] if chat.thinks else []))
         return JSONResponse({"modelfile": "", "parameters": "", "template": chat.template.source,
                              "details": _details(server), "model_info": info, "capabilities": capabilities})

@@ -130,7 +130,7 @@ def routes(server: Server) -> list[Route]:
             return "tool_calls" if calls.calls and result.finish_reason == "stop" else result.finish_reason
 
         if streamed:
-            first, sent = [True], [0]
+            first = [True]
 
             def choice(delta: dict, reason: str | None = None) -> dict:
                 if first[0]:
@@ -149,9 +149,8 @@ def routes(server: Server) -> list[Route]:
                 if content:
                     delta["content"] = content
                 out = [choice(delta)] if delta else []
-                for call in new_calls:
-                    out.append(choice({"tool_calls": [_tool_call(call, sent[0])]}))
-                    sent[0] += 1
+                first_index = len(calls.calls) - len(new_calls)
+                out += [choice({"tool_calls": [_tool_call(call, first_index + i)]}) for i, call in enumerate(new_calls)]
                 if isinstance(event, Result):
                     out.append({**choice({}, finish_reason(event)), "usage": _usage(event)})
                 return out
