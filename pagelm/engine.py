@@ -18,6 +18,7 @@ import torch
 from pagelm import heap
 from pagelm import threads as threads_module
 from pagelm.errors import PagelmError, UnsupportedError
+from pagelm.models import ARCHITECTURES
 from pagelm.sampling import Sampler, SamplingParams
 from pagelm.weights import EmbeddingMode
 from pagelm.weights.loader import WeightLoader, WeightsMode
@@ -26,12 +27,6 @@ if TYPE_CHECKING:
     from pagelm.grammar import Matcher
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# GGUF general.architecture -> (module, config class, model class); imported only when used
-ARCHITECTURES = {
-    "qwen35": ("pagelm.models.qwen35", "Qwen35Config", "Qwen35Model"),
-    "llama": ("pagelm.models.llama", "LlamaConfig", "LlamaModel"),
-    "gemma3": ("pagelm.models.gemma3", "Gemma3Config", "Gemma3Model"),
-}
 
 
 def architecture(loader: WeightLoader):

@@ -351,10 +351,13 @@ class GGUFFile(MappedFile):
             raise ModelFormatError(f"{self.name}: metadata key '{key}' has type {vtype.name}, expected {expected}")
         return self.metadata[key]
 
-    @property
-    def data(self) -> np.ndarray:
-        """The whole file as a read-only uint8 array over the map, no copy (tensor offsets index it)."""
-        return np.frombuffer(self._buf, np.uint8)
+    def tensor_buffer(self, name: str):
+        """(the uint8 array that tensor offsets index, the map under it): the whole file here."""
+        return self.data, self.mmap
+
+    def conversion(self, name: str) -> None:
+        """GGUF tensors are stored in the convention the models compute with: nothing to convert."""
+        return None
 
     def tensor_data(self, name: str) -> np.ndarray:
         """The tensor's bytes: a read-only uint8 view over the map, no copy."""

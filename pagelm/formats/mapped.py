@@ -8,6 +8,8 @@ from __future__ import annotations
 import mmap
 import os
 
+import numpy as np
+
 from pagelm.errors import ModelFormatError
 
 
@@ -41,6 +43,11 @@ class MappedFile:
     @classmethod
     def from_buffer(cls, buf, name: str = "<buffer>"):
         return cls(memoryview(buf).cast("B").toreadonly(), name)
+
+    @property
+    def data(self):
+        """The whole file as a read-only uint8 array over the map, no copy (tensor offsets index it)."""
+        return np.frombuffer(self._buf, np.uint8)
 
     def close(self) -> None:
         release(self._buf, self.mmap)

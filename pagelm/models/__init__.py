@@ -3,3 +3,16 @@
 Owns the math of each architecture and its decode state; never parses files (weights arrive
 through a `weights.loader.WeightLoader`) and never touches token embeddings or the output head.
 """
+
+# architecture (GGUF general.architecture) -> (module, config class, model class); imported only when used
+ARCHITECTURES = {
+    "qwen35": ("pagelm.models.qwen35", "Qwen35Config", "Qwen35Model"),
+    "llama": ("pagelm.models.llama", "LlamaConfig", "LlamaModel"),
+    "gemma3": ("pagelm.models.gemma3", "Gemma3Config", "Gemma3Model"),
+}
+# a Hugging Face config.json's model_type -> the architecture
+HF_MODEL_TYPES = {
+    "qwen3_5": "qwen35", "qwen3_5_text": "qwen35",
+    "llama": "llama",
+    "gemma3": "gemma3", "gemma3_text": "gemma3",
+}

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, rms_norm, rope_tables
 from pagelm.models.decoder import Decoder
+from pagelm.weights.hf import HFConfig, HFLayout, shift_norms, tensor_maps
 from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
@@ -242,3 +243,65 @@ class Gemma3Model(Decoder):
             h += rms_norm(m.float(), w.post_ffn_norm, c.rms_eps)
         state.pos = pos + T
         return rms_norm(h, self.output_norm, c.rms_eps)
+
+
+HF_GLOBALS = {"output_norm.weight": "norm.weight"}
+HF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight", "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
+    """A Hugging Face Gemma 3 text checkpoint in GGUF terms: zero-centred norms get GGUF's +1
+    (small vectors), the global-layer pattern comes from `layer_types`, matrices as stored."""
+    n_layers, hidden = config.int("num_hidden_layers"), config.int("hidden_size")
+    n_heads = config.int("num_attention_heads")
+    head_dim = config.int("head_dim", 256)
+    types = config.get("layer_types") or [
+        "full_attention" if (i + 1) % config.int("sliding_window_pattern", DEFAULT_PATTERN) == 0 else "sliding_attention"
+        for i in range(n_layers)]
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    pattern = full[0] + 1 if full else n_layers + 1
+    if len(types) != n_layers or any((t == "full_attention") != ((i + 1) % pattern == 0) for i, t in enumerate(types)):
+        raise UnsupportedError(f"{config.name}: layer_types is not a repeating run of sliding layers ending in a "
+                               f"full one, the only Gemma 3 layout pagelm supports")
+    if config.get("attn_logit_softcapping") is not None:
+        raise UnsupportedError(f"{config.name}: attention logit softcapping is not supported")
+    params = config.get("rope_parameters")
+    full_rope = params.get("full_attention") if isinstance(params, dict) and "full_attention" in params else None
+    local_rope = params.get("sliding_attention") if isinstance(params, dict) and "sliding_attention" in params else None
+    for rope in (full_rope, local_rope):
+        kind = config.rope("rope_type", "default", rope)
+        if kind not in ("default", "linear"):
+            raise UnsupportedError(f"{config.name}: rope type {kind!r:.40} is not supported (default, linear are)")
+    def key(name: str) -> str:
+        return f"{ARCH_NAME}.{name}"
+
+    metadata = {
+        "general.architecture": ARCH_NAME,
+        key("block_count"): n_layers, key("embedding_length"): hidden,
+        key("feed_forward_length"): config.int("intermediate_size"),
+        key("attention.head_count"): n_heads, key("attention.head_count_kv"): config.int("num_key_value_heads", n_heads),
+        key("attention.key_length"): head_dim,
+        key("rope.freq_base"): config.rope_float("rope_theta", 1_000_000.0, full_rope),
+        key("rope.freq_base_swa"): config.rope_float("rope_local_base_freq", DEFAULT_LOCAL_BASE)
+        if local_rope is None else config.rope_float("rope_theta", DEFAULT_LOCAL_BASE, local_rope),
+        key("attention.sliding_window"): config.int("sliding_window"),
+        key("attention.sliding_window_pattern"): pattern,
+        key("attention.query_pre_attn_scalar"): config.float("query_pre_attn_scalar", head_dim),
+        key("attention.layer_norm_rms_epsilon"): config.float("rms_norm_eps"),
+    }
+    if config.rope("rope_type", "default", full_rope) == "linear":
+        metadata[key("rope.scaling.type")] = "linear"
+        metadata[key("rope.scaling.factor")] = config.rope_float("factor", 0, full_rope)
+    if config.get("final_logit_softcapping") is not None:
+        metadata[key("final_logit_softcapping")] = config.float("final_logit_softcapping")
+    maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, HF_LAYER)
+    shift_norms(maps, ("norm.weight",))  # every Gemma norm, q/k norms included
+    return HFLayout(metadata, maps)

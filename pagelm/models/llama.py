@@ -16,7 +16,7 @@ GGUF conventions handled here:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ import numpy as np
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, rms_norm, rope_tables
 from pagelm.models.decoder import Decoder
+from pagelm.weights.hf import HFConfig, HFLayout, tensor_maps
 from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
@@ -181,3 +182,43 @@ class LlamaModel(Decoder):
             h += w.down(F.silu(gate).mul_(up))
         state.pos = pos + T
         return rms_norm(h, self.output_norm, c.rms_eps)
+
+
+HF_GLOBALS = {"output_norm.weight": "norm.weight"}
+HF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
+    """A Hugging Face Llama checkpoint in GGUF terms: q/k rows in llama.cpp's permuted order
+    (a row order, read in place), everything else as stored."""
+    n_layers, hidden, n_heads = config.int("num_hidden_layers"), config.int("hidden_size"), config.int("num_attention_heads")
+    n_kv = config.int("num_key_value_heads", n_heads)
+    head_dim = config.int("head_dim", hidden // max(n_heads, 1))
+    metadata = {
+        "general.architecture": ARCH_NAME,
+        f"{ARCH_NAME}.block_count": n_layers, f"{ARCH_NAME}.embedding_length": hidden,
+        f"{ARCH_NAME}.feed_forward_length": config.int("intermediate_size"),
+        f"{ARCH_NAME}.attention.head_count": n_heads, f"{ARCH_NAME}.attention.head_count_kv": n_kv,
+        f"{ARCH_NAME}.attention.key_length": head_dim,
+        f"{ARCH_NAME}.rope.freq_base": config.rope_float("rope_theta", 10000.0),
+        f"{ARCH_NAME}.attention.layer_norm_rms_epsilon": config.float("rms_norm_eps"),
+    }
+    scaling = config.rope("rope_type", "default")
+    if scaling == "linear":
+        metadata[f"{ARCH_NAME}.rope.scaling.type"] = "linear"
+        metadata[f"{ARCH_NAME}.rope.scaling.factor"] = config.rope_float("factor", 0)
+    elif scaling != "default":
+        raise UnsupportedError(f"{config.name}: rope type {scaling!r:.40} is not supported (default, linear are)")
+    maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, HF_LAYER)
+    for i in range(n_layers):
+        for name, heads in (("attn_q.weight", n_heads), ("attn_k.weight", n_kv)):
+            if f"blk.{i}.{name}" in maps:
+                maps[f"blk.{i}.{name}"] = replace(maps[f"blk.{i}.{name}"],
+                                                  rows=np.argsort(rope_row_order(heads * head_dim, heads)))
+    return HFLayout(metadata, maps)

@@ -8,14 +8,16 @@ computes the output head.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagelm.errors import ModelFormatError, PagelmError
+from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.models.decoder import Decoder, nbytes
 from pagelm.models.delta_rule import delta_rule_step
+from pagelm.weights.hf import HFConfig, HFLayout, heads_tiled, shift_norms, tensor_maps
 from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
@@ -499,3 +501,84 @@ class Qwen35Model(Decoder):
         o = rule(q, k, v, g, beta, cache.recurrent)
         o = rms_norm(o, w.norm, c.rms_eps).mul_(F.silu(z))
         return w.out(o.reshape(T, V))
+
+
+HF_GLOBALS = {"output_norm.weight": "norm.weight"}
+HF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight", "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_a": "linear_attn.A_log",
+    "ssm_dt.bias": "linear_attn.dt_bias", "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+# zero-centred in the HF checkpoint; the DeltaNet output norm (ssm_norm) is not
+HF_SHIFTED_NORMS = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight",
+                    "output_norm.weight")
+
+
+def _a_from_log(values: np.ndarray) -> np.ndarray:
+    return -np.exp(values)
+
+
+def _log_from_a(values: np.ndarray) -> np.ndarray:
+    return np.log(-values)
+
+
+def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
+    """A Hugging Face Qwen3.5 checkpoint in GGUF terms (see shared/design/qwen35.md): norms get
+    the +1 and A_log becomes −exp(A_log) (small vectors); when value heads outnumber key heads,
+    GGUF's tiled value-head order is a row order on qkv's value rows, z, a and b, a column
+    order on the out projection and a reordering of the small per-head vectors."""
+    n_layers, hidden = config.int("num_hidden_layers"), config.int("hidden_size")
+    head_dim = config.int("head_dim")
+    nk, nv = config.int("linear_num_key_heads"), config.int("linear_num_value_heads")
+    dk, dv = config.int("linear_key_head_dim"), config.int("linear_value_head_dim")
+    if nk < 1 or nv % nk:
+        raise ModelFormatError(f"{config.name}: linear_num_value_heads {nv} is not a multiple of linear_num_key_heads {nk}")
+    types = config.get("layer_types") or []
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    interval = full[0] + 1 if full else config.int("full_attention_interval", 4)
+    if len(types) != n_layers or any((t == "full_attention") != ((i + 1) % interval == 0) for i, t in enumerate(types)):
+        raise UnsupportedError(f"{config.name}: layer_types must be runs of linear_attention layers each ending in one "
+                               f"full_attention layer")
+    partial = config.rope_float("partial_rotary_factor", 1.0)
+    metadata = {
+        "general.architecture": ARCH,
+        f"{ARCH}.block_count": n_layers, f"{ARCH}.embedding_length": hidden,
+        f"{ARCH}.feed_forward_length": config.int("intermediate_size"),
+        f"{ARCH}.attention.head_count": config.int("num_attention_heads"),
+        f"{ARCH}.attention.head_count_kv": config.int("num_key_value_heads"),
+        f"{ARCH}.attention.key_length": head_dim,
+        f"{ARCH}.rope.dimension_count": int(head_dim * partial),
+        f"{ARCH}.rope.freq_base": config.rope_float("rope_theta", 10_000.0),
+        f"{ARCH}.attention.layer_norm_rms_epsilon": config.float("rms_norm_eps"),
+        f"{ARCH}.ssm.conv_kernel": config.int("linear_conv_kernel_dim"),
+        f"{ARCH}.ssm.state_size": dk, f"{ARCH}.ssm.group_count": nk, f"{ARCH}.ssm.time_step_rank": nv,
+        f"{ARCH}.ssm.inner_size": nv * dv, f"{ARCH}.full_attention_interval": interval,
+    }
+    maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, HF_LAYER)
+    shift_norms(maps, HF_SHIFTED_NORMS)
+    qk = 2 * nk * dk
+    per_head = {  # GGUF name suffix -> its order over HF rows (None: as stored)
+        "attn_qkv.weight": np.concatenate((np.arange(qk), qk + heads_tiled(nk, nv, dv))),
+        "ssm_conv1d.weight": np.concatenate((np.arange(qk), qk + heads_tiled(nk, nv, dv))),
+        "attn_gate.weight": heads_tiled(nk, nv, dv), "ssm_beta.weight": heads_tiled(nk, nv, 1),
+        "ssm_alpha.weight": heads_tiled(nk, nv, 1), "ssm_a": heads_tiled(nk, nv, 1),
+        "ssm_dt.bias": heads_tiled(nk, nv, 1),
+    }
+    for name, tmap in list(maps.items()):
+        suffix = name.split(".", 2)[-1]
+        if suffix == "ssm_a":
+            tmap = replace(tmap, to_gguf=_a_from_log, to_hf=_log_from_a)
+        if nv != nk and suffix in per_head:
+            tmap = replace(tmap, rows=per_head[suffix])
+        if nv != nk and suffix == "ssm_out.weight":
+            tmap = replace(tmap, columns=heads_tiled(nk, nv, dv))
+        maps[name] = tmap
+    return HFLayout(metadata, maps)

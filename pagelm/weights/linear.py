@@ -120,20 +120,21 @@ class Scratch:
 
 @dataclass(frozen=True)
 class RowGroup:
-    """Consecutive output rows of one GGML type: W[out_lo + r] is the row at data[offsets[r]:]."""
+    """Consecutive output rows of one GGML type in one file: W[out_lo + r] is the row at
+    data[offsets[r]:]."""
 
     ggml_type: int
-    offsets: np.ndarray  # int64 byte offsets into the file map
+    offsets: np.ndarray  # int64 byte offsets into `data`
     out_lo: int
+    data: np.ndarray  # the file map, as uint8
 
 
 class MappedLinear(Linear):
     """W read in place from the file map: its rows may come from several tensors (a fused
     projection) of different types, in any order (a row permutation), with no copy."""
 
-    def __init__(self, data: np.ndarray, groups: list[RowGroup], in_features: int, dtype: torch.dtype,
-                 scratch: Scratch):
-        self.data, self.groups, self.scratch = data, groups, scratch
+    def __init__(self, groups: list[RowGroup], in_features: int, dtype: torch.dtype, scratch: Scratch):
+        self.groups, self.scratch = groups, scratch
         self.in_features = in_features
         self.out_features = groups[-1].out_lo + len(groups[-1].offsets)
         self.dtype = dtype
@@ -144,7 +145,7 @@ class MappedLinear(Linear):
         xs = x.to(torch.float32).contiguous().numpy()
         out = np.empty((x.shape[0], self.out_features), np.float32)
         for g in self.groups:
-            rows_matmul(self.data, g.ggml_type, g.offsets, self.in_features, xs, out, g.out_lo)
+            rows_matmul(g.data, g.ggml_type, g.offsets, self.in_features, xs, out, g.out_lo)
         return torch.from_numpy(out)
 
     def _tile(self, lo: int, hi: int) -> torch.Tensor:
@@ -152,6 +153,21 @@ class MappedLinear(Linear):
         for g in self.groups:
             a, b = max(lo, g.out_lo), min(hi, g.out_lo + len(g.offsets))
             if a < b:
-                rows_dequantize(self.data, g.ggml_type, g.offsets[a - g.out_lo : b - g.out_lo],
+                rows_dequantize(g.data, g.ggml_type, g.offsets[a - g.out_lo : b - g.out_lo],
                                 self.in_features, array[a - lo : b - lo])
         return tensor
+
+
+class ColumnOrder(Linear):
+    """An operator over a matrix stored with its columns in another order: GGUF column j is
+    stored column `columns[j]`, so the input is gathered into the stored order, never the matrix."""
+
+    def __init__(self, inner: Linear, columns: np.ndarray):
+        self.inner = inner
+        self.in_features, self.out_features, self.dtype = inner.in_features, inner.out_features, inner.dtype
+        gather = np.empty(len(columns), np.int64)
+        gather[np.asarray(columns, np.int64)] = np.arange(len(columns))
+        self.gather = torch.from_numpy(gather)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x[:, self.gather])

@@ -1,14 +1,18 @@
 """What an architecture reads from a checkpoint, through one object: config values, small float
 tensors, and linear operators over the matrices in the chosen weights mode.
 
-Owns mapping a GGUF file's names, types and metadata to those; models never see the file. The
-weights mode is a switch here: "dense" unpacks every matrix at load (the reference, and the way
-to other devices), "mapped" computes from the quantized bytes in the file map.
+Owns mapping a checkpoint's names, types and metadata to those; models never see the file. A
+checkpoint is a GGUF file or a Hugging Face directory (`weights.hf.HFCheckpoint`, which speaks
+GGUF's names and says how its tensors differ: row and column orders the operators apply in place,
+value conversions for small tensors). The weights mode is a switch here: "dense" unpacks every
+matrix at load (the reference, and the way to other devices), "mapped" computes from the
+(quantized) bytes in the file maps.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 from collections.abc import Sequence
 from typing import Literal
 
@@ -20,8 +24,11 @@ from pagelm.formats.gguf import GGUFArray, GGUFFile, GGUFValueType, TensorInfo
 from pagelm.quant import DECODABLE, decode_f32
 from pagelm.quant import kernels, matmul
 from pagelm.weights.embedding import EmbeddingMode, OutputHead, RowFormat, TokenEmbedding, load_output_head, load_token_embedding
-from pagelm.weights.linear import DenseLinear, Linear, MappedLinear, RowGroup, Scratch
+from pagelm.weights.hf import HFCheckpoint, is_hf_directory
+from pagelm.weights.linear import ColumnOrder, DenseLinear, Linear, MappedLinear, RowGroup, Scratch
 from pagelm.weights.mapped import MappedTensor
+
+Checkpoint = GGUFFile | HFCheckpoint
 
 WeightsMode = Literal["mapped", "dense"]
 WEIGHTS_MODES: tuple[str, ...] = ("mapped", "dense")
@@ -35,7 +42,17 @@ _INT_TYPES = (
 _FLOAT_TYPES = (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64)
 
 
-def tensor_info(model: GGUFFile, name: str, shape: Sequence[int] | None = None) -> TensorInfo:
+def open_checkpoint(path: str) -> Checkpoint:
+    """A GGUF file, or a Hugging Face directory (one holding config.json)."""
+    if is_hf_directory(path):
+        return HFCheckpoint.open(path)
+    if os.path.isdir(path):
+        raise ModelFormatError(f"{path}: a directory without config.json; expected a GGUF file or a Hugging Face "
+                               f"checkpoint directory")
+    return GGUFFile.open(path)
+
+
+def tensor_info(model: Checkpoint, name: str, shape: Sequence[int] | None = None) -> TensorInfo:
     """The info of tensor `name`, which must exist (and have numpy-order `shape`, when given)."""
     info = model.tensors.get(name)
     if info is None:
@@ -48,7 +65,7 @@ def tensor_info(model: GGUFFile, name: str, shape: Sequence[int] | None = None) 
 
 
 def dequantize_tensor(
-    model: GGUFFile,
+    model: Checkpoint,
     name: str,
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
@@ -96,7 +113,7 @@ class WeightLoader:
     """A checkpoint opened for one model: metadata, small tensors, and `linear` operators in the
     weights mode. Matmuls run in `dtype`; small tensors are float32; all on `device`."""
 
-    def __init__(self, file: GGUFFile, weights: WeightsMode = "mapped", dtype: torch.dtype = torch.float32,
+    def __init__(self, file: Checkpoint, weights: WeightsMode = "mapped", dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu"):
         if weights not in WEIGHTS_MODES:
             raise PagelmError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {weights!r}")
@@ -112,7 +129,7 @@ class WeightLoader:
     @classmethod
     def open(cls, path: str, weights: WeightsMode = "mapped", dtype: torch.dtype = torch.float32,
              device: str | torch.device = "cpu") -> WeightLoader:
-        return cls(GGUFFile.open(path), weights, dtype, device)
+        return cls(open_checkpoint(path), weights, dtype, device)
 
     # ------------------------------------------------------------------ metadata
 
@@ -152,23 +169,44 @@ class WeightLoader:
 
     def tensor(self, name: str, shape: Sequence[int]) -> torch.Tensor:
         """A small tensor (norms, biases, conv taps) as float32 on the device, numpy-order `shape`."""
-        t = dequantize_tensor(self.file, name, torch.float32, shape=shape).to(self.device)
+        conversion = self.file.conversion(name)
+        if conversion is None:
+            t = dequantize_tensor(self.file, name, torch.float32, shape=shape)
+        else:
+            values = dequantize_tensor(self.file, name, torch.float32, shape=shape).numpy()
+            if conversion.rows is not None:
+                values = values[conversion.rows]
+            if conversion.to_gguf is not None:
+                values = conversion.to_gguf(values)
+            t = torch.from_numpy(np.ascontiguousarray(values, np.float32))
+        t = t.to(self.device)
         self._small_nbytes += t.numel() * t.element_size()
         return t
 
     def linear(self, in_features: int, *parts: Part) -> Linear:
         """The operator whose rows are the given tensors' rows, stacked in order (each tensor
         (rows, in_features) in numpy order, optionally reordered)."""
-        infos = []
+        infos, columns = [], []
         for name, rows, *order in parts:
             info = tensor_info(self.file, name, (rows, in_features))
             if info.ggml_type not in DECODABLE:
                 raise UnsupportedError(f"{self.name}: tensor '{name}' has type {info.ggml_type.name}, which pagelm "
                                        f"cannot compute with (supported: {', '.join(sorted(t.name for t in DECODABLE))})")
-            infos.append((info, np.arange(rows, dtype=np.int64) if not order else np.asarray(order[0], np.int64)))
+            rows_of = np.arange(rows, dtype=np.int64) if not order else np.asarray(order[0], np.int64)
+            conversion = self.file.conversion(name)
+            if conversion is not None and conversion.rows is not None:
+                rows_of = np.asarray(conversion.rows, np.int64)[rows_of]
+            columns.append(None if conversion is None else conversion.columns)
+            infos.append((info, rows_of))
         op = self._dense(infos, in_features) if self.weights == "dense" else self._mapped(infos, in_features)
         self._operators.append(op)
-        return op
+        if columns[0] is None:
+            if any(c is not None for c in columns):
+                raise UnsupportedError(f"{self.name}: the parts of one operator reorder their columns differently")
+            return op
+        if any(c is None or not np.array_equal(c, columns[0]) for c in columns):
+            raise UnsupportedError(f"{self.name}: the parts of one operator reorder their columns differently")
+        return ColumnOrder(op, columns[0])
 
     def _dense(self, infos, in_features: int) -> DenseLinear:
         fused = torch.empty(sum(len(order) for _, order in infos), in_features, dtype=self.dtype)
@@ -182,22 +220,22 @@ class WeightLoader:
         return DenseLinear(fused.to(self.device))
 
     def _mapped(self, infos, in_features: int) -> MappedLinear:
-        data = self.file.data
         groups: list[RowGroup] = []
         lo = 0
         for info, order in infos:
+            data = self.file.tensor_buffer(info.name)[0]
             offsets = info.offset + order * info.row_nbytes
             matmul.check_rows(data, info.ggml_type, offsets, in_features)
-            if groups and groups[-1].ggml_type == info.ggml_type:
+            if groups and groups[-1].ggml_type == info.ggml_type and groups[-1].data.ctypes.data == data.ctypes.data:
                 last = groups.pop()
                 offsets = np.concatenate((last.offsets, offsets))
-                groups.append(RowGroup(last.ggml_type, offsets, last.out_lo))
+                groups.append(RowGroup(last.ggml_type, offsets, last.out_lo, data))
             else:
-                groups.append(RowGroup(info.ggml_type, offsets, lo))
+                groups.append(RowGroup(info.ggml_type, offsets, lo, data))
             lo += len(order)
             # bring the matrix into the page cache in the background
             MappedTensor(self.file, info.name).advise(mmap.MADV_WILLNEED)
-        return MappedLinear(data, groups, in_features, self.dtype, self.scratch)
+        return MappedLinear(groups, in_features, self.dtype, self.scratch)
 
     def token_embedding(self, mode: EmbeddingMode, rows: RowFormat) -> TokenEmbedding:
         return load_token_embedding(self.file, mode, rows)

@@ -44,7 +44,7 @@ class MappedTensor:
         self.row_nbytes = info.row_nbytes
         self.rows = info.n_elements // info.dims[0]
         self.raw = model.tensor_data(name).reshape(self.rows, self.row_nbytes)
-        self._map = model.mmap
+        self._map = model.tensor_buffer(name)[1]
 
     def advise(self, advice: int, starts=None, lengths=None) -> None:
         """madvise the whole tensor's pages, or the given page-aligned spans. No-op without a map."""

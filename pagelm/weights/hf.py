@@ -1,0 +1,267 @@
+"""Hugging Face checkpoint directories seen the way the models read a GGUF file, with no copy.
+
+Owns opening a directory (config.json, safetensors shards, tokenizer and template files) and
+presenting it as `HFCheckpoint`: GGUF metadata keys, GGUF tensor names whose bytes stay in the
+shard maps, and for each tensor the `TensorMap` that turns Hugging Face's convention into the
+GGUF one the models compute with (a row order and an input-column order, applied by the
+operators; a value conversion for small vectors only). Each architecture's module writes its own
+mapping (`hf_layout`); this module knows none of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from pagelm.errors import ModelFormatError, UnsupportedError
+from pagelm.formats.gguf import GGUFFile, GGUFValueType, TensorInfo
+from pagelm.formats.safetensors import ShardedSafetensors
+from pagelm.models import HF_MODEL_TYPES
+from pagelm.quant import GGMLType
+
+CONFIG_NAME = "config.json"
+MAX_CONFIG_BYTES = 16 << 20
+# safetensors dtypes a matrix may have; they are computed with in place
+HF_DTYPES = {"F32": GGMLType.F32, "F16": GGMLType.F16, "BF16": GGMLType.BF16}
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """How GGUF tensor values are read from one Hugging Face tensor: GGUF row i is HF row
+    `rows[i]`, GGUF column j is HF column `columns[j]`; `to_gguf` / `to_hf` convert the values
+    of a small tensor (norm offsets, A_log) both ways."""
+
+    hf: str
+    rows: np.ndarray | None = None
+    columns: np.ndarray | None = None
+    to_gguf: Callable[[np.ndarray], np.ndarray] | None = None
+    to_hf: Callable[[np.ndarray], np.ndarray] | None = None
+
+
+@dataclass
+class HFLayout:
+    """An architecture's reading of a config: GGUF metadata and GGUF name → TensorMap."""
+
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorMap] = field(default_factory=dict)
+
+
+class HFConfig:
+    """config.json's values, typed on the way out; errors name the file and the key. A
+    multimodal config's `text_config` is where the text model's keys are looked up first."""
+
+    def __init__(self, values: dict, name: str):
+        self.values, self.name = values, name
+        text = values.get("text_config")
+        self.text = text if isinstance(text, dict) else {}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.text.get(key, self.values.get(key, default))
+
+    def _typed(self, key: str, default: Any, check, kind: str):
+        value = self.get(key, default)
+        if value is None:
+            raise ModelFormatError(f"{self.name}: key '{key}' missing")
+        if not check(value):
+            raise ModelFormatError(f"{self.name}: key '{key}' is {json.dumps(value)[:60]}, expected {kind}")
+        return value
+
+    def int(self, key: str, default: int | None = None) -> int:
+        return self._typed(key, default, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                           "a non-negative integer")
+
+    def float(self, key: str, default: float | None = None) -> float:
+        return float(self._typed(key, default, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+                                 "a number"))
+
+    def rope(self, key: str, default: Any = None, holder: dict | None = None) -> Any:
+        """A rope setting from `holder`, or `rope_parameters` (transformers 5) or `rope_scaling`,
+        else the top level."""
+        holders = [holder] if holder is not None else [self.get("rope_parameters"), self.get("rope_scaling")]
+        for params in holders:
+            if isinstance(params, dict) and key in params:
+                return params[key]
+        return self.get(key, default)
+
+    def rope_float(self, key: str, default: float, holder: dict | None = None) -> float:
+        value = self.rope(key, default, holder)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ModelFormatError(f"{self.name}: rope setting '{key}' is {json.dumps(value)[:60]}, expected a positive number")
+        return float(value)
+
+
+def is_hf_directory(path: str | os.PathLike) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, CONFIG_NAME))
+
+
+def read_json(path: str, limit: int = MAX_CONFIG_BYTES) -> dict:
+    """A JSON object from a small file; a clear error naming the file otherwise."""
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read(limit + 1)
+    except OSError as e:
+        raise ModelFormatError(f"{path}: cannot be read ({e.strerror})") from None
+    if len(text) > limit:
+        raise ModelFormatError(f"{path}: larger than the limit of {limit} bytes")
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ModelFormatError(f"{path}: not valid JSON ({str(e)[:120]})") from None
+    if not isinstance(value, dict):
+        raise ModelFormatError(f"{path}: a JSON {type(value).__name__}, expected an object")
+    return value
+
+
+def _value_type(value: Any) -> GGUFValueType:
+    if isinstance(value, bool):
+        return GGUFValueType.BOOL
+    if isinstance(value, int):
+        return GGUFValueType.INT64
+    if isinstance(value, float):
+        return GGUFValueType.FLOAT64
+    if isinstance(value, str):
+        return GGUFValueType.STRING
+    return GGUFValueType.ARRAY
+
+
+def architecture_of(config: HFConfig) -> str:
+    """pagelm's architecture name for a config's `model_type`."""
+    model_type = config.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise UnsupportedError(f"{config.name}: model_type {json.dumps(model_type)[:60]} is not supported "
+                               f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
+    return HF_MODEL_TYPES[model_type]
+
+
+class HFCheckpoint:
+    """A Hugging Face checkpoint directory with the reading interface of `GGUFFile`."""
+
+    value_type = GGUFFile.value_type
+    require = GGUFFile.require
+
+    def __init__(self, path: str, config: HFConfig, shards: ShardedSafetensors, layout: HFLayout):
+        self.path, self.name = path, path
+        self.config, self.shards = config, shards
+        self.maps = layout.tensors
+        self.metadata = dict(layout.metadata)
+        self.metadata.update(_tokenizer_metadata(path, config))
+        self._types = {key: _value_type(value) for key, value in self.metadata.items()}
+        self.tensors: dict[str, TensorInfo] = {}
+        for gguf_name, tmap in layout.tensors.items():
+            info = shards.tensors.get(tmap.hf)
+            if info is None:
+                continue  # an optional tensor (an untied head) the checkpoint does not have
+            if info.dtype not in HF_DTYPES:
+                raise UnsupportedError(f"{path}: tensor '{tmap.hf}' has dtype {info.dtype}; pagelm computes with "
+                                       f"{', '.join(HF_DTYPES)}")
+            shape = [d for d in info.shape if d != 1] or [1]  # conv taps are stored (C, 1, K)
+            self.tensors[gguf_name] = TensorInfo(gguf_name, tuple(reversed(shape)), HF_DTYPES[info.dtype],
+                                                 info.offset, info.nbytes)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> HFCheckpoint:
+        path = os.fspath(path)
+        config = HFConfig(read_json(os.path.join(path, CONFIG_NAME)), os.path.join(path, CONFIG_NAME))
+        module = importlib.import_module(f"pagelm.models.{architecture_of(config)}")
+        shards = ShardedSafetensors.open(path)
+        try:
+            layout = module.hf_layout(config, set(shards.tensors))
+            return cls(path, config, shards, layout)
+        except BaseException:
+            shards.close()
+            raise
+
+    def close(self) -> None:
+        self.shards.close()
+
+    def conversion(self, name: str) -> TensorMap | None:
+        return self.maps.get(name)
+
+    def tensor_buffer(self, name: str):
+        """(the uint8 array of the shard holding `name`, that shard's map)."""
+        shard = self.shards.shard_of(self.maps[name].hf)
+        return shard.data, shard.mmap
+
+    def tensor_data(self, name: str) -> np.ndarray:
+        info = self.tensors.get(name)
+        if info is None:
+            raise ModelFormatError(f"{self.name}: no tensor named '{name}'")
+        data, _ = self.tensor_buffer(name)
+        return data[info.offset : info.offset + info.nbytes]
+
+
+def _tokenizer_metadata(path: str, config: HFConfig) -> dict[str, Any]:
+    """The chat template and BOS/EOS ids, under their GGUF keys, from the directory's files."""
+    out: dict[str, Any] = {}
+    tokenizer_config_path = os.path.join(path, "tokenizer_config.json")
+    tokenizer_config = read_json(tokenizer_config_path) if os.path.isfile(tokenizer_config_path) else {}
+    template_path = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(template_path):
+        with open(template_path, encoding="utf-8", errors="replace") as fh:
+            out["tokenizer.chat_template"] = fh.read(MAX_CONFIG_BYTES)
+    elif isinstance(tokenizer_config.get("chat_template"), str):
+        out["tokenizer.chat_template"] = tokenizer_config["chat_template"]
+    generation_path = os.path.join(path, "generation_config.json")
+    generation = read_json(generation_path) if os.path.isfile(generation_path) else {}
+    for key in ("bos_token_id", "eos_token_id"):
+        value = generation.get(key, config.get(key))
+        ids = value if isinstance(value, list) else [value]
+        ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
+        if ids:
+            out[f"tokenizer.ggml.{key}"] = ids[0]
+            if key == "eos_token_id" and len(ids) > 1:
+                out["tokenizer.hf.eos_token_ids"] = ids
+    if isinstance(tokenizer_config.get("add_bos_token"), bool):
+        out["tokenizer.ggml.add_bos_token"] = tokenizer_config["add_bos_token"]
+    return out
+
+
+def heads_tiled(n_key_heads: int, n_value_heads: int, head_dim: int) -> np.ndarray:
+    """Rows of nv value heads of `head_dim` rows each, GGUF's tiled order from HF's grouped one:
+    GGUF head j (serving key head j mod nk) is HF head (j mod nk)·r + j div nk, r = nv / nk."""
+    ratio = n_value_heads // n_key_heads
+    j = np.arange(n_value_heads)
+    hf_head = (j % n_key_heads) * ratio + j // n_key_heads
+    return (hf_head[:, None] * head_dim + np.arange(head_dim)[None, :]).reshape(-1)
+
+
+def tensor_maps(config: HFConfig, hf_names: set[str], n_layers: int, globals_: dict[str, str],
+                per_layer: dict[str, str]) -> dict[str, TensorMap]:
+    """GGUF name → TensorMap for the tensors named by `globals_` (GGUF → HF name under the model
+    prefix) and `per_layer` (GGUF suffix → HF suffix, blk.N. ↔ layers.N.), for whichever of the
+    usual prefixes (`model.language_model.` in multimodal checkpoints, `model.`) the checkpoint
+    uses. `lm_head.weight` becomes `output.weight` unless the embeddings are tied."""
+    prefix = next((p for p in ("model.language_model.", "model.") if p + "embed_tokens.weight" in hf_names), None)
+    if prefix is None:
+        raise ModelFormatError(f"{config.name}: the checkpoint has no model.embed_tokens.weight "
+                               f"(nor model.language_model.embed_tokens.weight)")
+    maps = {"token_embd.weight": TensorMap(prefix + "embed_tokens.weight")}
+    if not config.get("tie_word_embeddings", False) and "lm_head.weight" in hf_names:
+        maps["output.weight"] = TensorMap("lm_head.weight")
+    maps.update({gguf: TensorMap(prefix + hf) for gguf, hf in globals_.items()})
+    for i in range(n_layers):
+        for gguf, hf in per_layer.items():
+            if f"{prefix}layers.{i}.{hf}" in hf_names:
+                maps[f"blk.{i}.{gguf}"] = TensorMap(f"{prefix}layers.{i}.{hf}")
+    return maps
+
+
+def plus_one(values: np.ndarray) -> np.ndarray:
+    return values + np.float32(1)
+
+
+def minus_one(values: np.ndarray) -> np.ndarray:
+    return values - np.float32(1)
+
+
+def shift_norms(maps: dict[str, TensorMap], suffixes: tuple[str, ...]) -> None:
+    """Zero-centred RMSNorm weights (HF) → GGUF's, which have the +1 folded in."""
+    for name, tmap in maps.items():
+        if name.endswith(suffixes):
+            maps[name] = replace(tmap, to_gguf=plus_one, to_hf=minus_one)
