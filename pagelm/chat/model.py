@@ -58,7 +58,7 @@ class ChatModel:
         name = name or path.stem
         model = Model(str(path), embedding=embedding, weights=weights, dtype=dtype, threads=threads)
         before = read_memory().anonymous
-        tokenizer = Tokenizer.from_gguf(model.file)
+        tokenizer = Tokenizer.open(model.file)
         heap.trim()
         tokenizer_bytes = max(0, read_memory().anonymous - before)
 

@@ -193,6 +193,45 @@ class Tokenizer:
         return cls(backend, bos_id=bos, eos_ids=tuple(dict.fromkeys(eos_ids)), add_bos=add_bos, add_eos=add_eos,
                    vocab_size=n, name=model.name, cache_path=path, from_cache=from_cache)
 
+    @classmethod
+    def from_hf_directory(cls, checkpoint) -> Tokenizer:
+        """The tokenizer of a Hugging Face checkpoint directory (`weights.hf.HFCheckpoint`): its
+        tokenizer.json on HF `tokenizers`, with BOS/EOS as the checkpoint's metadata gives them."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = os.path.join(checkpoint.path, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise ModelFormatError(f"{checkpoint.path}: no tokenizer.json in the directory (pagelm reads the "
+                                   f"tokenizer from it)")
+        try:
+            backend = HFTokenizer.from_file(path)
+        except Exception as e:  # tokenizers raises plain Exceptions for every kind of bad file
+            raise ModelFormatError(f"{path}: not a tokenizer file pagelm can read ({str(e)[:200]})") from None
+        _malloc_trim()
+        n = backend.get_vocab_size(with_added_tokens=True)
+        md = checkpoint.metadata
+        bos = md.get(_PREFIX + "bos_token_id")
+        eos = md.get("tokenizer.hf.eos_token_ids") or [md.get(_PREFIX + "eos_token_id")]
+        tok = cls(backend, bos_id=None, eos_ids=(), add_bos=False, add_eos=False, vocab_size=n)
+        eos_ids = [i for i in eos if isinstance(i, int) and 0 <= i < n]
+        for text in _END_OF_TURN:
+            i = tok.token_to_id(text)
+            if i is not None and i in tok._special_ids and i not in eos_ids:
+                eos_ids.append(i)
+        add_bos = bool(md.get(_PREFIX + "add_bos_token", False)) and bos is not None
+        return cls(backend, bos_id=bos if isinstance(bos, int) and 0 <= bos < n else None,
+                   eos_ids=tuple(dict.fromkeys(eos_ids)), add_bos=add_bos, add_eos=False, vocab_size=n,
+                   name=path, cache_path=path)
+
+    @classmethod
+    def open(cls, checkpoint) -> Tokenizer:
+        """The tokenizer of a checkpoint: a GGUF file's metadata, or a directory's tokenizer.json."""
+        from pagelm.weights.hf import HFCheckpoint
+
+        if isinstance(checkpoint, HFCheckpoint):
+            return cls.from_hf_directory(checkpoint)
+        return cls.from_gguf(checkpoint)
+
     # ------------------------------------------------------------------------------ use
 
     def encode(self, text: str, add_special: bool = False) -> list[int]:

@@ -232,3 +232,41 @@ def _read_weight_map(index: str) -> dict[str, str]:
         if not shard or shard in (".", "..") or any(c in shard for c in "/\\\0"):
             raise ModelFormatError(f"{index}: shard name {shard!r:.100} is not a plain file name in the index's directory")
     return weight_map
+
+
+@dataclass(frozen=True)
+class TensorToWrite:
+    name: str
+    dtype: str  # "F32", "F16" or "BF16" (then `values` gives the bit patterns as uint16)
+    shape: tuple[int, ...]
+    values: Any  # () -> np.ndarray of the shape, produced when its turn to be written comes
+
+
+def write_safetensors(path: str, tensors: list[TensorToWrite], metadata: dict[str, str] | None = None,
+                      progress=None) -> None:
+    """Write a safetensors file to `path`.part, then rename it over `path` (never in place).
+    Tensors are produced and written one at a time; `progress(nbytes)` after each."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for t in tensors:
+        nbytes = prod(t.shape) * DTYPES[t.dtype].itemsize
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data region starts 8-byte aligned
+    part = path + ".part"
+    try:
+        with open(part, "wb") as fh:
+            fh.write(_U64.pack(len(text)) + text)
+            for t in tensors:
+                values = np.ascontiguousarray(t.values(), DTYPES[t.dtype])
+                if values.shape != tuple(t.shape):
+                    raise ValueError(f"tensor '{t.name}': produced shape {values.shape}, declared {t.shape}")
+                fh.write(values.tobytes())
+                if progress is not None:
+                    progress(values.nbytes)
+        os.replace(part, path)
+    except BaseException:
+        if os.path.exists(part):
+            os.remove(part)
+        raise

@@ -305,3 +305,26 @@ def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
     maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, HF_LAYER)
     shift_norms(maps, ("norm.weight",))  # every Gemma norm, q/k norms included
     return HFLayout(metadata, maps)
+
+
+def _number(x: float) -> int | float:
+    """An integral float as an int (transformers' config classes type some floats as int)."""
+    return int(round(x)) if abs(x - round(x)) < 1e-9 * max(1.0, abs(x)) else x
+
+
+def hf_config(c: Gemma3Config, tied: bool) -> dict:
+    """config.json for a Hugging Face twin of a checkpoint with this config."""
+    full = {"rope_type": "default", "rope_theta": c.rope_base}
+    if c.rope_scale != 1.0:
+        full = {"rope_type": "linear", "rope_theta": c.rope_base, "factor": c.rope_scale}
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": c.hidden, "intermediate_size": c.ffn, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_eps, "sliding_window": c.sliding_window,
+        "layer_types": ["full_attention" if c.is_global_layer(i) else "sliding_attention" for i in range(c.n_layers)],
+        "rope_parameters": {"full_attention": full,
+                            "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_local_base}},
+        "query_pre_attn_scalar": _number(c.query_scale ** -2), "final_logit_softcapping": c.final_logit_softcapping,
+        "attn_logit_softcapping": None, "vocab_size": c.vocab, "tie_word_embeddings": tied,
+    }

@@ -222,3 +222,16 @@ def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
                 maps[f"blk.{i}.{name}"] = replace(maps[f"blk.{i}.{name}"],
                                                   rows=np.argsort(rope_row_order(heads * head_dim, heads)))
     return HFLayout(metadata, maps)
+
+
+def hf_config(c: LlamaConfig, tied: bool) -> dict:
+    """config.json for a Hugging Face twin of a checkpoint with this config."""
+    rope = {"rope_type": "default", "rope_theta": c.rope_base}
+    if c.rope_scale != 1.0:
+        rope = {"rope_type": "linear", "rope_theta": c.rope_base, "factor": c.rope_scale}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": c.hidden, "intermediate_size": c.ffn, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_eps, "rope_parameters": rope, "vocab_size": c.vocab, "tie_word_embeddings": tied,
+    }

@@ -578,7 +578,26 @@ def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
             tmap = replace(tmap, to_gguf=_a_from_log, to_hf=_log_from_a)
         if nv != nk and suffix in per_head:
             tmap = replace(tmap, rows=per_head[suffix])
+        if suffix == "ssm_conv1d.weight":
+            tmap = replace(tmap, hf_shape=(qk + nv * dv, 1, config.int("linear_conv_kernel_dim")))
         if nv != nk and suffix == "ssm_out.weight":
             tmap = replace(tmap, columns=heads_tiled(nk, nv, dv))
         maps[name] = tmap
     return HFLayout(metadata, maps)
+
+
+def hf_config(c: Qwen35Config, tied: bool) -> dict:
+    """config.json for a Hugging Face twin of a checkpoint with this config."""
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_act": "silu",
+        "hidden_size": c.hidden, "intermediate_size": c.ffn, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
+        "linear_conv_kernel_dim": c.conv_kernel, "linear_key_head_dim": c.linear_key_dim,
+        "linear_value_head_dim": c.linear_value_dim, "linear_num_key_heads": c.n_key_heads,
+        "linear_num_value_heads": c.n_value_heads,
+        "layer_types": ["full_attention" if c.is_attention_layer(i) else "linear_attention" for i in range(c.n_layers)],
+        "rms_norm_eps": c.rms_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_base,
+                            "partial_rotary_factor": c.rope_dim / c.head_dim},
+        "vocab_size": c.vocab, "tie_word_embeddings": tied,
+    }

@@ -42,6 +42,7 @@ class TensorMap:
     columns: np.ndarray | None = None
     to_gguf: Callable[[np.ndarray], np.ndarray] | None = None
     to_hf: Callable[[np.ndarray], np.ndarray] | None = None
+    hf_shape: tuple[int, ...] | None = None  # where HF's shape has more (size-1) dims than GGUF's
 
 
 @dataclass
@@ -231,23 +232,31 @@ def heads_tiled(n_key_heads: int, n_value_heads: int, head_dim: int) -> np.ndarr
     return (hf_head[:, None] * head_dim + np.arange(head_dim)[None, :]).reshape(-1)
 
 
-def tensor_maps(config: HFConfig, hf_names: set[str], n_layers: int, globals_: dict[str, str],
+def tensor_maps(config: HFConfig, hf_names: set[str] | None, n_layers: int, globals_: dict[str, str],
                 per_layer: dict[str, str]) -> dict[str, TensorMap]:
     """GGUF name → TensorMap for the tensors named by `globals_` (GGUF → HF name under the model
-    prefix) and `per_layer` (GGUF suffix → HF suffix, blk.N. ↔ layers.N.), for whichever of the
-    usual prefixes (`model.language_model.` in multimodal checkpoints, `model.`) the checkpoint
-    uses. `lm_head.weight` becomes `output.weight` unless the embeddings are tied."""
-    prefix = next((p for p in ("model.language_model.", "model.") if p + "embed_tokens.weight" in hf_names), None)
-    if prefix is None:
-        raise ModelFormatError(f"{config.name}: the checkpoint has no model.embed_tokens.weight "
-                               f"(nor model.language_model.embed_tokens.weight)")
+    prefix) and `per_layer` (GGUF suffix → HF suffix, blk.N. ↔ layers.N.) that the checkpoint
+    holds (all of them when `hf_names` is None: a checkpoint about to be written), for whichever
+    of the usual prefixes (`model.language_model.` in multimodal checkpoints, `model.`) it uses.
+    `lm_head.weight` becomes `output.weight` unless the embeddings are tied."""
+    if hf_names is None:
+        prefix = "model."
+    else:
+        prefix = next((p for p in ("model.language_model.", "model.") if p + "embed_tokens.weight" in hf_names), None)
+        if prefix is None:
+            raise ModelFormatError(f"{config.name}: the checkpoint has no model.embed_tokens.weight "
+                                   f"(nor model.language_model.embed_tokens.weight)")
+
+    def held(name: str) -> bool:
+        return hf_names is None or name in hf_names
+
     maps = {"token_embd.weight": TensorMap(prefix + "embed_tokens.weight")}
-    if not config.get("tie_word_embeddings", False) and "lm_head.weight" in hf_names:
+    if not config.get("tie_word_embeddings", False) and held("lm_head.weight"):
         maps["output.weight"] = TensorMap("lm_head.weight")
     maps.update({gguf: TensorMap(prefix + hf) for gguf, hf in globals_.items()})
     for i in range(n_layers):
         for gguf, hf in per_layer.items():
-            if f"{prefix}layers.{i}.{hf}" in hf_names:
+            if held(f"{prefix}layers.{i}.{hf}"):
                 maps[f"blk.{i}.{gguf}"] = TensorMap(f"{prefix}layers.{i}.{hf}")
     return maps
 
