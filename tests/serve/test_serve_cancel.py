@@ -159,8 +159,12 @@ def test_request_id_in_use_is_409(smol):
     body = {"model": smol.model, "prompt": LONG, "options": {"num_predict": 1000}}
     with httpx.stream("POST", f"{smol.url}/api/generate", json=body, headers={"X-Request-Id": "dup-1"},
                       timeout=120) as r:
-        next(r.iter_lines())
-        dup = httpx.post(f"{smol.url}/api/generate", json={**body, "stream": False},
-                         headers={"X-Request-Id": "dup-1"}, timeout=30)
-        assert dup.status_code == 409 and "dup-1" in dup.json()["error"]
+        # keep the line iterator: once collected, httpx closes the connection and the server
+        # rightly cancels the request, freeing its id
+        lines = r.iter_lines()
+        assert json.loads(next(lines))["done"] is False
+        # the duplicate asks for one token, so that if it were wrongly admitted it would answer at once
+        dup = httpx.post(f"{smol.url}/api/generate", headers={"X-Request-Id": "dup-1"}, timeout=60,
+                         json={**body, "stream": False, "options": {"num_predict": 1}})
+        assert dup.status_code == 409 and "dup-1" in dup.json()["error"], (dup.status_code, dup.text)
         httpx.post(f"{smol.url}/api/cancel", json={"id": "dup-1"}, timeout=30)
