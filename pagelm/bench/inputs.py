@@ -44,22 +44,22 @@ def model_path(name: str, models_dir: str = DEFAULT_MODELS_DIR) -> str:
         return path
     if name in store.KNOWN_MODELS:
         return str(store.pull(name))
-    if os.path.isfile(name):
+    if store.is_model_path(Path(name)):
         return name
     raise PagelmError(f"model '{name}': not a synthetic shape ({', '.join(synthetic_shapes())}), "
-                      f"a known model ({', '.join(store.KNOWN_MODELS)}) or a .gguf file")
+                      f"a known model ({', '.join(store.KNOWN_MODELS)}), a .gguf file or a model directory")
 
 
 def display_name(name: str) -> str:
-    return Path(name).stem if name.endswith(".gguf") else name
+    return Path(name).stem if name.endswith(".gguf") else Path(name).name
 
 
 def embedding_table_mib(path: str) -> float:
     """Size of the token embedding unpacked to bf16 (vocab × dim × 2 bytes): what dense adds."""
-    from pagelm.formats.gguf import GGUFFile
     from pagelm.weights import TOKEN_EMBEDDING
+    from pagelm.weights.loader import open_checkpoint
 
-    with GGUFFile.open(path) as model:
+    with open_checkpoint(path) as model:
         dim, vocab = model.tensors[TOKEN_EMBEDDING].dims
         return vocab * dim * 2 / MIB
 
@@ -67,9 +67,9 @@ def embedding_table_mib(path: str) -> float:
 @lru_cache(maxsize=8)
 def _tokenizer(path: str):
     from pagelm.chat.tokenizer import Tokenizer
-    from pagelm.formats.gguf import GGUFFile
+    from pagelm.weights.loader import open_checkpoint
 
-    return Tokenizer.from_gguf(GGUFFile.open(path))
+    return Tokenizer.open(open_checkpoint(path))
 
 
 def text_of_tokens(path: str, n_tokens: int, seed: int = 0) -> str:

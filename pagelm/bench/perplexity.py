@@ -148,7 +148,7 @@ def run_perplexity(name: str, path: str, text: str | None = None, tokens: int = 
     for every weights mode × dtype, through prefill and through decode steps."""
     import pagelm
     from pagelm.chat.tokenizer import Tokenizer
-    from pagelm.formats.gguf import GGUFFile
+    from pagelm.weights.loader import open_checkpoint
 
     for mode in weights:
         if mode not in WEIGHTS:
@@ -158,8 +158,8 @@ def run_perplexity(name: str, path: str, text: str | None = None, tokens: int = 
             raise PagelmError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if tokens < 2:
         raise PagelmError(f"--tokens must be at least 2 (one prediction), got {tokens}")
-    with GGUFFile.open(path) as file:
-        tokenizer = Tokenizer.from_gguf(file)
+    with open_checkpoint(path) as file:
+        tokenizer = Tokenizer.open(file)
     ids = text_tokens(tokenizer, default_text() if text is None else text, tokens)
     if len(ids) < 2:
         raise PagelmError(f"the text gives {len(ids)} token(s); perplexity needs at least 2")

@@ -55,7 +55,7 @@ class ChatModel:
     def open(cls, path: str | Path, name: str | None = None, embedding: EmbeddingMode = "mapped",
              weights: WeightsMode = "mapped", dtype: str = "bfloat16", threads: int | None = None) -> ChatModel:
         path = Path(path)
-        name = name or path.stem
+        name = name or (path.name if path.is_dir() else path.stem)
         model = Model(str(path), embedding=embedding, weights=weights, dtype=dtype, threads=threads)
         before = read_memory().anonymous
         tokenizer = Tokenizer.open(model.file)

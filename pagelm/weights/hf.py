@@ -181,6 +181,12 @@ class HFCheckpoint:
     def close(self) -> None:
         self.shards.close()
 
+    def __enter__(self) -> HFCheckpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def conversion(self, name: str) -> TensorMap | None:
         return self.maps.get(name)
 
