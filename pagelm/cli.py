@@ -41,6 +41,8 @@ def _synth(args: argparse.Namespace) -> int:
         full = ", ".join(name for name, s in SHAPES.items() if s.full)
         raise PagelmError(f"shape '{args.shape}' has embedding geometry only: pass --embedding-only, "
                           f"or pick a complete shape ({full})")
+    if args.format == "hf":
+        return _synth_hf(args)
     name = f"synthetic {args.shape}"
     total = embedding_nbytes(shape) if args.embedding_only else plan_nbytes(plan_model(shape, layer_type, mix=args.mix))
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {os.path.basename(args.out)}",
@@ -64,6 +66,31 @@ def _synth(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}: {args.shape}, {shape.n_layers} layers, hidden {shape.hidden}, vocab {shape.vocab}, "
               f"{len(plan)} tensors, {layers}, token_embd {plan[0].ggml_type.name}, {head}, "
               f"{os.path.getsize(args.out)} bytes")
+    return 0
+
+
+def _synth_hf(args: argparse.Namespace) -> int:
+    """The same random model as `--format gguf` writes, as a Hugging Face directory: the GGUF is
+    written beside it first (OUT.gguf.part), then converted and removed."""
+    from pagelm.weights.hf_writer import write_hf_directory
+
+    if args.embedding_only:
+        raise PagelmError("--format hf writes complete models; --embedding-only is for GGUF files")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise PagelmError(f"{args.out}: exists and is not a directory")
+    staging = args.out.rstrip("/") + ".gguf.part"
+    gguf_args = argparse.Namespace(**{**vars(args), "format": "gguf", "out": staging, "quiet": True})
+    try:
+        _synth(gguf_args)
+        with tqdm(total=os.path.getsize(staging), unit="B", unit_scale=True, file=sys.stderr,
+                  desc=f"writing {os.path.basename(args.out.rstrip('/'))}", disable=args.quiet) as bar:
+            write_hf_directory(staging, args.out, quantized=args.hf_dtype, progress=bar.update)
+    finally:
+        if os.path.exists(staging):
+            os.remove(staging)
+    size = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out))
+    print(f"wrote {args.out}: {args.shape} as a Hugging Face directory ({', '.join(sorted(os.listdir(args.out)))}), "
+          f"{size} bytes")
     return 0
 
 
@@ -385,7 +412,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "Q8_0 output.weight. qwen3.5-tiny and qwen3.5-tiny-gqa (nv != nk) are small shapes "
                     "for tests; 'tiny' is an embedding-only geometry.")
     synth.add_argument("--shape", required=True, choices=list(SHAPES), help="the geometry to copy")
-    synth.add_argument("out", metavar="OUT.gguf", help="file to write (written to OUT.part, then renamed)")
+    synth.add_argument("out", metavar="OUT", help="file (GGUF) or directory (hf) to write; written to OUT.part, "
+                                                  "then renamed")
+    synth.add_argument("--format", choices=["gguf", "hf"], default="gguf",
+                       help="container: a GGUF file (default) or a Hugging Face directory (config.json, "
+                            "model.safetensors, tokenizer.json, chat template) of the same random model")
+    synth.add_argument("--hf-dtype", choices=["bf16", "f32"], default="bf16",
+                       help="with --format hf, what quantized matrices are written as: bf16 (default, rounded) "
+                            "or f32 (their exact values); F32/F16/BF16 matrices keep their type and bits")
     synth.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     layer_types = synth.add_mutually_exclusive_group()
     layer_types.add_argument("--layer-type", choices=sorted(t.name for t in LAYER_TYPES),

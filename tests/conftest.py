@@ -1,6 +1,8 @@
 """Models for the tests: real ones pulled once into the pagelm store (PAGELM_HOME or ~/.cache/pagelm),
 synthetic ones written once per test session."""
 
+import os
+
 import pytest
 
 from pagelm import store
@@ -39,3 +41,18 @@ def qwen35_chat(qwen35_chat_gguf):
     from pagelm.chat.model import ChatModel
 
     return ChatModel.open(qwen35_chat_gguf)
+
+
+@pytest.fixture(scope="session")
+def transformers_tokenizer():
+    """transformers' tokenizer of a real GGUF (converted from the file's metadata: ~20 s for
+    Gemma 3), built once per file for every test that compares against it."""
+    transformers = pytest.importorskip("transformers")
+    built = {}
+
+    def get(path: str):
+        if path not in built:
+            built[path] = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                                     gguf_file=os.path.basename(path))
+        return built[path]
+    return get

@@ -263,7 +263,7 @@ def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
     n_layers, hidden = config.int("num_hidden_layers"), config.int("hidden_size")
     n_heads = config.int("num_attention_heads")
     head_dim = config.int("head_dim", 256)
-    types = config.get("layer_types") or [
+    types = config.strings("layer_types") or [
         "full_attention" if (i + 1) % config.int("sliding_window_pattern", DEFAULT_PATTERN) == 0 else "sliding_attention"
         for i in range(n_layers)]
     full = [i for i, t in enumerate(types) if t == "full_attention"]

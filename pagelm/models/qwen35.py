@@ -541,7 +541,9 @@ def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
     dk, dv = config.int("linear_key_head_dim"), config.int("linear_value_head_dim")
     if nk < 1 or nv % nk:
         raise ModelFormatError(f"{config.name}: linear_num_value_heads {nv} is not a multiple of linear_num_key_heads {nk}")
-    types = config.get("layer_types") or []
+    if nv * max(dk, dv) >= 1 << 24:
+        raise ModelFormatError(f"{config.name}: {nv} value heads of {max(dk, dv)} dims is not a plausible DeltaNet width")
+    types = config.strings("layer_types") or []
     full = [i for i, t in enumerate(types) if t == "full_attention"]
     interval = full[0] + 1 if full else config.int("full_attention_interval", 4)
     if len(types) != n_layers or any((t == "full_attention") != ((i + 1) % interval == 0) for i, t in enumerate(types)):

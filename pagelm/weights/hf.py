@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,6 +27,7 @@ from pagelm.models import HF_MODEL_TYPES
 from pagelm.quant import GGMLType
 
 CONFIG_NAME = "config.json"
+_LAYER = re.compile(r"layers\.(\d+)\.")
 MAX_CONFIG_BYTES = 16 << 20
 # safetensors dtypes a matrix may have; they are computed with in place
 HF_DTYPES = {"F32": GGMLType.F32, "F16": GGMLType.F16, "BF16": GGMLType.BF16}
@@ -74,12 +76,22 @@ class HFConfig:
         return value
 
     def int(self, key: str, default: int | None = None) -> int:
-        return self._typed(key, default, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-                           "a non-negative integer")
+        """A size or count: a non-negative integer below 2**24 (none of a real model's is larger)."""
+        return self._typed(key, default, lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 24,
+                           "a non-negative integer below 2**24")
 
     def float(self, key: str, default: float | None = None) -> float:
         return float(self._typed(key, default, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
                                  "a number"))
+
+    def strings(self, key: str) -> list[str]:
+        """A list of strings (layer_types), empty when absent."""
+        value = self.get(key)
+        if value is None:
+            return []
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ModelFormatError(f"{self.name}: key '{key}' is {json.dumps(value)[:60]}, expected a list of strings")
+        return value
 
     def rope(self, key: str, default: Any = None, holder: dict | None = None) -> Any:
         """A rope setting from `holder`, or `rope_parameters` (transformers 5) or `rope_scaling`,
@@ -134,7 +146,7 @@ def _value_type(value: Any) -> GGUFValueType:
 def architecture_of(config: HFConfig) -> str:
     """pagelm's architecture name for a config's `model_type`."""
     model_type = config.get("model_type")
-    if model_type not in HF_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in HF_MODEL_TYPES:
         raise UnsupportedError(f"{config.name}: model_type {json.dumps(model_type)[:60]} is not supported "
                                f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
     return HF_MODEL_TYPES[model_type]
@@ -256,6 +268,13 @@ def tensor_maps(config: HFConfig, hf_names: set[str] | None, n_layers: int, glob
     def held(name: str) -> bool:
         return hf_names is None or name in hf_names
 
+    if hf_names is not None:
+        held_layers = {int(m.group(1)) for name in hf_names
+                       if name.startswith(prefix) and (m := _LAYER.match(name, len(prefix)))}
+        count = max(held_layers, default=-1) + 1
+        if count != n_layers:
+            raise ModelFormatError(f"{config.name}: num_hidden_layers is {n_layers}, but the checkpoint holds "
+                                   f"layers 0..{count - 1}")
     maps = {"token_embd.weight": TensorMap(prefix + "embed_tokens.weight")}
     if not config.get("tie_word_embeddings", False) and held("lm_head.weight"):
         maps["output.weight"] = TensorMap("lm_head.weight")

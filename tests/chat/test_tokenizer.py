@@ -300,10 +300,9 @@ def test_vocabularies_compact_cannot_take_fall_back(tmp_path):
 
 
 @pytest.mark.parametrize("fixture", ["smollm2_gguf", "gemma3_gguf"])
-def test_real_files_match_transformers(request, cache_dir, fixture):
+def test_real_files_match_transformers(request, cache_dir, fixture, transformers_tokenizer):
     path = request.getfixturevalue(fixture)
-    transformers = pytest.importorskip("transformers")
-    reference = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    reference = transformers_tokenizer(path)
     with GGUFFile.open(path) as model:
         tok = Tokenizer.from_gguf(model, cache_dir)
     for text in CORPUS:

@@ -45,10 +45,10 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 class Case:
-    def __init__(self, path: str, config_cls, model_cls):
+    def __init__(self, path: str, config_cls, model_cls, tokenizer):
         self.path = path
         directory, name = os.path.split(path)
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        self.tokenizer = tokenizer
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
         self.file = GGUFFile.open(path)
         loader = WeightLoader(self.file, "mapped", torch.float32)
@@ -98,13 +98,13 @@ def check_greedy(case: "Case", ids: list[int], tokens: list[int], logits: list[n
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_gguf):
-    return Case(smollm2_gguf, LlamaConfig, LlamaModel)
+def smollm2(smollm2_gguf, transformers_tokenizer):
+    return Case(smollm2_gguf, LlamaConfig, LlamaModel, transformers_tokenizer(smollm2_gguf))
 
 
 @pytest.fixture(scope="module")
-def gemma3(gemma3_gguf):
-    return Case(gemma3_gguf, Gemma3Config, Gemma3Model)
+def gemma3(gemma3_gguf, transformers_tokenizer):
+    return Case(gemma3_gguf, Gemma3Config, Gemma3Model, transformers_tokenizer(gemma3_gguf))
 
 
 @pytest.fixture(params=["smollm2", "gemma3"])
