@@ -112,3 +112,28 @@ def test_real_qwen35_0_8b_geometry_verifies_every_row(tmp_path):
     assert [t.name for t in reader.tensors] == ["token_embd.weight"]  # tied: no output.weight
     assert list(reader.tensors[0].shape) == [1024, 248320]
     assert _pagelm("verify-embeddings", path).stdout.strip().splitlines()[-1] == "rows: 248320 checked, 0 differing"
+
+
+def test_synth_format_hf_writes_the_same_model_as_a_directory(tmp_path):
+    """The same seed in both containers, matrices in BF16 so both hold the same numbers: the
+    same logits, and pull PATH / list / run / rm work on the directory."""
+    gguf, directory = str(tmp_path / "m.gguf"), str(tmp_path / "m-hf")
+    common = ["--shape", "qwen3.5-tiny-chat", "--layer-type", "BF16", "--embedding-type", "BF16", "--quiet"]
+    _pagelm("synth", *common, gguf)
+    out = _pagelm("synth", *common, "--format", "hf", directory).stdout
+    assert "as a Hugging Face directory" in out
+    assert sorted(os.listdir(directory)) == ["chat_template.jinja", "config.json", "generation_config.json",
+                                             "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert not os.path.exists(directory + ".gguf.part")
+    from pagelm.engine import Model
+
+    ids = list(range(100, 140))
+    a, b = Model(gguf).session(64).prefill(ids), Model(directory).session(64).prefill(ids)
+    assert np.array_equal(a, b)
+    env = {**os.environ, "PAGELM_HOME": str(tmp_path / "home")}
+    run = lambda *args: subprocess.run([sys.executable, "-m", "pagelm", *args], capture_output=True, text=True, env=env)
+    assert "m-hf: " in run("pull", directory).stdout
+    assert "(local)" in run("list").stdout
+    answer = run("run", "m-hf", "Hello", "--max-tokens", "4", "--json")
+    assert answer.returncode == 0, answer.stderr
+    assert "forgot m-hf" in run("rm", "m-hf").stdout and os.path.isdir(directory)

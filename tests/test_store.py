@@ -52,3 +52,23 @@ def test_unknown_names_and_missing_paths_are_clear_errors(home):
         store.resolve("missing/model.gguf")
     assert not store.is_model_name("Why is the sky blue?")
     assert store.is_model_name("gemma3-270m")
+
+
+def test_local_directories_are_added_by_name_and_forgotten_not_deleted(home, tmp_path):
+    directory = tmp_path / "my-model"
+    directory.mkdir()
+    (directory / "config.json").write_text("{}")
+    name, path = store.add_local(str(directory))
+    assert (name, path) == ("my-model", directory.resolve())
+    assert [(m.name, m.path) for m in store.list_models()] == [("my-model", directory.resolve())]
+    assert store.resolve("my-model") == directory.resolve() and store.is_model_name("my-model")
+    assert store.remove("my-model") == directory.resolve()
+    assert directory.is_dir() and store.list_models() == []
+    plain = tmp_path / "not-a-model"
+    plain.mkdir()
+    with pytest.raises(PagelmError, match="without config.json"):
+        store.add_local(str(plain))
+    store.add_local(str(directory))
+    (directory / "config.json").unlink()
+    with pytest.raises(PagelmError, match="no longer there"):
+        store.resolve("my-model")
