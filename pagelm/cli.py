@@ -72,6 +72,9 @@ def _synth(args: argparse.Namespace) -> int:
 def _synth_hf(args: argparse.Namespace) -> int:
     """The same random model as `--format gguf` writes, as a Hugging Face directory: the GGUF is
     written beside it first (OUT.gguf.part), then converted and removed."""
+    import contextlib
+    import io
+
     from pagelm.weights.hf_writer import write_hf_directory
 
     if args.embedding_only:
@@ -81,7 +84,8 @@ def _synth_hf(args: argparse.Namespace) -> int:
     staging = args.out.rstrip("/") + ".gguf.part"
     gguf_args = argparse.Namespace(**{**vars(args), "format": "gguf", "out": staging, "quiet": True})
     try:
-        _synth(gguf_args)
+        with contextlib.redirect_stdout(io.StringIO()):  # the staging file's own "wrote" line
+            _synth(gguf_args)
         with tqdm(total=os.path.getsize(staging), unit="B", unit_scale=True, file=sys.stderr,
                   desc=f"writing {os.path.basename(args.out.rstrip('/'))}", disable=args.quiet) as bar:
             write_hf_directory(staging, args.out, quantized=args.hf_dtype, progress=bar.update)

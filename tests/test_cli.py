@@ -137,3 +137,9 @@ def test_synth_format_hf_writes_the_same_model_as_a_directory(tmp_path):
     answer = run("run", "m-hf", "Hello", "--max-tokens", "4", "--json")
     assert answer.returncode == 0, answer.stderr
     assert "forgot m-hf" in run("rm", "m-hf").stdout and os.path.isdir(directory)
+
+
+def test_synth_format_hf_of_a_model_without_a_vocabulary(tmp_path):
+    out = _pagelm("synth", "--shape", "qwen3.5-tiny", "--format", "hf", "--quiet", str(tmp_path / "ids")).stdout
+    assert out.count("wrote ") == 1  # the staging GGUF's own line is not shown
+    assert sorted(os.listdir(tmp_path / "ids")) == ["config.json", "generation_config.json", "model.safetensors"]

@@ -59,7 +59,7 @@ def write_hf_directory(gguf_path: str, out_dir: str, quantized: Quantized = "f32
                        progress: Callable[[int], None] | None = None) -> None:
     """Write the model in `gguf_path` as a Hugging Face checkpoint directory `out_dir` (config.json,
     generation_config.json, model.safetensors, and tokenizer.json + tokenizer_config.json +
-    chat_template.jinja when `tokenizer`). The directory is built as `out_dir`.part and renamed."""
+    chat_template.jinja when `tokenizer` and the model has a vocabulary). The directory is built as `out_dir`.part and renamed."""
     file = GGUFFile.open(gguf_path)
     try:
         loader = WeightLoader(file, "dense", torch.float32)
@@ -92,8 +92,8 @@ def write_hf_directory(gguf_path: str, out_dir: str, quantized: Quantized = "f32
             write_safetensors(os.path.join(part, "model.safetensors"), tensors, {"format": "pt"}, progress)
             _write_json(os.path.join(part, CONFIG_NAME), hf_config)
             _write_json(os.path.join(part, "generation_config.json"), {"bos_token_id": bos, "eos_token_id": eos})
-            if tokenizer:
-                _write_tokenizer(file, part)
+            if tokenizer and file.metadata.get("tokenizer.ggml.model", "none") != "none":
+                _write_tokenizer(file, part)  # a model of token ids only has no tokenizer to write
             if os.path.isdir(out_dir):
                 shutil.rmtree(out_dir)
             os.replace(part, out_dir)
