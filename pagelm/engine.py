@@ -6,7 +6,6 @@ knows which embedding or weights mode is active.
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -17,8 +16,8 @@ import torch
 
 from pagelm import heap
 from pagelm import threads as threads_module
-from pagelm.errors import PagelmError, UnsupportedError
-from pagelm.models import ARCHITECTURES
+from pagelm.errors import PagelmError
+from pagelm.models import ARCHITECTURES, architecture_module
 from pagelm.sampling import Sampler, SamplingParams
 from pagelm.weights import EmbeddingMode
 from pagelm.weights.loader import WeightLoader, WeightsMode
@@ -31,12 +30,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def architecture(loader: WeightLoader):
     """(ConfigClass, ModelClass) for the checkpoint's architecture."""
-    name = loader.architecture
-    if name not in ARCHITECTURES:
-        raise UnsupportedError(f"{loader.name}: architecture {name!r} is not supported "
-                               f"(supported: {', '.join(sorted(ARCHITECTURES))})")
-    module_name, config_name, model_name = ARCHITECTURES[name]
-    module = importlib.import_module(module_name)
+    module = architecture_module(loader.architecture, loader.name)
+    _, config_name, model_name = ARCHITECTURES[loader.architecture]
     return getattr(module, config_name), getattr(module, model_name)
 
 

@@ -177,11 +177,7 @@ class Tokenizer:
             if value is not None and not (isinstance(value, int) and 0 <= value < n):
                 raise ModelFormatError(f"{model.name}: metadata key 'tokenizer.ggml.{name}' is {value!r}, "
                                        f"expected a token id below {n}")
-        eos_ids: list[int] = [i for i in (eos, eot) if i is not None]
-        for text in _END_OF_TURN:
-            i = tok.token_to_id(text)
-            if i is not None and i in tok._special_ids and i not in eos_ids:
-                eos_ids.append(i)
+        eos_ids = tok._with_end_of_turn([i for i in (eos, eot) if i is not None])
         add_bos = bool(md.get(_PREFIX + "add_bos_token", kind == "llama"))
         add_eos = bool(md.get(_PREFIX + "add_eos_token", False))
         if add_bos and bos is None:
@@ -190,8 +186,13 @@ class Tokenizer:
         if add_eos and eos is None:
             raise ModelFormatError(f"{model.name}: metadata key 'tokenizer.ggml.add_eos_token' is set but "
                                    f"'tokenizer.ggml.eos_token_id' is missing")
-        return cls(backend, bos_id=bos, eos_ids=tuple(dict.fromkeys(eos_ids)), add_bos=add_bos, add_eos=add_eos,
+        return cls(backend, bos_id=bos, eos_ids=tuple(eos_ids), add_bos=add_bos, add_eos=add_eos,
                    vocab_size=n, name=model.name, cache_path=path, from_cache=from_cache)
+
+    def _with_end_of_turn(self, eos_ids: list[int]) -> list[int]:
+        """`eos_ids` and the vocabulary's special end-of-turn tokens (_END_OF_TURN), once each."""
+        ends = (self.token_to_id(text) for text in _END_OF_TURN)
+        return list(dict.fromkeys([*eos_ids, *(i for i in ends if i is not None and i in self._special_ids)]))
 
     @classmethod
     def from_hf_directory(cls, checkpoint) -> Tokenizer:
@@ -213,14 +214,10 @@ class Tokenizer:
         bos = md.get(_PREFIX + "bos_token_id")
         eos = md.get("tokenizer.hf.eos_token_ids") or [md.get(_PREFIX + "eos_token_id")]
         tok = cls(backend, bos_id=None, eos_ids=(), add_bos=False, add_eos=False, vocab_size=n)
-        eos_ids = [i for i in eos if isinstance(i, int) and 0 <= i < n]
-        for text in _END_OF_TURN:
-            i = tok.token_to_id(text)
-            if i is not None and i in tok._special_ids and i not in eos_ids:
-                eos_ids.append(i)
+        eos_ids = tok._with_end_of_turn([i for i in eos if isinstance(i, int) and 0 <= i < n])
         add_bos = bool(md.get(_PREFIX + "add_bos_token", False)) and bos is not None
         return cls(backend, bos_id=bos if isinstance(bos, int) and 0 <= bos < n else None,
-                   eos_ids=tuple(dict.fromkeys(eos_ids)), add_bos=add_bos, add_eos=False, vocab_size=n,
+                   eos_ids=tuple(eos_ids), add_bos=add_bos, add_eos=False, vocab_size=n,
                    name=path, cache_path=path)
 
     @classmethod

@@ -74,6 +74,19 @@ def _parse_json(text: bytes | memoryview, where: str) -> dict[str, Any]:
     return value
 
 
+def read_json_file(path: str, limit: int) -> dict[str, Any]:
+    """A JSON object from a file of at most `limit` bytes (an index, a config), parsed as strictly
+    as a header; every failure is a ModelFormatError naming the file."""
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read(limit + 1)
+    except OSError as e:
+        raise ModelFormatError(f"{path}: cannot be read ({e.strerror})") from None
+    if len(text) > limit:
+        raise ModelFormatError(f"{path}: larger than the limit of {limit} bytes")
+    return _parse_json(text, path)
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -221,11 +234,7 @@ class ShardedSafetensors:
 
 
 def _read_weight_map(index: str) -> dict[str, str]:
-    with open(index, "rb") as fh:
-        text = fh.read(MAX_INDEX_BYTES + 1)
-    if len(text) > MAX_INDEX_BYTES:
-        raise ModelFormatError(f"{index}: larger than the limit of {MAX_INDEX_BYTES} bytes")
-    weight_map = _parse_json(text, index).get("weight_map")
+    weight_map = read_json_file(index, MAX_INDEX_BYTES).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ModelFormatError(f"{index}: weight_map must be an object mapping tensor names to shard file names")
     for shard in set(weight_map.values()):

@@ -16,3 +16,15 @@ HF_MODEL_TYPES = {
     "llama": "llama",
     "gemma3": "gemma3", "gemma3_text": "gemma3",
 }
+
+
+def architecture_module(name: str, where: str):
+    """The module of architecture `name` (its config and model classes, its Hugging Face mapping)."""
+    import importlib
+
+    from pagelm.errors import UnsupportedError
+
+    if name not in ARCHITECTURES:
+        raise UnsupportedError(f"{where}: architecture {name!r} is not supported "
+                               f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    return importlib.import_module(ARCHITECTURES[name][0])

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, rms_norm, rope_tables
 from pagelm.models.decoder import Decoder
-from pagelm.weights.hf import HFConfig, HFLayout, shift_norms, tensor_maps
+from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, layer_period,
+                               rope_scaling, shift_norms, tensor_maps)
 from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
@@ -260,46 +261,32 @@ HF_LAYER = {
 def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
     """A Hugging Face Gemma 3 text checkpoint in GGUF terms: zero-centred norms get GGUF's +1
     (small vectors), the global-layer pattern comes from `layer_types`, matrices as stored."""
-    n_layers, hidden = config.int("num_hidden_layers"), config.int("hidden_size")
-    n_heads = config.int("num_attention_heads")
+    n_layers = config.int("num_hidden_layers")
     head_dim = config.int("head_dim", 256)
     types = config.strings("layer_types") or [
         "full_attention" if (i + 1) % config.int("sliding_window_pattern", DEFAULT_PATTERN) == 0 else "sliding_attention"
         for i in range(n_layers)]
-    full = [i for i, t in enumerate(types) if t == "full_attention"]
-    pattern = full[0] + 1 if full else n_layers + 1
-    if len(types) != n_layers or any((t == "full_attention") != ((i + 1) % pattern == 0) for i, t in enumerate(types)):
-        raise UnsupportedError(f"{config.name}: layer_types is not a repeating run of sliding layers ending in a "
-                               f"full one, the only Gemma 3 layout pagelm supports")
+    pattern = layer_period(config, types, "full_attention", n_layers + 1)
     if config.get("attn_logit_softcapping") is not None:
         raise UnsupportedError(f"{config.name}: attention logit softcapping is not supported")
     params = config.get("rope_parameters")
     full_rope = params.get("full_attention") if isinstance(params, dict) and "full_attention" in params else None
     local_rope = params.get("sliding_attention") if isinstance(params, dict) and "sliding_attention" in params else None
-    for rope in (full_rope, local_rope):
-        kind = config.rope("rope_type", "default", rope)
-        if kind not in ("default", "linear"):
-            raise UnsupportedError(f"{config.name}: rope type {kind!r:.40} is not supported (default, linear are)")
+    rope_scaling(config, ARCH_NAME, local_rope)  # refuses what is neither default nor linear
+
     def key(name: str) -> str:
         return f"{ARCH_NAME}.{name}"
 
-    metadata = {
-        "general.architecture": ARCH_NAME,
-        key("block_count"): n_layers, key("embedding_length"): hidden,
-        key("feed_forward_length"): config.int("intermediate_size"),
-        key("attention.head_count"): n_heads, key("attention.head_count_kv"): config.int("num_key_value_heads", n_heads),
-        key("attention.key_length"): head_dim,
+    metadata = decoder_metadata(ARCH_NAME, config, head_dim)
+    metadata.update({
         key("rope.freq_base"): config.rope_float("rope_theta", 1_000_000.0, full_rope),
         key("rope.freq_base_swa"): config.rope_float("rope_local_base_freq", DEFAULT_LOCAL_BASE)
         if local_rope is None else config.rope_float("rope_theta", DEFAULT_LOCAL_BASE, local_rope),
         key("attention.sliding_window"): config.int("sliding_window"),
         key("attention.sliding_window_pattern"): pattern,
         key("attention.query_pre_attn_scalar"): config.float("query_pre_attn_scalar", head_dim),
-        key("attention.layer_norm_rms_epsilon"): config.float("rms_norm_eps"),
-    }
-    if config.rope("rope_type", "default", full_rope) == "linear":
-        metadata[key("rope.scaling.type")] = "linear"
-        metadata[key("rope.scaling.factor")] = config.rope_float("factor", 0, full_rope)
+    })
+    metadata.update(rope_scaling(config, ARCH_NAME, full_rope))
     if config.get("final_logit_softcapping") is not None:
         metadata[key("final_logit_softcapping")] = config.float("final_logit_softcapping")
     maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, HF_LAYER)
@@ -314,17 +301,12 @@ def _number(x: float) -> int | float:
 
 def hf_config(c: Gemma3Config, tied: bool) -> dict:
     """config.json for a Hugging Face twin of a checkpoint with this config."""
-    full = {"rope_type": "default", "rope_theta": c.rope_base}
-    if c.rope_scale != 1.0:
-        full = {"rope_type": "linear", "rope_theta": c.rope_base, "factor": c.rope_scale}
     return {
         "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
-        "hidden_size": c.hidden, "intermediate_size": c.ffn, "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
-        "rms_norm_eps": c.rms_eps, "sliding_window": c.sliding_window,
+        "sliding_window": c.sliding_window,
         "layer_types": ["full_attention" if c.is_global_layer(i) else "sliding_attention" for i in range(c.n_layers)],
-        "rope_parameters": {"full_attention": full,
-                            "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_local_base}},
+        "rope_parameters": {"full_attention": hf_rope(c.rope_base, c.rope_scale),
+                            "sliding_attention": hf_rope(c.rope_local_base, 1.0)},
         "query_pre_attn_scalar": _number(c.query_scale ** -2), "final_logit_softcapping": c.final_logit_softcapping,
-        "attn_logit_softcapping": None, "vocab_size": c.vocab, "tie_word_embeddings": tied,
+        "attn_logit_softcapping": None, **decoder_hf_config(c, tied),
     }

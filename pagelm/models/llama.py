@@ -26,7 +26,8 @@ import numpy as np
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, rms_norm, rope_tables
 from pagelm.models.decoder import Decoder
-from pagelm.weights.hf import HFConfig, HFLayout, tensor_maps
+from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, rope_scaling,
+                               tensor_maps)
 from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
@@ -200,21 +201,9 @@ def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
     n_layers, hidden, n_heads = config.int("num_hidden_layers"), config.int("hidden_size"), config.int("num_attention_heads")
     n_kv = config.int("num_key_value_heads", n_heads)
     head_dim = config.int("head_dim", hidden // max(n_heads, 1))
-    metadata = {
-        "general.architecture": ARCH_NAME,
-        f"{ARCH_NAME}.block_count": n_layers, f"{ARCH_NAME}.embedding_length": hidden,
-        f"{ARCH_NAME}.feed_forward_length": config.int("intermediate_size"),
-        f"{ARCH_NAME}.attention.head_count": n_heads, f"{ARCH_NAME}.attention.head_count_kv": n_kv,
-        f"{ARCH_NAME}.attention.key_length": head_dim,
-        f"{ARCH_NAME}.rope.freq_base": config.rope_float("rope_theta", 10000.0),
-        f"{ARCH_NAME}.attention.layer_norm_rms_epsilon": config.float("rms_norm_eps"),
-    }
-    scaling = config.rope("rope_type", "default")
-    if scaling == "linear":
-        metadata[f"{ARCH_NAME}.rope.scaling.type"] = "linear"
-        metadata[f"{ARCH_NAME}.rope.scaling.factor"] = config.rope_float("factor", 0)
-    elif scaling != "default":
-        raise UnsupportedError(f"{config.name}: rope type {scaling!r:.40} is not supported (default, linear are)")
+    metadata = decoder_metadata(ARCH_NAME, config, head_dim)
+    metadata[f"{ARCH_NAME}.rope.freq_base"] = config.rope_float("rope_theta", 10000.0)
+    metadata.update(rope_scaling(config, ARCH_NAME))
     maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, HF_LAYER)
     for i in range(n_layers):
         for name, heads in (("attn_q.weight", n_heads), ("attn_k.weight", n_kv)):
@@ -226,12 +215,5 @@ def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
 
 def hf_config(c: LlamaConfig, tied: bool) -> dict:
     """config.json for a Hugging Face twin of a checkpoint with this config."""
-    rope = {"rope_type": "default", "rope_theta": c.rope_base}
-    if c.rope_scale != 1.0:
-        rope = {"rope_type": "linear", "rope_theta": c.rope_base, "factor": c.rope_scale}
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": c.hidden, "intermediate_size": c.ffn, "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
-        "rms_norm_eps": c.rms_eps, "rope_parameters": rope, "vocab_size": c.vocab, "tie_word_embeddings": tied,
-    }
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "rope_parameters": hf_rope(c.rope_base, c.rope_scale), **decoder_hf_config(c, tied)}

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.models.decoder import Decoder, nbytes
 from pagelm.models.delta_rule import delta_rule_step
-from pagelm.weights.hf import HFConfig, HFLayout, heads_tiled, shift_norms, tensor_maps
+from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, heads_tiled, hf_rope,
+                               layer_period, rope_scaling, shift_norms, tensor_maps)
 from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
@@ -535,35 +536,25 @@ def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
     the +1 and A_log becomes −exp(A_log) (small vectors); when value heads outnumber key heads,
     GGUF's tiled value-head order is a row order on qkv's value rows, z, a and b, a column
     order on the out projection and a reordering of the small per-head vectors."""
-    n_layers, hidden = config.int("num_hidden_layers"), config.int("hidden_size")
-    head_dim = config.int("head_dim")
+    n_layers, head_dim = config.int("num_hidden_layers"), config.int("head_dim")
     nk, nv = config.int("linear_num_key_heads"), config.int("linear_num_value_heads")
     dk, dv = config.int("linear_key_head_dim"), config.int("linear_value_head_dim")
     if nk < 1 or nv % nk:
         raise ModelFormatError(f"{config.name}: linear_num_value_heads {nv} is not a multiple of linear_num_key_heads {nk}")
     if nv * max(dk, dv) >= 1 << 24:
         raise ModelFormatError(f"{config.name}: {nv} value heads of {max(dk, dv)} dims is not a plausible DeltaNet width")
-    types = config.strings("layer_types") or []
-    full = [i for i, t in enumerate(types) if t == "full_attention"]
-    interval = full[0] + 1 if full else config.int("full_attention_interval", 4)
-    if len(types) != n_layers or any((t == "full_attention") != ((i + 1) % interval == 0) for i, t in enumerate(types)):
-        raise UnsupportedError(f"{config.name}: layer_types must be runs of linear_attention layers each ending in one "
-                               f"full_attention layer")
-    partial = config.rope_float("partial_rotary_factor", 1.0)
-    metadata = {
-        "general.architecture": ARCH,
-        f"{ARCH}.block_count": n_layers, f"{ARCH}.embedding_length": hidden,
-        f"{ARCH}.feed_forward_length": config.int("intermediate_size"),
-        f"{ARCH}.attention.head_count": config.int("num_attention_heads"),
-        f"{ARCH}.attention.head_count_kv": config.int("num_key_value_heads"),
-        f"{ARCH}.attention.key_length": head_dim,
-        f"{ARCH}.rope.dimension_count": int(head_dim * partial),
+    interval = layer_period(config, config.strings("layer_types"), "full_attention",
+                            config.int("full_attention_interval", 4))
+    if rope_scaling(config, ARCH):
+        raise UnsupportedError(f"{config.name}: rope scaling is not supported for {ARCH}")
+    metadata = decoder_metadata(ARCH, config, head_dim)
+    metadata.update({
+        f"{ARCH}.rope.dimension_count": int(head_dim * config.rope_float("partial_rotary_factor", 1.0)),
         f"{ARCH}.rope.freq_base": config.rope_float("rope_theta", 10_000.0),
-        f"{ARCH}.attention.layer_norm_rms_epsilon": config.float("rms_norm_eps"),
         f"{ARCH}.ssm.conv_kernel": config.int("linear_conv_kernel_dim"),
         f"{ARCH}.ssm.state_size": dk, f"{ARCH}.ssm.group_count": nk, f"{ARCH}.ssm.time_step_rank": nv,
         f"{ARCH}.ssm.inner_size": nv * dv, f"{ARCH}.full_attention_interval": interval,
-    }
+    })
     maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, HF_LAYER)
     shift_norms(maps, HF_SHIFTED_NORMS)
     qk = 2 * nk * dk
@@ -592,14 +583,10 @@ def hf_config(c: Qwen35Config, tied: bool) -> dict:
     """config.json for a Hugging Face twin of a checkpoint with this config."""
     return {
         "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_act": "silu",
-        "hidden_size": c.hidden, "intermediate_size": c.ffn, "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
         "linear_conv_kernel_dim": c.conv_kernel, "linear_key_head_dim": c.linear_key_dim,
         "linear_value_head_dim": c.linear_value_dim, "linear_num_key_heads": c.n_key_heads,
         "linear_num_value_heads": c.n_value_heads,
         "layer_types": ["full_attention" if c.is_attention_layer(i) else "linear_attention" for i in range(c.n_layers)],
-        "rms_norm_eps": c.rms_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_base,
-                            "partial_rotary_factor": c.rope_dim / c.head_dim},
-        "vocab_size": c.vocab, "tie_word_embeddings": tied,
+        "rope_parameters": {**hf_rope(c.rope_base, 1.0), "partial_rotary_factor": c.rope_dim / c.head_dim},
+        **decoder_hf_config(c, tied),
     }

@@ -10,7 +10,6 @@ mapping (`hf_layout`); this module knows none of them.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -22,8 +21,8 @@ import numpy as np
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.formats.gguf import GGUFFile, GGUFValueType, TensorInfo
-from pagelm.formats.safetensors import ShardedSafetensors
-from pagelm.models import HF_MODEL_TYPES
+from pagelm.formats.safetensors import ShardedSafetensors, read_json_file
+from pagelm.models import HF_MODEL_TYPES, architecture_module
 from pagelm.quant import GGMLType
 
 CONFIG_NAME = "config.json"
@@ -113,24 +112,6 @@ def is_hf_directory(path: str | os.PathLike) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, CONFIG_NAME))
 
 
-def read_json(path: str, limit: int = MAX_CONFIG_BYTES) -> dict:
-    """A JSON object from a small file; a clear error naming the file otherwise."""
-    try:
-        with open(path, "rb") as fh:
-            text = fh.read(limit + 1)
-    except OSError as e:
-        raise ModelFormatError(f"{path}: cannot be read ({e.strerror})") from None
-    if len(text) > limit:
-        raise ModelFormatError(f"{path}: larger than the limit of {limit} bytes")
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise ModelFormatError(f"{path}: not valid JSON ({str(e)[:120]})") from None
-    if not isinstance(value, dict):
-        raise ModelFormatError(f"{path}: a JSON {type(value).__name__}, expected an object")
-    return value
-
-
 def _value_type(value: Any) -> GGUFValueType:
     if isinstance(value, bool):
         return GGUFValueType.BOOL
@@ -173,15 +154,17 @@ class HFCheckpoint:
             if info.dtype not in HF_DTYPES:
                 raise UnsupportedError(f"{path}: tensor '{tmap.hf}' has dtype {info.dtype}; pagelm computes with "
                                        f"{', '.join(HF_DTYPES)}")
-            shape = [d for d in info.shape if d != 1] or [1]  # conv taps are stored (C, 1, K)
+            # conv taps are stored (C, 1, K); a matrix keeps its shape even with one row
+            shape = info.shape if len(info.shape) <= 2 else [d for d in info.shape if d != 1]
             self.tensors[gguf_name] = TensorInfo(gguf_name, tuple(reversed(shape)), HF_DTYPES[info.dtype],
                                                  info.offset, info.nbytes)
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> HFCheckpoint:
         path = os.fspath(path)
-        config = HFConfig(read_json(os.path.join(path, CONFIG_NAME)), os.path.join(path, CONFIG_NAME))
-        module = importlib.import_module(f"pagelm.models.{architecture_of(config)}")
+        config_path = os.path.join(path, CONFIG_NAME)
+        config = HFConfig(read_json_file(config_path, MAX_CONFIG_BYTES), config_path)
+        module = architecture_module(architecture_of(config), config.name)
         shards = ShardedSafetensors.open(path)
         try:
             layout = module.hf_layout(config, set(shards.tensors))
@@ -219,7 +202,7 @@ def _tokenizer_metadata(path: str, config: HFConfig) -> dict[str, Any]:
     """The chat template and BOS/EOS ids, under their GGUF keys, from the directory's files."""
     out: dict[str, Any] = {}
     tokenizer_config_path = os.path.join(path, "tokenizer_config.json")
-    tokenizer_config = read_json(tokenizer_config_path) if os.path.isfile(tokenizer_config_path) else {}
+    tokenizer_config = read_json_file(tokenizer_config_path, MAX_CONFIG_BYTES) if os.path.isfile(tokenizer_config_path) else {}
     template_path = os.path.join(path, "chat_template.jinja")
     if os.path.isfile(template_path):
         with open(template_path, encoding="utf-8", errors="replace") as fh:
@@ -227,7 +210,7 @@ def _tokenizer_metadata(path: str, config: HFConfig) -> dict[str, Any]:
     elif isinstance(tokenizer_config.get("chat_template"), str):
         out["tokenizer.chat_template"] = tokenizer_config["chat_template"]
     generation_path = os.path.join(path, "generation_config.json")
-    generation = read_json(generation_path) if os.path.isfile(generation_path) else {}
+    generation = read_json_file(generation_path, MAX_CONFIG_BYTES) if os.path.isfile(generation_path) else {}
     for key in ("bos_token_id", "eos_token_id"):
         value = generation.get(key, config.get(key))
         ids = value if isinstance(value, list) else [value]
@@ -299,3 +282,56 @@ def shift_norms(maps: dict[str, TensorMap], suffixes: tuple[str, ...]) -> None:
     for name, tmap in maps.items():
         if name.endswith(suffixes):
             maps[name] = replace(tmap, to_gguf=plus_one, to_hf=minus_one)
+
+
+def decoder_metadata(arch: str, config: HFConfig, head_dim: int) -> dict[str, Any]:
+    """The GGUF keys every decoder architecture has, from config.json's usual names."""
+    n_heads = config.int("num_attention_heads")
+    return {
+        "general.architecture": arch,
+        f"{arch}.block_count": config.int("num_hidden_layers"), f"{arch}.embedding_length": config.int("hidden_size"),
+        f"{arch}.feed_forward_length": config.int("intermediate_size"),
+        f"{arch}.attention.head_count": n_heads, f"{arch}.attention.head_count_kv": config.int("num_key_value_heads", n_heads),
+        f"{arch}.attention.key_length": head_dim,
+        f"{arch}.attention.layer_norm_rms_epsilon": config.float("rms_norm_eps"),
+    }
+
+
+def decoder_hf_config(c, tied: bool) -> dict[str, Any]:
+    """config.json's usual decoder keys from a model config (hidden, ffn, n_layers, n_heads,
+    n_kv_heads, head_dim, rms_eps, vocab: the fields every architecture's config has)."""
+    return {
+        "hidden_size": c.hidden, "intermediate_size": c.ffn, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_eps, "vocab_size": c.vocab, "tie_word_embeddings": tied,
+    }
+
+
+def rope_scaling(config: HFConfig, arch: str, holder: dict | None = None) -> dict[str, Any]:
+    """GGUF's rope scaling keys for the config's rope type: none for default, the factor for
+    linear; any other type is refused."""
+    kind = config.rope("rope_type", "default", holder)
+    if kind == "default":
+        return {}
+    if kind == "linear":
+        return {f"{arch}.rope.scaling.type": "linear", f"{arch}.rope.scaling.factor": config.rope_float("factor", 0, holder)}
+    raise UnsupportedError(f"{config.name}: rope type {json.dumps(kind)[:40]} is not supported (default, linear are)")
+
+
+def hf_rope(base: float, scale: float) -> dict[str, Any]:
+    """config.json's rope parameters for a base and a linear scale (1.0: none)."""
+    if scale == 1.0:
+        return {"rope_type": "default", "rope_theta": base}
+    return {"rope_type": "linear", "rope_theta": base, "factor": scale}
+
+
+def layer_period(config: HFConfig, types: list[str], kind: str, fallback: int) -> int:
+    """The period p of `layer_types` in which layer i is of `kind` exactly when (i + 1) % p == 0
+    (`fallback` when no layer is); any other list is refused."""
+    n_layers = config.int("num_hidden_layers")
+    first = next((i for i, t in enumerate(types) if t == kind), None)
+    period = fallback if first is None else first + 1
+    if len(types) != n_layers or any((t == kind) != ((i + 1) % period == 0) for i, t in enumerate(types)):
+        raise UnsupportedError(f"{config.name}: layer_types must repeat a run of layers ending in one {kind} layer, "
+                               f"the only layout pagelm supports")
+    return period

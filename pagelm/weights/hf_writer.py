@@ -9,7 +9,6 @@ Used by `pagelm synth --format hf` and by tests that compare containers on the s
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -22,7 +21,7 @@ import torch
 from pagelm.errors import PagelmError
 from pagelm.formats.gguf import GGUFFile
 from pagelm.formats.safetensors import TensorToWrite, write_safetensors
-from pagelm.models import ARCHITECTURES
+from pagelm.models import ARCHITECTURES, architecture_module
 from pagelm.quant import GGMLType, f32_to_bf16
 from pagelm.weights.hf import CONFIG_NAME, HFConfig, TensorMap
 from pagelm.weights.loader import WeightLoader, dequantize_tensor
@@ -64,11 +63,8 @@ def write_hf_directory(gguf_path: str, out_dir: str, quantized: Quantized = "f32
     try:
         loader = WeightLoader(file, "dense", torch.float32)
         arch = loader.architecture
-        if arch not in ARCHITECTURES:
-            raise PagelmError(f"{gguf_path}: architecture {arch!r} cannot be written as a Hugging Face directory")
-        module_name, config_name, _ = ARCHITECTURES[arch]
-        module = importlib.import_module(module_name)
-        config = getattr(module, config_name).from_loader(loader)
+        module = architecture_module(arch, gguf_path)
+        config = getattr(module, ARCHITECTURES[arch][1]).from_loader(loader)
         tied = "output.weight" not in file.tensors
         hf_config = module.hf_config(config, tied)
         bos, eos = file.metadata.get("tokenizer.ggml.bos_token_id"), file.metadata.get("tokenizer.ggml.eos_token_id")

@@ -169,11 +169,10 @@ class WeightLoader:
 
     def tensor(self, name: str, shape: Sequence[int]) -> torch.Tensor:
         """A small tensor (norms, biases, conv taps) as float32 on the device, numpy-order `shape`."""
+        t = dequantize_tensor(self.file, name, torch.float32, shape=shape)
         conversion = self.file.conversion(name)
-        if conversion is None:
-            t = dequantize_tensor(self.file, name, torch.float32, shape=shape)
-        else:
-            values = dequantize_tensor(self.file, name, torch.float32, shape=shape).numpy()
+        if conversion is not None:
+            values = t.numpy()
             if conversion.rows is not None:
                 values = values[conversion.rows]
             if conversion.to_gguf is not None:
@@ -200,13 +199,10 @@ class WeightLoader:
             infos.append((info, rows_of))
         op = self._dense(infos, in_features) if self.weights == "dense" else self._mapped(infos, in_features)
         self._operators.append(op)
-        if columns[0] is None:
-            if any(c is not None for c in columns):
-                raise UnsupportedError(f"{self.name}: the parts of one operator reorder their columns differently")
-            return op
-        if any(c is None or not np.array_equal(c, columns[0]) for c in columns):
+        first = columns[0]
+        if any((c is None) != (first is None) or (c is not None and not np.array_equal(c, first)) for c in columns):
             raise UnsupportedError(f"{self.name}: the parts of one operator reorder their columns differently")
-        return ColumnOrder(op, columns[0])
+        return op if first is None else ColumnOrder(op, first)
 
     def _dense(self, infos, in_features: int) -> DenseLinear:
         fused = torch.empty(sum(len(order) for _, order in infos), in_features, dtype=self.dtype)

@@ -183,7 +183,7 @@ def test_config_errors_name_the_file_and_the_problem(broken, changes, error, wor
 
 def test_directory_errors(broken, tmp_path):
     (broken / "config.json").write_text("{not json")
-    with pytest.raises(ModelFormatError, match="config.json: not valid JSON"):
+    with pytest.raises(ModelFormatError, match="config.json is not valid JSON"):
         Model(str(broken))
     empty = tmp_path / "empty"
     empty.mkdir()
