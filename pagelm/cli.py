@@ -41,8 +41,8 @@ def _synth(args: argparse.Namespace) -> int:
         full = ", ".join(name for name, s in SHAPES.items() if s.full)
         raise PagelmError(f"shape '{args.shape}' has embedding geometry only: pass --embedding-only, "
                           f"or pick a complete shape ({full})")
-    if args.format == "hf":
-        return _synth_hf(args)
+    if args.format != "gguf":
+        return _synth_directory(args)
     name = f"synthetic {args.shape}"
     total = embedding_nbytes(shape) if args.embedding_only else plan_nbytes(plan_model(shape, layer_type, mix=args.mix))
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {os.path.basename(args.out)}",
@@ -69,16 +69,17 @@ def _synth(args: argparse.Namespace) -> int:
     return 0
 
 
-def _synth_hf(args: argparse.Namespace) -> int:
-    """The same random model as `--format gguf` writes, as a Hugging Face directory: the GGUF is
-    written beside it first (OUT.gguf.part), then converted and removed."""
+def _synth_directory(args: argparse.Namespace) -> int:
+    """The same random model as `--format gguf` writes, as a Hugging Face or FastFlowLM directory:
+    the GGUF is written beside it first (OUT.gguf.part), then converted and removed."""
     import contextlib
     import io
 
-    from pagelm.weights.hf_writer import write_hf_directory
+    from pagelm.weights.writer import write_directory
 
+    container = {"hf": "Hugging Face", "flm": "FastFlowLM"}[args.format]
     if args.embedding_only:
-        raise PagelmError("--format hf writes complete models; --embedding-only is for GGUF files")
+        raise PagelmError(f"--format {args.format} writes complete models; --embedding-only is for GGUF files")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise PagelmError(f"{args.out}: exists and is not a directory")
     staging = args.out.rstrip("/") + ".gguf.part"
@@ -88,25 +89,28 @@ def _synth_hf(args: argparse.Namespace) -> int:
             _synth(gguf_args)
         with tqdm(total=os.path.getsize(staging), unit="B", unit_scale=True, file=sys.stderr,
                   desc=f"writing {os.path.basename(args.out.rstrip('/'))}", disable=args.quiet) as bar:
-            write_hf_directory(staging, args.out, quantized=args.hf_dtype, progress=bar.update)
+            rounded = write_directory(staging, args.out, args.format, quantized=args.hf_dtype,
+                                      flm_version=args.flm_version, progress=bar.update)
     finally:
         if os.path.exists(staging):
             os.remove(staging)
     size = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out))
-    print(f"wrote {args.out}: {args.shape} as a Hugging Face directory ({', '.join(sorted(os.listdir(args.out)))}), "
+    print(f"wrote {args.out}: {args.shape} as a {container} directory ({', '.join(sorted(os.listdir(args.out)))}), "
           f"{size} bytes")
+    if rounded:
+        print(f"note: {rounded} fp16 scales were rounded to bf16 for the tiles; their values differ from the GGUF's")
     return 0
 
 
 def _verify_embeddings(args: argparse.Namespace) -> int:
-    from pagelm.verify import select_rows, verify_embedding
-    from pagelm.weights import TOKEN_EMBEDDING, MappedTensor
+    from pagelm.verify import select_rows, verify_copies, verify_embedding
+    from pagelm.weights import TOKEN_EMBEDDING, MappedTensor, table_tensor
     from pagelm.weights.loader import open_checkpoint
 
     if args.rows is not None and args.rows < 1:
         raise PagelmError(f"--rows must be at least 1, got {args.rows}")
     with open_checkpoint(args.model) as model:
-        tensor = MappedTensor(model, TOKEN_EMBEDDING)
+        tensor = table_tensor(model, TOKEN_EMBEDDING)
         rows = select_rows(tensor.rows, args.rows)
         descriptions = {"unpack": ("unpacking dense table", tensor.rows), "check": ("comparing rows", rows.size)}
         bars: dict[str, tqdm] = {}
@@ -122,20 +126,27 @@ def _verify_embeddings(args: argparse.Namespace) -> int:
         report = verify_embedding(tensor, rows, use_oracle=not args.no_oracle, progress=progress)
         for bar in bars.values():
             bar.close()
+        copies = verify_copies(model)
+        description, total, ggml = f"{TOKEN_EMBEDDING} {tensor.type_name}", tensor.rows, isinstance(tensor, MappedTensor)
         del tensor
-    print(f"model: {args.model} ({TOKEN_EMBEDDING} {model.tensors[TOKEN_EMBEDDING].ggml_type.name}, "
-          f"{report.rows_checked} of {model.tensors[TOKEN_EMBEDDING].shape[0]} rows)")
+    print(f"model: {args.model} ({description}, {report.rows_checked} of {total} rows)")
     print(f"mapped vs dense: {report.rows_checked} checked, {report.dense_differing} differing")
     if report.oracle:
         print(f"mapped vs {report.oracle} (gguf.quants): {report.oracle_checked} checked, "
               f"{report.oracle_differing} differing")
+    elif not ggml:
+        print("mapped vs gguf.quants: not applicable (gguf.quants knows GGML blocks, not FastFlowLM tiles)")
     else:
         print("mapped vs gguf.quants: skipped (the gguf package is not installed)" if not args.no_oracle
               else "mapped vs gguf.quants: skipped (--no-oracle)")
+    if copies.tensors:
+        print(f"tiles vs stored bf16 copies: {copies.tensors} tensors, {copies.values} values checked, "
+              f"{copies.outside} further than half a quantization step"
+              + (f" (in {', '.join(copies.worst[:3])})" if copies.worst else ""))
     if args.json:
-        print(json.dumps(report.as_json()))
+        print(json.dumps({**report.as_json(), "copies_checked": copies.tensors, "copies_outside": copies.outside}))
     print(f"rows: {report.rows_checked} checked, {len(report.differing_rows)} differing")
-    return 1 if report.differing_rows else 0
+    return 1 if report.differing_rows or copies.outside else 0
 
 
 def _mem(args: argparse.Namespace) -> int:
@@ -418,12 +429,16 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--shape", required=True, choices=list(SHAPES), help="the geometry to copy")
     synth.add_argument("out", metavar="OUT", help="file (GGUF) or directory (hf) to write; written to OUT.part, "
                                                   "then renamed")
-    synth.add_argument("--format", choices=["gguf", "hf"], default="gguf",
-                       help="container: a GGUF file (default) or a Hugging Face directory (config.json, "
-                            "model.safetensors, tokenizer.json, chat template) of the same random model")
+    synth.add_argument("--format", choices=["gguf", "hf", "flm"], default="gguf",
+                       help="container: a GGUF file (default), a Hugging Face directory (config.json, "
+                            "model.safetensors, tokenizer.json, chat template) or a FastFlowLM directory "
+                            "(model.q4nx of tiles instead of model.safetensors) of the same random model")
     synth.add_argument("--hf-dtype", choices=["bf16", "f32"], default="bf16",
-                       help="with --format hf, what quantized matrices are written as: bf16 (default, rounded) "
-                            "or f32 (their exact values); F32/F16/BF16 matrices keep their type and bits")
+                       help="with --format hf (or flm, for matrices tiles cannot hold), what quantized matrices "
+                            "are written as: bf16 (default, rounded) or f32 (their exact values); F32/F16/BF16 "
+                            "matrices keep their type and bits")
+    synth.add_argument("--flm-version", choices=["1.0.3", "1.0.2"], default="1.0.3",
+                       help="with --format flm, the FastFlowLM version whose Q8 tile layout to write (default 1.0.3)")
     synth.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     layer_types = synth.add_mutually_exclusive_group()
     layer_types.add_argument("--layer-type", choices=sorted(t.name for t in LAYER_TYPES),
@@ -448,7 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare every row (or --rows N spread evenly) of the mapped token embedding "
                     "against the fully unpacked bf16 table, and against gguf.quants when installed. "
                     "The last line is 'rows: <N> checked, <D> differing'; exit status 1 if D > 0.")
-    verify.add_argument("model", metavar="MODEL", help="a .gguf file or a Hugging Face checkpoint directory")
+    verify.add_argument("model", metavar="MODEL",
+                        help="a .gguf file, a Hugging Face checkpoint directory or a FastFlowLM model directory")
     verify.add_argument("--rows", type=int, help="check N rows spread from first to last (default: all)")
     verify.add_argument("--json", action="store_true", help="also print the report as one JSON line")
     verify.add_argument("--no-oracle", action="store_true", help="skip the gguf.quants comparison")

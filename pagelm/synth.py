@@ -22,7 +22,7 @@ import numpy as np
 
 from pagelm.chat.qwen35_template import QWEN35_TEMPLATE
 from pagelm.formats.gguf import GGUFValueType, TensorToWrite, Typed, write_gguf
-from pagelm.quant import ENCODABLE, K_QUANTS, decode_f32, encode
+from pagelm.quant import ENCODABLE, K_QUANTS, bf16_to_f32, decode_f32, encode, f32_to_bf16
 from pagelm.quant.types import BLOCK_LAYOUT, SCALE_FIELDS, GGMLType, row_nbytes
 
 QWEN35_VOCAB = 248_320
@@ -199,6 +199,22 @@ def tokenizer_metadata(vocab: int) -> dict:
     }
 
 
+def bf16_scales(rows: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
+    """`rows` (encoded, modified in place) with every fp16 scale rounded to a value bf16 holds
+    too: FastFlowLM's tiles keep bf16 scales, so the GGUF and its --format flm twin then carry
+    the same numbers."""
+    _, block_bytes = BLOCK_LAYOUT[ggml_type]
+    blocks = rows.reshape(-1, block_bytes)
+    for at in SCALE_FIELDS.get(ggml_type, ()):
+        scales = blocks[:, at : at + 2].copy().view(np.float16)
+        blocks[:, at : at + 2] = bf16_to_f32(f32_to_bf16(scales.astype(np.float32))).astype(np.float16).view(np.uint8)
+    return rows
+
+
+def _encoded(values: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
+    return bf16_scales(encode(values, ggml_type), ggml_type)
+
+
 def random_rows(rng: np.random.Generator, n_rows: int, n_values: int, ggml_type: GGMLType) -> np.ndarray:
     """n_rows encoded rows (uint8, n_rows × row bytes) of random values of a plausible scale."""
     if ggml_type in SCALE_FIELDS:
@@ -207,9 +223,9 @@ def random_rows(rng: np.random.Generator, n_rows: int, n_values: int, ggml_type:
         for at in SCALE_FIELDS[ggml_type]:
             scales = rng.uniform(2e-4, 4e-3, blocks.shape[0]).astype(np.float16)
             blocks[:, at : at + 2] = scales.view(np.uint8).reshape(-1, 2)
-        return blocks.reshape(n_rows, -1)
+        return bf16_scales(blocks.reshape(n_rows, -1), ggml_type)
     if ggml_type in ENCODABLE:
-        return encode(rng.standard_normal((n_rows, n_values), np.float32) * np.float32(0.05), ggml_type)
+        return _encoded(rng.standard_normal((n_rows, n_values), np.float32) * np.float32(0.05), ggml_type)
     raise ValueError(f"synthetic tables of type {ggml_type.name} are not supported")
 
 
@@ -510,7 +526,7 @@ def tensor_chunks(t: PlannedTensor, seed: int) -> Iterator[np.ndarray]:
         if init.source is None:
             yield from chunks
         else:
-            yield from (encode(decode_f32(c, init.source), t.ggml_type) for c in chunks)
+            yield from (_encoded(decode_f32(c, init.source), t.ggml_type) for c in chunks)
         return
     rng = _tensor_rng(seed, t.name)
     n_in, n_rows = t.dims[0], math.prod(t.dims[1:])
@@ -524,10 +540,11 @@ def tensor_chunks(t: PlannedTensor, seed: int) -> Iterator[np.ndarray]:
         elif init.kind == "uniform":
             values = rng.uniform(init.low, init.high, size).astype(np.float32)
         elif init.kind == "neg_exp_uniform":
-            values = -np.exp(rng.uniform(init.low, init.high, size)).astype(np.float32)
+            # exp in float32, as a Hugging Face twin's A_log is read back (models.qwen35): the same A
+            values = -np.exp(rng.uniform(init.low, init.high, size).astype(np.float32))
         else:
             raise ValueError(f"unknown init kind {init.kind!r}")
-        yield encode(values, t.ggml_type)
+        yield _encoded(values, t.ggml_type)
 
 
 def write_model(

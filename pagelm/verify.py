@@ -1,6 +1,8 @@
-"""Row-by-row proof that mapped embedding rows equal the dense table and the gguf-py oracle.
+"""Row-by-row proof that mapped embedding rows equal the dense table and the gguf-py oracle, and
+that FastFlowLM tiles decode to their stored bf16 copies.
 
-Owns the comparison only; the CLI prints it. The oracle (the `gguf` package) is optional.
+Owns the comparisons only; the CLI prints them. The oracle (the `gguf` package) is optional and
+knows GGML blocks only; FastFlowLM tiles are checked against the copies the directory stores.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Callable
 import numpy as np
 
 from pagelm.weights import DenseTable, MappedRows, MappedTensor
+from pagelm.weights.flm import FLMCheckpoint, copy_name
 
 VERIFY_CHUNK_ROWS = 4096
 
@@ -61,17 +64,18 @@ def select_rows(vocab: int, n: int | None) -> np.ndarray:
 
 
 def verify_embedding(
-    tensor: MappedTensor,
+    tensor,
     rows: np.ndarray,
     use_oracle: bool = True,
     progress: Callable[[str, int], None] | None = None,
 ) -> VerifyReport:
     """Compare mapped rows against a dense table (unpacked here, as the old runtime does) and,
-    when available, against gguf-py. `progress(stage, n)` reports rows unpacked / checked."""
+    when available, against gguf-py (GGML tables only). `progress(stage, n)` reports rows
+    unpacked / checked."""
     report = VerifyReport()
     dense = DenseTable(tensor, progress=(lambda n: progress("unpack", n)) if progress else None)
     mapped = MappedRows(tensor)
-    oracle = _gguf_oracle() if use_oracle else None
+    oracle = _gguf_oracle() if use_oracle and isinstance(tensor, MappedTensor) else None
     if oracle is not None:
         report.oracle = oracle[1]
     for lo in range(0, rows.size, VERIFY_CHUNK_ROWS):
@@ -89,4 +93,29 @@ def verify_embedding(
         report.rows_checked += chunk.size
         if progress:
             progress("check", chunk.size)
+    return report
+
+
+@dataclass
+class CopiesReport:
+    tensors: int = 0
+    values: int = 0
+    outside: int = 0  # decoded values further from the copy than half a quantization step
+    worst: list[str] = field(default_factory=list)  # tensors with values outside
+
+
+def verify_copies(checkpoint) -> CopiesReport:
+    """Every tiled matrix of a FastFlowLM directory that has a bf16 copy beside it, decoded and
+    compared with the copy (nothing to check in other checkpoints)."""
+    report = CopiesReport()
+    if not isinstance(checkpoint, FLMCheckpoint):
+        return report
+    for matrix in checkpoint.tiles.values():
+        if copy_name(matrix.name) in checkpoint.shards.tensors:
+            outside = checkpoint.copy_mismatches(matrix)
+            report.tensors += 1
+            report.values += matrix.rows * matrix.columns
+            report.outside += outside
+            if outside:
+                report.worst.append(matrix.name)
     return report

@@ -528,7 +528,17 @@ def _a_from_log(values: np.ndarray) -> np.ndarray:
 
 
 def _log_from_a(values: np.ndarray) -> np.ndarray:
-    return np.log(-values)
+    """log(−A), moved by up to 2 ulps where that makes _a_from_log give A back bit for bit (float32
+    log and exp round): a written twin then holds the same numbers."""
+    values = np.asarray(values, np.float32)
+    best = np.log(-values)
+    for steps in (1, -1, 2, -2):
+        candidate = best.copy()
+        for _ in range(abs(steps)):
+            candidate = np.nextafter(candidate, np.float32(np.inf if steps > 0 else -np.inf))
+        fix = (_a_from_log(best) != values) & (_a_from_log(candidate) == values)
+        best = np.where(fix, candidate, best)
+    return best
 
 
 def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
@@ -577,6 +587,21 @@ def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
             tmap = replace(tmap, columns=heads_tiled(nk, nv, dv))
         maps[name] = tmap
     return HFLayout(metadata, maps)
+
+
+# FastFlowLM's names where they are not Hugging Face's (weights.flm)
+FLM_NAMES = {"linear_attn.in_proj_a.weight": "linear_attn.ssm_alpha_proj.weight",
+             "linear_attn.in_proj_b.weight": "linear_attn.ssm_beta_proj.weight"}
+
+
+def flm_rows(config: HFConfig) -> dict[str, np.ndarray]:
+    """FastFlowLM's planar q_proj (all heads' query rows, then all their gate rows) as the row
+    order of GGUF's attn_q, whose heads interleave query and gate: row (h, s, d) is planar row
+    s·H·D + h·D + d."""
+    heads, dim = config.int("num_attention_heads"), config.int("head_dim")
+    h, s, d = np.meshgrid(np.arange(heads), np.arange(2), np.arange(dim), indexing="ij")
+    planar = (s * heads * dim + h * dim + d).reshape(-1)
+    return {f"blk.{i}.attn_q.weight": planar for i in range(config.int("num_hidden_layers"))}
 
 
 def hf_config(c: Qwen35Config, tied: bool) -> dict:

@@ -113,14 +113,13 @@ def _dec_q5_1(b: np.ndarray, o: np.ndarray) -> None:
 _SHIFT_NIBBLE = np.array([0, 4], np.uint8)[:, None]
 
 
-def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-sub-block d*scale and dmin*min (N, 8, 1) of a Q4_K/Q5_K block.
+def k_scale_codes(b: np.ndarray) -> np.ndarray:
+    """The 6-bit scales and mins (N, 2, 8) uint8 of Q4_K/Q5_K blocks (N, block bytes).
 
     The 12 scale bytes hold eight 6-bit scales and eight 6-bit mins: bytes 0-3 (4-7) hold the
     low 6 bits of scales (mins) 0-3 and the top 2 bits of scales (mins) 4-7, whose low 4 bits
     are the low (high) nibbles of bytes 8-11.
     """
-    d_dmin = b[:, :4].view(np.float16).astype(np.float32)
     s = b[:, 4:16].reshape(-1, 3, 4)
     sm = np.empty((len(b), 2, 2, 4), np.uint8)  # [scales, mins] x [sub-blocks 0-3, 4-7]
     np.bitwise_and(s[:, :2], 0x3F, out=sm[:, :, 0])
@@ -129,7 +128,13 @@ def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     low = s[:, 2:3] >> _SHIFT_NIBBLE
     low &= 0x0F
     np.bitwise_or(low, top, out=sm[:, :, 1])
-    scaled = d_dmin[:, :, None] * sm.reshape(-1, 2, 8).astype(np.float32)
+    return sm.reshape(-1, 2, 8)
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sub-block d*scale and dmin*min (N, 8, 1) of a Q4_K/Q5_K block."""
+    d_dmin = b[:, :4].view(np.float16).astype(np.float32)
+    scaled = d_dmin[:, :, None] * k_scale_codes(b).astype(np.float32)
     return scaled[:, 0, :, None], scaled[:, 1, :, None]
 
 

@@ -14,9 +14,10 @@ from pagelm.weights.embedding import (
     load_output_head,
     load_token_embedding,
 )
-from pagelm.weights.mapped import MappedTensor, page_spans
+from pagelm.weights.mapped import MappedTensor, TiledTensor, page_spans, table_tensor
 
 __all__ = [
     "EMBEDDING_MODES", "OUTPUT_HEAD", "TOKEN_EMBEDDING", "DenseTable", "EmbeddingMode", "MappedRows",
-    "MappedTensor", "OutputHead", "TokenEmbedding", "load_output_head", "load_token_embedding", "page_spans",
+    "MappedTensor", "OutputHead", "TiledTensor", "TokenEmbedding", "load_output_head", "load_token_embedding",
+    "page_spans", "table_tensor",
 ]

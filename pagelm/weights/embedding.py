@@ -1,7 +1,7 @@
-"""The token embedding (dense table or rows on demand) and the output head, served from mapped tensors.
+"""The token embedding (dense table or rows on demand) and the output head, served from tables in place.
 
 Owns the two embedding modes and the head's logits; never parses files (it takes an open
-GGUFFile) and never does layer math.
+checkpoint; `weights.mapped` reads its table, GGML rows or FastFlowLM tiles) and never does layer math.
 """
 
 from __future__ import annotations
@@ -11,11 +11,8 @@ from typing import Callable, Literal
 
 import numpy as np
 
-from pagelm.errors import PagelmError, UnsupportedError
-from pagelm.formats.gguf import GGUFFile
-from pagelm.quant import DECODABLE, decode_bf16, decode_f32
-from pagelm.quant.kernels import gather_rows_bf16, head_logits
-from pagelm.weights.mapped import MappedTensor, page_spans
+from pagelm.errors import PagelmError
+from pagelm.weights.mapped import DECODE_CHUNK_ROWS, table_tensor
 
 EmbeddingMode = Literal["mapped", "dense"]
 EMBEDDING_MODES: tuple[str, ...] = ("mapped", "dense")
@@ -24,8 +21,6 @@ ROW_FORMATS: tuple[str, ...] = ("bf16", "f32")
 _ROW_DTYPES = {"bf16": np.uint16, "f32": np.float32}
 TOKEN_EMBEDDING = "token_embd.weight"
 OUTPUT_HEAD = "output.weight"
-# Bounds the fp32 temporaries of a decode (rows × dim × 4 bytes) while keeping numpy vectorised.
-DECODE_CHUNK_ROWS = 1024
 
 
 class TokenEmbedding:
@@ -34,7 +29,7 @@ class TokenEmbedding:
 
     mode: EmbeddingMode
 
-    def __init__(self, tensor: MappedTensor, rows: RowFormat):
+    def __init__(self, tensor, rows: RowFormat):
         if rows not in ROW_FORMATS:
             raise PagelmError(f"row format must be one of {', '.join(ROW_FORMATS)}, got {rows!r}")
         self.tensor = tensor
@@ -67,14 +62,12 @@ class DenseTable(TokenEmbedding):
 
     mode = "dense"
 
-    def __init__(self, tensor: MappedTensor, rows: RowFormat = "bf16",
-                 progress: Callable[[int], None] | None = None):
+    def __init__(self, tensor, rows: RowFormat = "bf16", progress: Callable[[int], None] | None = None):
         super().__init__(tensor, rows)
-        decode = decode_bf16 if rows == "bf16" else decode_f32
         self.table = np.empty((self.vocab_size, self.dim), _ROW_DTYPES[rows])
         for lo in range(0, self.vocab_size, DECODE_CHUNK_ROWS):
             hi = min(lo + DECODE_CHUNK_ROWS, self.vocab_size)
-            decode(tensor.raw[lo:hi], tensor.ggml_type, out=self.table[lo:hi])
+            tensor.decode(lo, hi, self.table[lo:hi])
             if progress:
                 progress(hi - lo)
 
@@ -87,30 +80,20 @@ class MappedRows(TokenEmbedding):
 
     mode = "mapped"
 
-    def __init__(self, tensor: MappedTensor, rows: RowFormat = "bf16"):
+    def __init__(self, tensor, rows: RowFormat = "bf16"):
         super().__init__(tensor, rows)
         # one row per token, scattered across the table: read-ahead would only waste page cache
         tensor.advise(mmap.MADV_RANDOM)
 
     def lookup(self, token_ids) -> np.ndarray:
-        ids = self._checked_ids(token_ids)
-        raw, ggml_type = self.tensor.raw, self.tensor.ggml_type
-        if self.rows == "bf16":
-            return gather_rows_bf16(raw, ggml_type, ids)
-        out = np.empty((ids.size, self.dim), np.float32)
-        for lo in range(0, ids.size, DECODE_CHUNK_ROWS):
-            chunk = ids[lo : lo + DECODE_CHUNK_ROWS]
-            decode_f32(raw[chunk], ggml_type, out=out[lo : lo + chunk.size])
-        return out
+        return self.tensor.lookup(self._checked_ids(token_ids), _ROW_DTYPES[self.rows])
 
     def prefetch(self, token_ids) -> None:
-        ids = self._checked_ids(token_ids)
-        starts, lengths = page_spans(self.tensor.offset, self.tensor.row_nbytes, ids)
-        self.tensor.advise(mmap.MADV_WILLNEED, starts, lengths)
+        self.tensor.prefetch(self._checked_ids(token_ids))
 
 
 def load_token_embedding(
-    model: GGUFFile,
+    model,
     embedding: EmbeddingMode = "mapped",
     rows: RowFormat = "bf16",
     progress: Callable[[int], None] | None = None,
@@ -119,12 +102,7 @@ def load_token_embedding(
     dense unpacking."""
     if embedding not in EMBEDDING_MODES:
         raise PagelmError(f"embedding must be one of {', '.join(EMBEDDING_MODES)}, got {embedding!r}")
-    tensor = MappedTensor(model, TOKEN_EMBEDDING)
-    if tensor.ggml_type not in DECODABLE:
-        raise UnsupportedError(
-            f"{model.name}: tensor '{TOKEN_EMBEDDING}' has type {tensor.ggml_type.name}, "
-            f"which pagelm cannot decode (supported: {', '.join(sorted(t.name for t in DECODABLE))})"
-        )
+    tensor = table_tensor(model, TOKEN_EMBEDDING)
     if embedding == "dense":
         return DenseTable(tensor, rows, progress)
     return MappedRows(tensor, rows)
@@ -134,10 +112,7 @@ class OutputHead:
     """Logits computed straight from the mapped output table (tied token_embd or output.weight):
     fp32 accumulation over the quantized bytes, no vocab × dim float copy anywhere."""
 
-    def __init__(self, tensor: MappedTensor):
-        if tensor.ggml_type not in DECODABLE:
-            raise UnsupportedError(f"{tensor.file_name}: output head '{tensor.name}' has type "
-                                   f"{tensor.ggml_type.name}, which pagelm cannot decode")
+    def __init__(self, tensor):
         self.tensor = tensor
         self.vocab_size = tensor.rows
         self.dim = tensor.row_values
@@ -148,10 +123,10 @@ class OutputHead:
         tensor.advise(mmap.MADV_WILLNEED)
 
     def logits(self, hidden: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        return head_logits(self.tensor.raw, self.tensor.ggml_type, np.ascontiguousarray(hidden, np.float32), out)
+        return self.tensor.logits(hidden, out)
 
 
-def load_output_head(model: GGUFFile) -> OutputHead:
+def load_output_head(model) -> OutputHead:
     """The untied `output.weight` when the file has one, else the tied token embedding table."""
-    name = OUTPUT_HEAD if OUTPUT_HEAD in model.tensors else TOKEN_EMBEDDING
-    return OutputHead(MappedTensor(model, name))
+    untied = OUTPUT_HEAD in model.tensors or OUTPUT_HEAD in getattr(model, "tiles", {})
+    return OutputHead(table_tensor(model, OUTPUT_HEAD if untied else TOKEN_EMBEDDING))

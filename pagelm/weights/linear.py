@@ -1,5 +1,6 @@
 """Linear operators y = x·Wᵀ over a checkpoint's matrices: dense (W unpacked at load) or mapped
-(W computed from the quantized bytes in the file, which stay in the page cache).
+(W computed from the quantized bytes in the file, GGML rows or FastFlowLM tiles, which stay in
+the page cache).
 
 Owns the choice of path per call: a few rows of activations (decode) take the matmul kernels
 (mapped) or torch's GEMV (dense); many rows (prefill) take torch's GEMM over row tiles of W,
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pagelm.quant.matmul import MAX_GEMV_ROWS, rows_dequantize, rows_matmul
+from pagelm.quant.tiles import ROWS, tile_dequantize, tile_matmul
 
 # Weights per row tile of a many-row product: bounds the mapped mode's one reused scratch
 # (8 MiB in bf16) while keeping each GEMM large enough to run at full speed.
@@ -156,6 +158,62 @@ class MappedLinear(Linear):
                 rows_dequantize(g.data, g.ggml_type, g.offsets[a - g.out_lo : b - g.out_lo],
                                 self.in_features, array[a - lo : b - lo])
         return tensor
+
+
+@dataclass(frozen=True)
+class TiledPart:
+    """Consecutive output rows read from one tiled matrix (`weights.flm.TiledMatrix`): W[out_lo + r]
+    is the matrix's row order[r]."""
+
+    matrix: object
+    order: np.ndarray  # int64
+    out_lo: int
+
+
+class TiledLinear(Linear):
+    """W read in place from FastFlowLM tiles: a few rows of x multiply whole 32-row groups (then
+    the rows are put in order), many rows take W a tile of rows at a time, as MappedLinear does."""
+
+    def __init__(self, parts: list[TiledPart], in_features: int, dtype: torch.dtype, scratch: Scratch):
+        self.parts, self.scratch = parts, scratch
+        self.in_features = in_features
+        self.out_features = parts[-1].out_lo + len(parts[-1].order)
+        self.dtype = dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > MAX_GEMV_ROWS:
+            return self._many_rows(x)
+        xs = x.to(torch.float32).contiguous().numpy()
+        out = np.empty((x.shape[0], self.out_features), np.float32)
+        for p in self.parts:
+            m = p.matrix
+            groups = np.empty((x.shape[0], m.groups * ROWS), np.float32)
+            tile_matmul(m.data, m.kind, m.offset, m.groups, m.col_tiles, xs, groups)
+            out[:, p.out_lo : p.out_lo + len(p.order)] = groups[:, p.order]
+        return torch.from_numpy(out)
+
+    def _tile(self, lo: int, hi: int) -> torch.Tensor:
+        tensor, array = self.scratch.take(hi - lo, self.in_features)
+        for p in self.parts:
+            a, b = max(lo, p.out_lo), min(hi, p.out_lo + len(p.order))
+            if a < b:
+                m = p.matrix
+                tile_dequantize(m.data, m.kind, m.offset, m.groups, m.col_tiles, p.order[a - p.out_lo : b - p.out_lo],
+                          array[a - lo : b - lo])
+        return tensor
+
+
+class StackedLinear(Linear):
+    """Operators over consecutive row ranges of one W, stacked: a fused projection whose parts are
+    stored in different ways (tiled and untiled)."""
+
+    def __init__(self, parts: list[Linear]):
+        self.parts = parts
+        self.in_features, self.dtype = parts[0].in_features, parts[0].dtype
+        self.out_features = sum(p.out_features for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=1)
 
 
 class ColumnOrder(Linear):

@@ -2,15 +2,17 @@
 tensors, and linear operators over the matrices in the chosen weights mode.
 
 Owns mapping a checkpoint's names, types and metadata to those; models never see the file. A
-checkpoint is a GGUF file or a Hugging Face directory (`weights.hf.HFCheckpoint`, which speaks
+checkpoint is a GGUF file, a Hugging Face directory (`weights.hf.HFCheckpoint`, which speaks
 GGUF's names and says how its tensors differ: row and column orders the operators apply in place,
-value conversions for small tensors). The weights mode is a switch here: "dense" unpacks every
+value conversions for small tensors) or a FastFlowLM directory (`weights.flm.FLMCheckpoint`, the
+same plus tiled matrices). The weights mode is a switch here: "dense" unpacks every
 matrix at load (the reference, and the way to other devices), "mapped" computes from the
 (quantized) bytes in the file maps.
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 from collections.abc import Sequence
@@ -22,13 +24,15 @@ import torch
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.formats.gguf import GGUFArray, GGUFFile, GGUFValueType, TensorInfo
 from pagelm.quant import DECODABLE, decode_f32
-from pagelm.quant import kernels, matmul
+from pagelm.quant import kernels, matmul, tiles
 from pagelm.weights.embedding import EmbeddingMode, OutputHead, RowFormat, TokenEmbedding, load_output_head, load_token_embedding
+from pagelm.weights.flm import FLMCheckpoint, TiledMatrix, is_flm_directory
 from pagelm.weights.hf import HFCheckpoint, is_hf_directory
-from pagelm.weights.linear import ColumnOrder, DenseLinear, Linear, MappedLinear, RowGroup, Scratch
+from pagelm.weights.linear import (ColumnOrder, DenseLinear, Linear, MappedLinear, RowGroup, Scratch, StackedLinear,
+                                   TiledLinear, TiledPart)
 from pagelm.weights.mapped import MappedTensor
 
-Checkpoint = GGUFFile | HFCheckpoint
+Checkpoint = GGUFFile | HFCheckpoint | FLMCheckpoint
 
 WeightsMode = Literal["mapped", "dense"]
 WEIGHTS_MODES: tuple[str, ...] = ("mapped", "dense")
@@ -43,12 +47,15 @@ _FLOAT_TYPES = (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64)
 
 
 def open_checkpoint(path: str) -> Checkpoint:
-    """A GGUF file, or a Hugging Face directory (one holding config.json)."""
+    """A GGUF file, a FastFlowLM directory (one holding model.q4nx) or a Hugging Face directory
+    (one holding config.json)."""
+    if is_flm_directory(path):
+        return FLMCheckpoint.open(path)
     if is_hf_directory(path):
         return HFCheckpoint.open(path)
     if os.path.isdir(path):
-        raise ModelFormatError(f"{path}: a directory without config.json; expected a GGUF file or a Hugging Face "
-                               f"checkpoint directory")
+        raise ModelFormatError(f"{path}: a directory without config.json or model.q4nx; expected a GGUF file, "
+                               f"a Hugging Face checkpoint directory or a FastFlowLM model directory")
     return GGUFFile.open(path)
 
 
@@ -160,11 +167,17 @@ class WeightLoader:
 
     # ------------------------------------------------------------------ tensors
 
+    @property
+    def tiles(self) -> dict:
+        return getattr(self.file, "tiles", {})
+
     def has_tensor(self, name: str) -> bool:
-        return name in self.file.tensors
+        return name in self.file.tensors or name in self.tiles
 
     def dims(self, name: str) -> tuple[int, ...]:
         """Tensor `name`'s dims, ne0 (the row width) first."""
+        if name in self.tiles:
+            return self.tiles[name].columns, self.tiles[name].rows
         return tensor_info(self.file, name).dims
 
     def tensor(self, name: str, shape: Sequence[int]) -> torch.Tensor:
@@ -185,35 +198,64 @@ class WeightLoader:
     def linear(self, in_features: int, *parts: Part) -> Linear:
         """The operator whose rows are the given tensors' rows, stacked in order (each tensor
         (rows, in_features) in numpy order, optionally reordered)."""
-        infos, columns = [], []
+        sources, columns = [], []
         for name, rows, *order in parts:
-            info = tensor_info(self.file, name, (rows, in_features))
-            if info.ggml_type not in DECODABLE:
-                raise UnsupportedError(f"{self.name}: tensor '{name}' has type {info.ggml_type.name}, which pagelm "
-                                       f"cannot compute with (supported: {', '.join(sorted(t.name for t in DECODABLE))})")
+            source = self._matrix(name, rows, in_features)
             rows_of = np.arange(rows, dtype=np.int64) if not order else np.asarray(order[0], np.int64)
             conversion = self.file.conversion(name)
             if conversion is not None and conversion.rows is not None:
                 rows_of = np.asarray(conversion.rows, np.int64)[rows_of]
             columns.append(None if conversion is None else conversion.columns)
-            infos.append((info, rows_of))
-        op = self._dense(infos, in_features) if self.weights == "dense" else self._mapped(infos, in_features)
-        self._operators.append(op)
+            sources.append((source, rows_of))
+        if self.weights == "dense":
+            ops = [self._dense(sources, in_features)]
+        else:  # runs of tiled and of untiled parts, each its own operator
+            runs = [list(run) for _, run in itertools.groupby(sources, lambda s: isinstance(s[0], TiledMatrix))]
+            ops = [self._tiled(run, in_features) if isinstance(run[0][0], TiledMatrix) else self._mapped(run, in_features)
+                   for run in runs]
+        self._operators.extend(ops)
+        op = ops[0] if len(ops) == 1 else StackedLinear(ops)
         first = columns[0]
         if any((c is None) != (first is None) or (c is not None and not np.array_equal(c, first)) for c in columns):
             raise UnsupportedError(f"{self.name}: the parts of one operator reorder their columns differently")
         return op if first is None else ColumnOrder(op, first)
 
-    def _dense(self, infos, in_features: int) -> DenseLinear:
-        fused = torch.empty(sum(len(order) for _, order in infos), in_features, dtype=self.dtype)
+    def _matrix(self, name: str, rows: int, in_features: int) -> TensorInfo | TiledMatrix:
+        """Matrix `name` of (rows, in_features) values: a tiled one, or the info of a GGML one."""
+        matrix = self.tiles.get(name)
+        if matrix is not None:
+            if (matrix.rows, matrix.columns) != (rows, in_features):
+                raise ModelFormatError(f"{self.name}: tensor '{matrix.name}' holds {matrix.rows} × {matrix.columns} "
+                                       f"values, expected {rows} × {in_features}")
+            return matrix
+        info = tensor_info(self.file, name, (rows, in_features))
+        if info.ggml_type not in DECODABLE:
+            raise UnsupportedError(f"{self.name}: tensor '{name}' has type {info.ggml_type.name}, which pagelm "
+                                   f"cannot compute with (supported: {', '.join(sorted(t.name for t in DECODABLE))})")
+        return info
+
+    def _dense(self, sources, in_features: int) -> DenseLinear:
+        fused = torch.empty(sum(len(order) for _, order in sources), in_features, dtype=self.dtype)
         lo = 0
-        for info, order in infos:
+        for source, order in sources:
             part = fused[lo : lo + len(order)]
-            dequantize_tensor(self.file, info.name, self.dtype, out=part)
-            if not np.array_equal(order, np.arange(len(order))):
-                part.copy_(part[torch.from_numpy(order)])
+            if isinstance(source, TiledMatrix):
+                part.copy_(torch.from_numpy(source.values()[order]))
+            else:
+                dequantize_tensor(self.file, source.name, self.dtype, out=part)
+                if not np.array_equal(order, np.arange(len(order))):
+                    part.copy_(part[torch.from_numpy(order)])
             lo += len(order)
         return DenseLinear(fused.to(self.device))
+
+    def _tiled(self, sources, in_features: int) -> TiledLinear:
+        parts, lo = [], 0
+        for matrix, order in sources:
+            tiles.check_tiles(matrix.data, matrix.kind, matrix.offset, matrix.groups, matrix.col_tiles)
+            parts.append(TiledPart(matrix, order, lo))
+            lo += len(order)
+            matrix.advise(mmap.MADV_WILLNEED)  # bring the matrix into the page cache in the background
+        return TiledLinear(parts, in_features, self.dtype, self.scratch)
 
     def _mapped(self, infos, in_features: int) -> MappedLinear:
         groups: list[RowGroup] = []
@@ -243,7 +285,8 @@ class WeightLoader:
         """Load the compiled kernels this model uses now rather than inside the first request."""
         kernels.warmup()
         if self.weights == "mapped":
-            matmul.warmup({g.ggml_type for op in self._operators for g in op.groups})
+            matmul.warmup({g.ggml_type for op in self._operators if isinstance(op, MappedLinear) for g in op.groups})
+        tiles.warmup({m.kind for m in self.tiles.values()})
 
     @property
     def nbytes(self) -> int:

@@ -16,7 +16,7 @@ from pagelm.chat.model import ChatModel
 from pagelm.engine import Model
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.formats.safetensors import SafetensorsFile, TensorToWrite, write_safetensors
-from pagelm.weights.hf_writer import write_hf_directory
+from pagelm.weights.writer import write_directory
 
 transformers = pytest.importorskip("transformers")
 
@@ -109,7 +109,7 @@ def twin(request, tmp_path_factory):
     """A real GGUF and its Hugging Face twin (quantized matrices as their exact float32 values)."""
     gguf = request.getfixturevalue(request.param)
     out = str(tmp_path_factory.mktemp("twin") / request.param.removesuffix("_gguf"))
-    write_hf_directory(gguf, out, quantized="f32")
+    write_directory(gguf, out, "hf", quantized="f32")
     return gguf, out
 
 

@@ -1,10 +1,12 @@
-"""Writing a GGUF checkpoint out as a Hugging Face directory: the same model in the other container.
+"""Writing a GGUF checkpoint out as a Hugging Face or FastFlowLM directory: the same model in another container.
 
-Owns the inverse of `weights.hf`: each architecture's `hf_config` and `hf_layout` say what the
-directory holds, and every tensor is written in Hugging Face's convention (rows and columns back
-in HF order, norm offsets and A_log undone). F32 / F16 / BF16 tensors keep their type and values;
-quantized ones are written as their exact float32 decoding, or rounded to bf16 on request.
-Used by `pagelm synth --format hf` and by tests that compare containers on the same numbers.
+Owns the inverse of `weights.hf` and `weights.flm`: each architecture's `hf_config` and layout say
+what the directory holds, and every tensor is written in that container's convention (rows and
+columns back in its order, norm offsets and A_log undone as it requires). F32 / F16 / BF16
+tensors keep their type and values; quantized ones are written as their exact float32 decoding,
+or rounded to bf16 on request, except that a FastFlowLM directory holds Q8_0, Q4_1 and Q4_K
+matrices of whole 256-value blocks as tiles of the same codes (`quant.tiles`).
+Used by `pagelm synth --format hf|flm` and by tests that compare containers on the same numbers.
 """
 
 from __future__ import annotations
@@ -23,11 +25,16 @@ from pagelm.formats.gguf import GGUFFile
 from pagelm.formats.safetensors import TensorToWrite, write_safetensors
 from pagelm.models import ARCHITECTURES, architecture_module
 from pagelm.quant import GGMLType, f32_to_bf16
+from pagelm.quant.tiles import COLUMNS, ROWS, TILE_BYTES, TileKind, pack_groups
+from pagelm.weights.flm import MODEL_FILE, VERSION_KEY, copy_name, flm_layout
 from pagelm.weights.hf import CONFIG_NAME, HFConfig, TensorMap
 from pagelm.weights.loader import WeightLoader, dequantize_tensor
 
 Quantized = Literal["f32", "bf16"]
+Container = Literal["hf", "flm"]
+FLM_VERSIONS = ("1.0.3", "1.0.2")
 _KEEP = {GGMLType.F32: "F32", GGMLType.F16: "F16", GGMLType.BF16: "BF16"}
+_TILED = {GGMLType.Q8_0: TileKind.Q8, GGMLType.Q4_1: TileKind.Q4_1, GGMLType.Q4_K: TileKind.Q4_K}
 
 
 def _to_hf(gguf: np.ndarray, tmap: TensorMap) -> np.ndarray:
@@ -54,11 +61,47 @@ def _producer(file: GGUFFile, name: str, tmap: TensorMap, dtype: str) -> Callabl
     return produce
 
 
-def write_hf_directory(gguf_path: str, out_dir: str, quantized: Quantized = "f32", tokenizer: bool = True,
-                       progress: Callable[[int], None] | None = None) -> None:
-    """Write the model in `gguf_path` as a Hugging Face checkpoint directory `out_dir` (config.json,
-    generation_config.json, model.safetensors, and tokenizer.json + tokenizer_config.json +
-    chat_template.jinja when `tokenizer` and the model has a vocabulary). The directory is built as `out_dir`.part and renamed."""
+def _tile_kind(file: GGUFFile, name: str, tmap: TensorMap, flm_version: str) -> TileKind | None:
+    """The tiles a FastFlowLM directory holds matrix `name` in, or None (written as floats)."""
+    info = file.tensors[name]
+    kind = _TILED.get(info.ggml_type)
+    if kind is None or len(info.dims) != 2 or info.dims[0] % COLUMNS or tmap.columns is not None:
+        return None
+    return TileKind.Q8_V102 if kind == TileKind.Q8 and flm_version == "1.0.2" else kind
+
+
+class _Tiles:
+    """Produces one matrix's tiles (its rows in the container's order) and, when its rows do not
+    fill the last group, the bf16 copy of its real rows; counts scales bf16 had to round."""
+
+    def __init__(self, file: GGUFFile, name: str, tmap: TensorMap, kind: TileKind):
+        self.file, self.name, self.tmap, self.kind = file, name, tmap, kind
+        self.rounded = 0
+
+    def tiles(self) -> np.ndarray:
+        raw = self.file.tensor_data(self.name).reshape(self.file.tensors[self.name].shape[0], -1)
+        if self.tmap.rows is not None:
+            stored = np.empty_like(raw)
+            stored[self.tmap.rows] = raw
+            raw = stored
+        packed, rounded = pack_groups(raw, self.file.tensors[self.name].ggml_type, self.kind)
+        self.rounded += rounded
+        return packed.view(np.int8)
+
+    def copy(self) -> np.ndarray:
+        return f32_to_bf16(_to_hf(dequantize_tensor(self.file, self.name).numpy(), self.tmap))
+
+
+def write_directory(gguf_path: str, out_dir: str, container: Container = "hf", quantized: Quantized = "f32",
+                    flm_version: str = FLM_VERSIONS[0], tokenizer: bool = True,
+                    progress: Callable[[int], None] | None = None) -> int:
+    """Write the model in `gguf_path` as a directory `out_dir`: a Hugging Face checkpoint (config.json,
+    generation_config.json, model.safetensors) or a FastFlowLM one (model.q4nx instead, and
+    `flm_version` in config.json), with tokenizer.json + tokenizer_config.json + chat_template.jinja
+    when `tokenizer` and the model has a vocabulary. The directory is built as `out_dir`.part and
+    renamed. Returns how many fp16 scales FastFlowLM's bf16 had to round (0: the same values)."""
+    if flm_version not in FLM_VERSIONS:
+        raise PagelmError(f"flm_version must be one of {', '.join(FLM_VERSIONS)}, got {flm_version!r}")
     file = GGUFFile.open(gguf_path)
     try:
         loader = WeightLoader(file, "dense", torch.float32)
@@ -69,12 +112,26 @@ def write_hf_directory(gguf_path: str, out_dir: str, quantized: Quantized = "f32
         hf_config = module.hf_config(config, tied)
         bos, eos = file.metadata.get("tokenizer.ggml.bos_token_id"), file.metadata.get("tokenizer.ggml.eos_token_id")
         hf_config.update({"bos_token_id": bos, "eos_token_id": eos, "dtype": "bfloat16" if quantized == "bf16" else "float32"})
-        maps = module.hf_layout(HFConfig(hf_config, CONFIG_NAME), None).tensors
-        tensors = []
+        if container == "flm":
+            hf_config[VERSION_KEY] = flm_version
+            maps = flm_layout(module, HFConfig(hf_config, CONFIG_NAME), None).tensors
+        else:
+            maps = module.hf_layout(HFConfig(hf_config, CONFIG_NAME), None).tensors
+        tensors, tiled = [], []
         for name, info in file.tensors.items():
             tmap = maps.get(name)
             if tmap is None:
                 raise PagelmError(f"{gguf_path}: tensor '{name}' has no Hugging Face counterpart in pagelm's {arch} mapping")
+            kind = _tile_kind(file, name, tmap, flm_version) if container == "flm" else None
+            if kind is not None:
+                tiles = _Tiles(file, name, tmap, kind)
+                tiled.append(tiles)
+                rows, columns = info.shape
+                groups = -(-rows // ROWS)
+                tensors.append(TensorToWrite(tmap.hf, "I8", (groups, columns // COLUMNS, TILE_BYTES[kind]), tiles.tiles))
+                if rows % ROWS:
+                    tensors.append(TensorToWrite(copy_name(tmap.hf), "BF16", (rows, columns), tiles.copy))
+                continue
             dtype = _KEEP.get(info.ggml_type, "BF16" if quantized == "bf16" else "F32")
             if info.n_elements < 1 << 16 or tmap.to_hf is not None:
                 dtype = "F32"  # small tensors (norms, biases, conv taps) stay float32, as checkpoints keep them
@@ -85,7 +142,8 @@ def write_hf_directory(gguf_path: str, out_dir: str, quantized: Quantized = "f32
         shutil.rmtree(part, ignore_errors=True)
         os.makedirs(part)
         try:
-            write_safetensors(os.path.join(part, "model.safetensors"), tensors, {"format": "pt"}, progress)
+            weights = MODEL_FILE if container == "flm" else "model.safetensors"
+            write_safetensors(os.path.join(part, weights), tensors, {"format": "pt"}, progress)
             _write_json(os.path.join(part, CONFIG_NAME), hf_config)
             _write_json(os.path.join(part, "generation_config.json"), {"bos_token_id": bos, "eos_token_id": eos})
             if tokenizer and file.metadata.get("tokenizer.ggml.model", "none") != "none":
@@ -96,6 +154,7 @@ def write_hf_directory(gguf_path: str, out_dir: str, quantized: Quantized = "f32
         except BaseException:
             shutil.rmtree(part, ignore_errors=True)
             raise
+        return sum(t.rounded for t in tiled)
     finally:
         file.close()
 
