@@ -216,7 +216,7 @@ def test_mix_q4_k_m_file_has_the_types_and_values(q4_k_m_file):
     q8 = str(q4_k_m_file) + ".q8_0.gguf"
     write_embedding_model(q8, SHAPES["qwen3.5-tiny-k"], seed=0)
     (table,) = _values(gguf.GGUFReader(q8)).values()
-    assert np.abs(values["token_embd.weight"] - table).max() < 0.02 * np.abs(table).max()
+    assert np.abs(values["token_embd.weight"] - table).max() < 0.03 * np.abs(table).max()  # Q6_K, bf16-exact scales
     w = values["blk.0.ffn_gate.weight"]
     assert w.std() == pytest.approx(1 / math.sqrt(256), rel=0.05)
 
