@@ -20,11 +20,11 @@ from __future__ import annotations
 import enum
 
 import numpy as np
-from numba import njit, prange
+from numba import carray, njit, prange
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.quant.codecs import bf16_to_f32, f32_to_bf16, k_scale_codes
-from pagelm.quant.kernels import _prefetch
+from pagelm.quant.kernels import _prefetch, _stack_f32x32
 from pagelm.quant.matmul import MAX_GEMV_ROWS, _bf16_bits, _load, _u32_as_f32
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType
 
@@ -228,33 +228,52 @@ def _rows_kernel(kind: int, bf16: bool):
     return rows
 
 
+@njit(inline="always")
+def _tile_gemv(kind, data, t, x, xo, acc, w_scale, w_offset):
+    """acc[r] += Σ_c w(r, c) · x[xo + c] over the tile at byte t, w exactly decoded (fp32)."""
+    for kb in range(8):
+        for r in range(ROWS):
+            w_scale[r], w_offset[r] = _scale_offset(kind, data, t, kb, r)
+        for j in range(32):
+            c = kb * 32 + j
+            xv = x[xo + c]
+            if kind == 0:
+                at = t + 512 + c * 32
+                for r in range(ROWS):
+                    acc[r] += np.float32(_load(data, at + r, np.int8)) * w_scale[r] * xv
+            elif kind == 1:
+                at = t + 512 + c * 16
+                for r in range(16):
+                    acc[r] += np.float32(_load(data, at + r, np.int8)) * w_scale[r] * xv
+                for r in range(16):
+                    acc[16 + r] += np.float32(_load(data, at + 4096 + r, np.int8)) * w_scale[16 + r] * xv
+            else:
+                at = t + (1024 if kind == 2 else 512) + c * 16
+                for h in range(16):
+                    byte = _load(data, at + h, np.uint8)
+                    lo, hi = 2 * h, 2 * h + 1
+                    acc[lo] += (np.float32(byte & np.uint8(15)) * w_scale[lo] + w_offset[lo]) * xv
+                    acc[hi] += (np.float32(byte >> np.uint8(4)) * w_scale[hi] + w_offset[hi]) * xv
+
+
 def _matmul_kernel(kind: int):
     @njit(parallel=True, cache=True, fastmath={"contract"})
     def matmul(data, base, col_tiles, tile_bytes, groups, x, out):
-        n = x.shape[0]
         for p in prange(groups):
-            acc = np.zeros((n, ROWS), np.float32)
-            weights = np.empty(ROWS, np.float32)
+            acc = carray(_stack_f32x32(), ROWS)
+            w_scale = carray(_stack_f32x32(), ROWS)
+            w_offset = carray(_stack_f32x32(), ROWS)
             group = base + p * col_tiles * tile_bytes
-            for u in range(col_tiles):
-                t = group + u * tile_bytes
-                _prefetch(data, t + tile_bytes)
-                for kb in range(8):
-                    scales = np.empty(ROWS, np.float32)
-                    offsets = np.empty(ROWS, np.float32)
-                    for r in range(ROWS):
-                        scales[r], offsets[r] = _scale_offset(kind, data, t, kb, r)
-                    for j in range(32):
-                        c = kb * 32 + j
-                        for r in range(ROWS):
-                            weights[r] = _code(kind, data, t, c, r) * scales[r] + offsets[r]
-                        for i in range(n):
-                            xv = x[i, u * COLUMNS + c]
-                            for r in range(ROWS):
-                                acc[i, r] += weights[r] * xv
-            for i in range(n):
+            for i in range(x.shape[0]):
+                xi = x[i]
                 for r in range(ROWS):
-                    out[i, p * ROWS + r] = acc[i, r]
+                    acc[r] = 0
+                for u in range(col_tiles):
+                    t = group + u * tile_bytes
+                    _prefetch(data, t + tile_bytes)
+                    _tile_gemv(kind, data, t, xi, u * COLUMNS, acc, w_scale, w_offset)
+                for r in range(ROWS):
+                    out[i, p * ROWS + r] = acc[r]
 
     return matmul
 
