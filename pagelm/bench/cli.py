@@ -177,7 +177,8 @@ def register(commands) -> None:
     from pagelm.bench.memory import DEFAULT_MODELS
 
     model_help = (f"a synthetic shape ({', '.join(synthetic_shapes())}; written with `pagelm synth` when "
-                  f"missing), a known model (smollm2-135m, gemma3-270m; pulled when missing) or a .gguf path")
+                  f"missing), a known model (smollm2-135m, gemma3-270m; pulled when missing), a .gguf file or a "
+                  f"model directory (Hugging Face or FastFlowLM)")
     bench = commands.add_parser(
         "bench", help="measure what the embedding mode changes: outputs (nothing) and memory",
         description="Benchmarks that drive real `pagelm serve` processes: scenarios (identical outputs across "

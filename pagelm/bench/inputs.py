@@ -56,12 +56,12 @@ def display_name(name: str) -> str:
 
 def embedding_table_mib(path: str) -> float:
     """Size of the token embedding unpacked to bf16 (vocab × dim × 2 bytes): what dense adds."""
-    from pagelm.weights import TOKEN_EMBEDDING
+    from pagelm.weights import TOKEN_EMBEDDING, table_tensor
     from pagelm.weights.loader import open_checkpoint
 
     with open_checkpoint(path) as model:
-        dim, vocab = model.tensors[TOKEN_EMBEDDING].dims
-        return vocab * dim * 2 / MIB
+        table = table_tensor(model, TOKEN_EMBEDDING)
+        return table.rows * table.row_values * 2 / MIB
 
 
 @lru_cache(maxsize=8)

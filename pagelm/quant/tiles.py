@@ -44,7 +44,7 @@ GGML_OF = {TileKind.Q8: GGMLType.Q8_0, TileKind.Q8_V102: GGMLType.Q8_0, TileKind
            TileKind.Q4_K: GGMLType.Q4_K}
 
 
-def kinds_of_size(tile_bytes: int, q8_v102: bool) -> TileKind | None:
+def kind_of_size(tile_bytes: int, q8_v102: bool) -> TileKind | None:
     """The kind a tile of `tile_bytes` is, for a file whose Q8 codes are in 1.0.2's order or not."""
     if tile_bytes == 8704:
         return TileKind.Q8_V102 if q8_v102 else TileKind.Q8

@@ -12,7 +12,7 @@ from typing import Callable, Literal
 import numpy as np
 
 from pagelm.errors import PagelmError
-from pagelm.weights.mapped import DECODE_CHUNK_ROWS, table_tensor
+from pagelm.weights.mapped import DECODE_CHUNK_ROWS, table_tensor, tiled_matrices
 
 EmbeddingMode = Literal["mapped", "dense"]
 EMBEDDING_MODES: tuple[str, ...] = ("mapped", "dense")
@@ -128,5 +128,5 @@ class OutputHead:
 
 def load_output_head(model) -> OutputHead:
     """The untied `output.weight` when the file has one, else the tied token embedding table."""
-    untied = OUTPUT_HEAD in model.tensors or OUTPUT_HEAD in getattr(model, "tiles", {})
+    untied = OUTPUT_HEAD in model.tensors or OUTPUT_HEAD in tiled_matrices(model)
     return OutputHead(table_tensor(model, OUTPUT_HEAD if untied else TOKEN_EMBEDDING))

@@ -24,7 +24,7 @@ from pagelm.errors import ModelFormatError
 from pagelm.formats.safetensors import SafetensorsFile, ShardedSafetensors, read_json_file
 from pagelm.models import architecture_module
 from pagelm.quant import bf16_to_f32
-from pagelm.quant.tiles import COLUMNS, ROWS, TILE_BYTES, TileKind, decode_groups, group_steps, kinds_of_size
+from pagelm.quant.tiles import COLUMNS, ROWS, TILE_BYTES, TileKind, decode_groups, group_steps, kind_of_size
 from pagelm.weights.hf import (CONFIG_NAME, MAX_CONFIG_BYTES, HFCheckpoint, HFConfig, HFLayout, architecture_of,
                                plus_one)
 
@@ -182,7 +182,7 @@ class FLMCheckpoint(HFCheckpoint):
     def _matrix(self, name: str, q8_v102: bool) -> TiledMatrix:
         info = self.shards.tensors[name]
         where = f"{self.shards.name}: tensor '{name}'"
-        kind = kinds_of_size(info.shape[-1], q8_v102) if len(info.shape) == 3 else None
+        kind = kind_of_size(info.shape[-1], q8_v102) if len(info.shape) == 3 else None
         if kind is None or 0 in info.shape:
             raise ModelFormatError(f"{where}: I8 {list(info.shape)}, expected tiles [rows/32, columns/256, tile bytes] "
                                    f"with tiles of {', '.join(f'{b} ({k.name})' for k, b in TILE_BYTES.items() if k != TileKind.Q8_V102)} bytes")

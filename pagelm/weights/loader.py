@@ -30,7 +30,7 @@ from pagelm.weights.flm import FLMCheckpoint, TiledMatrix, is_flm_directory
 from pagelm.weights.hf import HFCheckpoint, is_hf_directory
 from pagelm.weights.linear import (ColumnOrder, DenseLinear, Linear, MappedLinear, RowGroup, Scratch, StackedLinear,
                                    TiledLinear, TiledPart)
-from pagelm.weights.mapped import MappedTensor
+from pagelm.weights.mapped import MappedTensor, tiled_matrices
 
 Checkpoint = GGUFFile | HFCheckpoint | FLMCheckpoint
 
@@ -169,7 +169,7 @@ class WeightLoader:
 
     @property
     def tiles(self) -> dict:
-        return getattr(self.file, "tiles", {})
+        return tiled_matrices(self.file)
 
     def has_tensor(self, name: str) -> bool:
         return name in self.file.tensors or name in self.tiles

@@ -158,8 +158,13 @@ class TiledTensor(_Table):
         return out
 
 
+def tiled_matrices(model) -> dict:
+    """GGUF name -> TiledMatrix of a checkpoint's tiled matrices (only FastFlowLM directories have any)."""
+    return getattr(model, "tiles", {})
+
+
 def table_tensor(model, name: str) -> _Table:
     """Tensor `name` of a checkpoint viewed in place, whichever way it is stored."""
-    if name in getattr(model, "tiles", {}):
+    if name in tiled_matrices(model):
         return TiledTensor(model, name)
     return MappedTensor(model, name)
