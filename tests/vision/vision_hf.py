@@ -65,8 +65,8 @@ def gguf_to_hf(path: str, model: Qwen3_5VisionModel) -> None:
 
 def random_hf_model(c: VisionConfig, seed: int) -> Qwen3_5VisionModel:
     """A transformers tower with values of healthy scales (its own init is near zero): weights
-    N(0, 1/fan_in), LayerNorms 1 + noise, biases and positions noise; every matrix rounded to
-    float16, so that an F16 file holds it exactly."""
+    N(0, 1/fan_in), LayerNorms 1 + noise, biases and positions noise; every matrix and the
+    position table rounded to float16, so that an F16 file holds them exactly."""
     torch.manual_seed(seed)
     model = Qwen3_5VisionModel(hf_config(c)).eval()
     with torch.no_grad():
@@ -76,7 +76,7 @@ def random_hf_model(c: VisionConfig, seed: int) -> Qwen3_5VisionModel:
             elif "norm" in name:
                 p.normal_(1.0, 0.05)
             elif name == "pos_embed.weight":
-                p.normal_(0.0, 0.5)
+                p.normal_(0.0, 0.5).copy_(p.half().float())
             else:
                 p.normal_(0.0, 1 / math.sqrt(p[0].numel())).copy_(p.half().float())
     return model
