@@ -55,12 +55,13 @@ def hf_to_gguf(model: Qwen3_5VisionModel) -> dict[str, np.ndarray]:
 
 def gguf_to_hf(path: str, model: Qwen3_5VisionModel) -> None:
     """Load an mmproj file's tensors (read by gguf-py) into `model`."""
-    tensors = {t.name: torch.from_numpy(np.array(t.data, np.float32)) for t in gguf.GGUFReader(path).tensors}
+    reader = gguf.GGUFReader(path, "c")  # copy-on-write: arrays torch may wrap (then copied to float32)
+    tensors = {t.name: torch.from_numpy(t.data).to(torch.float32, copy=True) for t in reader.tensors}
     state = {}
     for name in model.state_dict():
         state[name] = (torch.stack([tensors[s] for s in _SLICES], dim=2) if name == _PATCH
                        else tensors[gguf_name(name)])
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(state, strict=True, assign=True)
 
 
 def random_hf_model(c: VisionConfig, seed: int) -> Qwen3_5VisionModel:
