@@ -29,7 +29,6 @@ CHANNELS = 3
 # A still image is the same frame twice: the Conv3d's kernel spans 2 frames, stored as two slices
 # (`v.patch_embd.weight` and `v.patch_embd.weight.1`).
 TEMPORAL_PATCH = 2
-ROPE_THETA = 10_000.0  # transformers' vision rope_theta; the mmproj file has no key for it
 MATRIX_TYPES = (GGMLType.F16, GGMLType.F32, GGMLType.BF16)
 _FILE_TYPE = {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.BF16: 32}  # llama_ftype of a float mmproj
 
@@ -45,6 +44,7 @@ class VisionConfig:
     merge_size: int = 2  # merge_size × merge_size patches become one token
     position_side: int = 48  # the learned position table has position_side² rows
     layer_norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0  # transformers' default; the mmproj file has no key for it
     image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
     image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
 

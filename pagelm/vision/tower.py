@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagelm.errors import PagelmError, UnsupportedError
-from pagelm.vision.mmproj import (CHANNELS, ROPE_THETA, TEMPORAL_PATCH, LayerNormWeights, VisionBlock, VisionConfig,
+from pagelm.vision.mmproj import (CHANNELS, TEMPORAL_PATCH, LayerNormWeights, VisionBlock, VisionConfig,
                                   VisionWeights, load_weights)
 from pagelm.weights.loader import WeightLoader
 
@@ -75,7 +75,7 @@ class VisionTower:
         self.config, self.weights = config, weights
         self.attention_block_values = ATTENTION_BLOCK_VALUES
         spatial = config.head_dim // 2  # half the rotary angles follow rows, half columns
-        self.inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, spatial, 2, dtype=torch.float32) / spatial))
+        self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float32) / spatial))
 
     @classmethod
     def load(cls, model: WeightLoader) -> VisionTower:
@@ -97,7 +97,7 @@ class VisionTower:
         if tuple(rows.shape) != (n, c.patch_values):
             raise PagelmError(f"vision rows of shape {tuple(rows.shape)}, expected ({n}, {c.patch_values}) "
                               f"for the grid {tuple(grid)}")
-        split = rows.view(n, CHANNELS, TEMPORAL_PATCH, -1)
+        split = rows.reshape(n, CHANNELS, TEMPORAL_PATCH, -1)
         if not torch.equal(split[:, :, 0], split[:, :, 1]):
             raise UnsupportedError("vision rows whose two frames differ (video): only still images are supported")
         pixels = split[:, :, 0].reshape(n, -1)

@@ -92,7 +92,8 @@ def test_dense_and_mapped_weights_agree(converted):
 def test_bf16_matmuls_stay_close(converted):
     model, paths = converted
     pixels = _rows(300, 200)
-    ours = VisionTower.load(WeightLoader.open(paths[GGMLType.F16], dtype=torch.bfloat16)).encode(pixels.rows, pixels.grid)
+    tower = VisionTower.load(WeightLoader.open(paths[GGMLType.F16], dtype=torch.bfloat16))
+    ours = tower.encode(pixels.rows, pixels.grid)
     assert ours.dtype == torch.float32
     assert _rel(ours, hf_encode(model, pixels.rows, pixels.grid)) <= 3e-2
 
