@@ -13,7 +13,7 @@ import pytest
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.formats.gguf import GGUFValueType, TensorToWrite, Typed, write_gguf
 from pagelm.quant import GGMLType
-from pagelm.synth import tensor_chunks
+from pagelm.synth import plan_nbytes, tensor_chunks
 from pagelm.vision import SHAPES, VisionConfig, VisionTower, plan_mmproj, write_mmproj
 from pagelm.vision.mmproj import mmproj_metadata
 from pagelm.weights.loader import WeightLoader
@@ -66,7 +66,9 @@ def test_gguf_py_reads_what_llama_cpp_expects(tmp_path):
 def test_seeded_and_written_through_part_file(tmp_path):
     paths = [str(tmp_path / f"{i}.gguf") for i in range(3)]
     for path, seed in zip(paths, (1, 1, 2)):
-        write_mmproj(path, TINY, seed=seed)
+        written = []
+        plan = write_mmproj(path, TINY, seed=seed, progress=written.append)
+        assert sum(written) == plan_nbytes(plan) and len(written) >= len(plan)
     data = [open(p, "rb").read() for p in paths]
     assert data[0] == data[1] != data[2]
     bad = str(tmp_path / "bad.gguf")
