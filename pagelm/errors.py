@@ -14,3 +14,7 @@ class ModelFormatError(PagelmError):
 
 class UnsupportedError(PagelmError):
     """A valid file uses something pagelm does not implement."""
+
+
+class ImageError(PagelmError):
+    """An image that cannot be used: unreadable, truncated, empty, too large or too elongated."""

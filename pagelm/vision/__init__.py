@@ -1,8 +1,9 @@
 """Image input for Qwen3.5: its vision tower read from llama.cpp's mmproj GGUF (`mmproj`), images
 made into pixel rows as transformers does (`preprocess`), and the tower's math (`tower`)."""
 
+from pagelm.errors import ImageError
 from pagelm.vision.mmproj import SHAPES, VisionConfig, load_weights, plan_mmproj, write_mmproj
-from pagelm.vision.preprocess import ImageError, PixelRows, decode_image, image_rows, preprocess, smart_resize
+from pagelm.vision.preprocess import PixelRows, decode_image, image_rows, preprocess, smart_resize
 from pagelm.vision.tower import VisionTower
 
 __all__ = [

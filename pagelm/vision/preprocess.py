@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps
 
-from pagelm.errors import PagelmError
+from pagelm.errors import ImageError, PagelmError
 from pagelm.vision.mmproj import CHANNELS, TEMPORAL_PATCH
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
@@ -25,10 +25,6 @@ MAX_ASPECT = 200  # transformers' smart_resize refuses longer / shorter above th
 MAX_DECODED_PIXELS = 50_000_000
 DEFAULT_MIN_TOKENS = 64  # transformers' min_pixels for Qwen3.5 (65,536 = 64 tokens of 32 × 32 pixels)
 DEFAULT_MAX_TOKENS = 1024
-
-
-class ImageError(PagelmError):
-    """An image that cannot be used: unreadable, truncated, empty, too large or too elongated."""
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from pagelm.errors import PagelmError
-from pagelm.vision.preprocess import ImageError, decode_image, preprocess, smart_resize
+from pagelm.errors import ImageError, PagelmError
+from pagelm.vision.preprocess import decode_image, preprocess, smart_resize
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize  # noqa: E402
