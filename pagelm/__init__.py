@@ -4,11 +4,13 @@ __version__ = "0.1.0"
 
 
 def load(path: str, embedding: str = "mapped", weights: str = "mapped", dtype: str = "bfloat16",
-         device: str = "cpu", threads: int | None = None):
+         device: str = "cpu", threads: int | None = None, mmproj: str | None = None):
     """Open a GGUF model for generation (`pagelm.engine.Model`). "mapped" (default) serves token rows
     and computes every layer from the file's quantized bytes; `embedding="dense"` / `weights="dense"`
     unpack the token table / the layer matrices into memory the old way. `threads` (default: the
-    CPUs this process may use) sets torch's and the kernels' thread count."""
+    CPUs this process may use) sets torch's and the kernels' thread count. `mmproj`: a Qwen3.5
+    model's vision tower (default: one found beside the model)."""
     from pagelm.engine import Model  # torch loads only when a model does
 
-    return Model(path, embedding=embedding, weights=weights, dtype=dtype, device=device, threads=threads)
+    return Model(path, embedding=embedding, weights=weights, dtype=dtype, device=device, threads=threads,
+                 mmproj=mmproj)

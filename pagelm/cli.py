@@ -16,14 +16,24 @@ from pagelm.errors import PagelmError
 
 
 def _synth(args: argparse.Namespace) -> int:
+    if args.seed < 0:
+        raise PagelmError(f"--seed must be >= 0, got {args.seed}")
+    if args.out is None and args.mmproj is None:
+        raise PagelmError("give the file to write (OUT), or --mmproj OUT.gguf for a vision tower alone")
+    if args.out is not None:
+        _synth_model(args)
+    if args.mmproj is not None:
+        _synth_mmproj(args)
+    return 0
+
+
+def _synth_model(args: argparse.Namespace) -> None:
     from dataclasses import replace
 
     from pagelm.quant.types import GGMLType
     from pagelm.synth import (SHAPES, SYNTH_TYPES, embedding_nbytes, plan_model, plan_nbytes,
                               write_embedding_model, write_model)
 
-    if args.seed < 0:
-        raise PagelmError(f"--seed must be >= 0, got {args.seed}")
     shape = SHAPES[args.shape]
     if args.embedding_type:
         try:
@@ -42,7 +52,8 @@ def _synth(args: argparse.Namespace) -> int:
         raise PagelmError(f"shape '{args.shape}' has embedding geometry only: pass --embedding-only, "
                           f"or pick a complete shape ({full})")
     if args.format != "gguf":
-        return _synth_directory(args)
+        _synth_directory(args)
+        return
     name = f"synthetic {args.shape}"
     total = embedding_nbytes(shape) if args.embedding_only else plan_nbytes(plan_model(shape, layer_type, mix=args.mix))
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {os.path.basename(args.out)}",
@@ -66,10 +77,24 @@ def _synth(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}: {args.shape}, {shape.n_layers} layers, hidden {shape.hidden}, vocab {shape.vocab}, "
               f"{len(plan)} tensors, {layers}, token_embd {plan[0].ggml_type.name}, {head}, "
               f"{os.path.getsize(args.out)} bytes")
-    return 0
 
 
-def _synth_directory(args: argparse.Namespace) -> int:
+def _synth_mmproj(args: argparse.Namespace) -> None:
+    from pagelm.synth import plan_nbytes
+    from pagelm.vision import SHAPES, plan_mmproj, write_mmproj
+
+    if args.shape not in SHAPES:
+        raise PagelmError(f"shape '{args.shape}' has no vision tower (towers: {', '.join(SHAPES)})")
+    config = SHAPES[args.shape]
+    with tqdm(total=plan_nbytes(plan_mmproj(config)), unit="B", unit_scale=True, file=sys.stderr,
+              desc=f"writing {os.path.basename(args.mmproj)}", disable=args.quiet) as bar:
+        plan = write_mmproj(args.mmproj, config, seed=args.seed, name=f"synthetic {args.shape} vision tower",
+                            progress=bar.update)
+    print(f"wrote {args.mmproj}: {args.shape} vision tower, depth {config.depth}, hidden {config.hidden}, "
+          f"out {config.out_hidden}, {len(plan)} tensors, {os.path.getsize(args.mmproj)} bytes")
+
+
+def _synth_directory(args: argparse.Namespace) -> None:
     """The same random model as `--format gguf` writes, as a Hugging Face or FastFlowLM directory:
     the GGUF is written beside it first (OUT.gguf.part), then converted and removed."""
     import contextlib
@@ -86,7 +111,7 @@ def _synth_directory(args: argparse.Namespace) -> int:
     gguf_args = argparse.Namespace(**{**vars(args), "format": "gguf", "out": staging, "quiet": True})
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # the staging file's own "wrote" line
-            _synth(gguf_args)
+            _synth_model(gguf_args)
         with tqdm(total=os.path.getsize(staging), unit="B", unit_scale=True, file=sys.stderr,
                   desc=f"writing {os.path.basename(args.out.rstrip('/'))}", disable=args.quiet) as bar:
             rounded = write_directory(staging, args.out, args.format, quantized=args.hf_dtype,
@@ -99,7 +124,6 @@ def _synth_directory(args: argparse.Namespace) -> int:
           f"{size} bytes")
     if rounded:
         print(f"note: {rounded} fp16 scales were rounded to bf16 for the tiles; their values differ from the GGUF's")
-    return 0
 
 
 def _verify_embeddings(args: argparse.Namespace) -> int:
@@ -211,6 +235,9 @@ def _rm(args: argparse.Namespace) -> int:
 
 def _add_compute_options(parser: argparse.ArgumentParser) -> None:
     """How a model is held and computed: the flags `run` and `serve` share."""
+    parser.add_argument("--mmproj", metavar="FILE",
+                        help="the vision tower (llama.cpp's mmproj GGUF) of a Qwen3.5 model (default: an mmproj*.gguf "
+                             "beside the model file, or mmproj.gguf in a model directory)")
     parser.add_argument("--embedding", choices=["mapped", "dense"], default="mapped",
                         help="token embedding rows decoded from the file map (mapped, default) or an unpacked table (dense)")
     parser.add_argument("--weights", choices=["mapped", "dense"], default="mapped",
@@ -223,7 +250,7 @@ def _add_compute_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _open_chat(args: argparse.Namespace):
-    """(conversation, sampling params) for `run`: resolves the model, pulling the default one."""
+    """(chat model, conversation, sampling params) for `run`: resolves the model, pulling the default one."""
     from pagelm import store
     from pagelm.chat.conversation import Conversation
     from pagelm.chat.model import ChatModel
@@ -232,15 +259,24 @@ def _open_chat(args: argparse.Namespace):
     path = _pull_with_progress(args.model) if args.model in store.KNOWN_MODELS else store.resolve(args.model)
     print(f"loading {path} (embedding {args.embedding}, weights {args.weights}, {args.dtype})", file=sys.stderr)
     chat = ChatModel.open(path, name=args.model, embedding=args.embedding, weights=args.weights, dtype=args.dtype,
-                          threads=args.threads)
+                          threads=args.threads, mmproj=args.mmproj)
     conversation = Conversation(chat.model, chat.tokenizer, chat.template, max_len=args.ctx_len, think=args.think)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens)
-    return conversation, params
+    return chat, conversation, params
 
 
-def _answer(conversation, params, text: str, echo_reasoning: bool, grammar=None) -> None:
-    for reasoning, content in conversation.ask(text, params, grammar=grammar):
+def _read_image(chat, path: str):
+    with open(path, "rb") as fh:
+        data = fh.read()
+    try:
+        return chat.prepare_image(data)
+    except PagelmError as e:
+        raise PagelmError(f"{path}: {e}") from None
+
+
+def _answer(conversation, params, text: str, echo_reasoning: bool, grammar=None, images=()) -> None:
+    for reasoning, content in conversation.ask(text, params, grammar=grammar, images=images):
         if reasoning and echo_reasoning:
             print(reasoning, end="", file=sys.stderr, flush=True)
         if content:
@@ -260,10 +296,11 @@ def _print_stats(conversation) -> None:
           file=sys.stderr)
 
 
-_REPL_HELP = "/think on|off, /clear, /set temperature|top_k|top_p|min_p|seed|max_tokens VALUE, /stats, /bye"
+_REPL_HELP = ("/think on|off, /clear, /set temperature|top_k|top_p|min_p|seed|max_tokens VALUE, "
+              "/image PATH (joins the next message), /stats, /bye")
 
 
-def _repl(conversation, params, grammar) -> int:
+def _repl(chat, conversation, params, grammar, images: list) -> int:
     from dataclasses import replace
 
     try:
@@ -291,6 +328,12 @@ def _repl(conversation, params, grammar) -> int:
                 print(f"(thinking {rest[0]})", file=sys.stderr)
             elif command == "/stats":
                 _print_stats(conversation)
+            elif command == "/image" and rest:
+                try:
+                    images.append(_read_image(chat, line.split(None, 1)[1]))
+                    print(f"(image {len(images)} joins the next message)", file=sys.stderr)
+                except (OSError, PagelmError) as e:
+                    print(f"(no image: {e})", file=sys.stderr)
             elif command == "/set" and len(rest) == 2 and rest[0] in {"temperature", "top_k", "top_p", "min_p",
                                                                       "seed", "max_tokens"}:
                 try:
@@ -302,7 +345,8 @@ def _repl(conversation, params, grammar) -> int:
                 print(f"(unknown command; {_REPL_HELP})", file=sys.stderr)
             continue
         try:
-            _answer(conversation, params, line, echo_reasoning=True, grammar=grammar)
+            _answer(conversation, params, line, echo_reasoning=True, grammar=grammar, images=images)
+            images.clear()
         except KeyboardInterrupt:
             print("\n(interrupted)", file=sys.stderr)
         except PagelmError as e:
@@ -329,7 +373,8 @@ def _run(args: argparse.Namespace) -> int:
         args.model, args.prompt = None, args.model  # `pagelm run "Why is the sky blue?"`
     args.model = args.model or store.DEFAULT_MODEL
     schema = _read_schema(args.json_schema) if args.json_schema else None
-    conversation, params = _open_chat(args)
+    chat, conversation, params = _open_chat(args)
+    images = [_read_image(chat, path) for path in args.image]
     grammar = None
     if args.format or args.json_schema:
         from pagelm.grammar import Grammar, GrammarError
@@ -339,16 +384,16 @@ def _run(args: argparse.Namespace) -> int:
         except GrammarError as e:
             raise PagelmError(f"--json-schema {args.json_schema}: {e}" if args.json_schema else str(e)) from None
     if args.prompt is None:
-        return _repl(conversation, params, grammar)
+        return _repl(chat, conversation, params, grammar, images)
     if args.json:
-        for _ in conversation.ask(args.prompt, params, grammar=grammar):
+        for _ in conversation.ask(args.prompt, params, grammar=grammar, images=images):
             pass
         turn = conversation.last
         print(json.dumps({"content": turn.content, "reasoning": turn.reasoning, "token_ids": turn.token_ids,
                           "prompt_tokens": turn.prompt_tokens, "completion_tokens": len(turn.token_ids),
                           "finish_reason": turn.finish_reason}))
     else:
-        _answer(conversation, params, args.prompt, echo_reasoning=args.think, grammar=grammar)
+        _answer(conversation, params, args.prompt, echo_reasoning=args.think, grammar=grammar, images=images)
     if args.stats:
         _print_stats(conversation)
     return 0
@@ -366,6 +411,7 @@ def _serve(args: argparse.Namespace) -> int:
                              ("--prefix-cache-mib", args.prefix_cache_mib, 0),
                              ("--checkpoint-interval", args.checkpoint_interval, 0),
                              ("--queue-size", args.queue_size, 1), ("--max-body-mib", args.max_body_mib, 1),
+                             ("--image-cache-mib", args.image_cache_mib, 0),
                              ("--max-tokens", args.max_tokens, 1), ("--port", args.port, 0)]:
         if value < low:
             raise PagelmError(f"{flag} must be >= {low}, got {value}")
@@ -377,7 +423,8 @@ def _serve(args: argparse.Namespace) -> int:
                              checkpoint_interval=args.checkpoint_interval, embedding=args.embedding,
                              weights=args.weights, dtype=args.dtype, threads=args.threads, api_key=args.api_key,
                              queue_size=args.queue_size,
-                             max_body_mib=args.max_body_mib, max_tokens=args.max_tokens)
+                             max_body_mib=args.max_body_mib, max_tokens=args.max_tokens, mmproj=args.mmproj,
+                             image_cache_mib=args.image_cache_mib)
     try:
         loopback = ipaddress.ip_address(args.host).is_loopback
     except ValueError:
@@ -427,8 +474,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "Q8_0 output.weight. qwen3.5-tiny and qwen3.5-tiny-gqa (nv != nk) are small shapes "
                     "for tests; 'tiny' is an embedding-only geometry.")
     synth.add_argument("--shape", required=True, choices=list(SHAPES), help="the geometry to copy")
-    synth.add_argument("out", metavar="OUT", help="file (GGUF) or directory (hf) to write; written to OUT.part, "
-                                                  "then renamed")
+    synth.add_argument("out", nargs="?", metavar="OUT", help="file (GGUF) or directory (hf) to write; written to "
+                                                             "OUT.part, then renamed")
+    synth.add_argument("--mmproj", metavar="OUT.gguf",
+                       help="also (or, without OUT, only) write the shape's random vision tower as llama.cpp's "
+                            "mmproj GGUF (F16 matrices)")
     synth.add_argument("--format", choices=["gguf", "hf", "flm"], default="gguf",
                        help="container: a GGUF file (default), a Hugging Face directory (config.json, "
                             "model.safetensors, tokenizer.json, chat template) or a FastFlowLM directory "
@@ -489,6 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
     think = run.add_mutually_exclusive_group()
     think.add_argument("--think", dest="think", action="store_true", help="let a thinking model reason first")
     think.add_argument("--no-think", dest="think", action="store_false", help="answer directly (default)")
+    run.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image (PNG, JPEG, WebP, GIF) to ask about, before PROMPT's text; repeatable. Needs a "
+                          "model with a vision tower (--mmproj)")
     run.add_argument("--json", action="store_true",
                      help="print one JSON object (content, reasoning, token ids, counts) as the last line")
     run.add_argument("--stats", action="store_true", help="prompt/decode tok/s and memory to stderr")
@@ -527,6 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-mib", type=int, default=32, help="largest request body in MiB (default 32)")
     serve.add_argument("--max-tokens", type=int, default=2048,
                        help="tokens generated when a request sets no limit (default 2048)")
+    serve.add_argument("--image-cache-mib", type=int, default=256,
+                       help="memory bound of the image-embedding cache in MiB, least recently used dropped first; "
+                            "0 disables (default 256)")
     serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level (default warning)")
     serve.set_defaults(run=_serve)

@@ -59,6 +59,25 @@ def test_synth_without_embedding_only_says_why():
     assert not os.path.exists("x.gguf")
 
 
+def test_synth_mmproj_writes_the_tower_alone(tmp_path):
+    from dataclasses import replace
+
+    from pagelm.vision import SHAPES, VisionConfig
+    from pagelm.weights.loader import WeightLoader
+
+    path = str(tmp_path / "mmproj.gguf")
+    result = _pagelm("synth", "--shape", "qwen3.5-tiny-chat", "--mmproj", path, "--seed", "2", "--quiet")
+    assert "vision tower" in result.stdout and result.stderr == ""
+    read = VisionConfig.from_loader(WeightLoader.open(path))
+    assert replace(read, layer_norm_eps=1e-6) == SHAPES["qwen3.5-tiny-chat"]  # eps is stored as float32
+    assert gguf.GGUFReader(path).fields["pagelm.synthetic.seed"].contents() == 2
+    assert sorted(os.listdir(tmp_path)) == ["mmproj.gguf"]
+    refused = _pagelm("synth", "--shape", "tiny", "--mmproj", str(tmp_path / "x.gguf"), check=False)
+    assert refused.returncode == 2 and "has no vision tower" in refused.stderr
+    nothing = _pagelm("synth", "--shape", "qwen3.5-tiny", check=False)
+    assert nothing.returncode == 2 and "--mmproj" in nothing.stderr
+
+
 def test_verify_embeddings_passes_on_a_synthetic_model(tiny_model):
     result = _pagelm("verify-embeddings", tiny_model, "--json")
     lines = result.stdout.strip().splitlines()

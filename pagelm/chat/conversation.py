@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from pagelm.chat.reasoning import ReasoningSplitter
 from pagelm.chat.template import ChatTemplate
@@ -17,6 +17,7 @@ from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
 from pagelm.engine import Model
 from pagelm.errors import PagelmError
 from pagelm.sampling import SamplingParams
+from pagelm.vision.inputs import ExpandedPrompt, ImageInput, expand_images
 
 if TYPE_CHECKING:
     from pagelm.grammar import Grammar
@@ -56,36 +57,50 @@ class Conversation:
         self.system = system
         self.think = think
         self.messages: list[dict] = []
+        self.images: list[ImageInput] = []  # those of the messages, in order
         self.session = model.session(max_len)
         self.last: Turn | None = None
 
     def clear(self) -> None:
         self.messages = []
+        self.images = []
 
-    def _prompt_ids(self) -> list[int]:
+    def _prompt(self) -> ExpandedPrompt:
         messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
         text = self.template.render(messages, add_generation_prompt=True, enable_thinking=self.think)
-        return self.tokenizer.encode(text, add_special=True)
+        tokens = self.tokenizer.encode(text, add_special=True)
+        return ExpandedPrompt(tokens, [], []) if self.model.tower is None else expand_images(tokens, self.images)
 
-    def _reuse_or_reset(self, prompt: list[int]) -> int:
+    def _reuse_or_reset(self, prompt: ExpandedPrompt) -> int:
         held = self.session.tokens
-        if len(held) < len(prompt) and prompt[: len(held)] == held:
+        keys = [p.image.key for p in prompt.images]
+        if (len(held) < len(prompt.tokens) and prompt.tokens[: len(held)] == held
+                and keys[: len(self.session.images)] == self.session.images):
             return len(held)
         self.session = self.model.session(self.max_len)
         return 0
 
     def ask(self, text: str, params: SamplingParams = SamplingParams(),
-            cancel: threading.Event | None = None, grammar: Grammar | None = None) -> Iterator[tuple[str, str]]:
-        """Add a user message and stream the answer as (reasoning_delta, content_delta) pairs.
-        The finished turn is in `self.last`; the assistant message joins the history. `grammar`
-        constrains the answer (the content: reasoning, when thinking, stays free)."""
-        self.messages.append({"role": "user", "content": text})
-        prompt = self._prompt_ids()
-        if len(prompt) >= self.max_len:
+            cancel: threading.Event | None = None, grammar: Grammar | None = None,
+            images: Sequence[ImageInput] = ()) -> Iterator[tuple[str, str]]:
+        """Add a user message (`images` first, then `text`) and stream the answer as
+        (reasoning_delta, content_delta) pairs. The finished turn is in `self.last`; the
+        assistant message joins the history. `grammar` constrains the answer (the content:
+        reasoning, when thinking, stays free)."""
+        content = [*({"type": "image"} for _ in images), {"type": "text", "text": text}] if images else text
+        self.messages.append({"role": "user", "content": content})
+        self.images += images
+        try:
+            expanded = self._prompt()
+            if len(expanded.tokens) >= self.max_len:
+                raise PagelmError(f"prompt of {len(expanded.tokens)} tokens does not fit the context of {self.max_len}")
+        except PagelmError:  # the message is not asked: out of the history again
             self.messages.pop()
-            raise PagelmError(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_len}")
+            del self.images[len(self.images) - len(images):]
+            raise
+        prompt = expanded.tokens
         turn = Turn(prompt_tokens=len(prompt))
-        turn.reused_tokens = self._reuse_or_reset(prompt)
+        turn.reused_tokens = self._reuse_or_reset(expanded)
         stops = tuple(params.stop_tokens) + self.tokenizer.eos_ids
         params = replace(params, stop_tokens=stops, max_tokens=min(params.max_tokens, self.max_len - len(prompt)))
         think_open = self.template.think_open(prompt_text=None, enable_thinking=self.think)
@@ -93,7 +108,9 @@ class Conversation:
         constraint = None if grammar is None else grammar.matcher(after_reasoning=think_open)
         decoder = StreamDecoder(self.tokenizer)
         start = time.perf_counter()
-        for token in self.session.generate(prompt[turn.reused_tokens:], params, cancel=cancel, constraint=constraint):
+        new_images = [p.image for p in expanded.images if p.start >= turn.reused_tokens]
+        for token in self.session.generate(prompt[turn.reused_tokens:], params, cancel=cancel, constraint=constraint,
+                                           images=new_images):
             if not turn.token_ids:
                 turn.prefill_s = time.perf_counter() - start
                 start = time.perf_counter()

@@ -1,6 +1,9 @@
 """A model ready to chat: engine model, tokenizer and chat template opened together, and
 messages turned into prompt tokens with the positions where each message ends.
 
+Images (`vision.inputs.ImageInput`, made by `prepare_image`) join the prompt where the template
+writes their placeholder, one `<|image_pad|>` expanded to the image's token count.
+
 The message boundaries are where a prefix cache can checkpoint: the next turn of the same
 conversation, or another one with the same system prompt, starts with exactly those tokens.
 They are found after every message, not just the last few (from one marked render, see
@@ -15,16 +18,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from pagelm.chat.boundaries import MessageEnds
 from pagelm.chat.template import ChatTemplate
 from pagelm.chat.tokenizer import Tokenizer
 from pagelm.chat.tools import Tool, ToolCallStream, ToolFormat, tool_format
-from pagelm.engine import Model
+from pagelm.engine import DEFAULT_IMAGE_CACHE_MIB, Model
 from pagelm import heap
 from pagelm.errors import PagelmError
 from pagelm.measure.memory import read_memory
+from pagelm.vision.inputs import ImageInput, PlacedImage, expand_images, prepare_image
+from pagelm.vision.preprocess import DEFAULT_MAX_TOKENS, DEFAULT_MIN_TOKENS
 from pagelm.weights import EmbeddingMode
 from pagelm.weights.loader import WeightsMode
 
@@ -33,13 +38,27 @@ from pagelm.weights.loader import WeightsMode
 class Prompt:
     """Tokens to generate from, the positions worth a checkpoint (where messages end), whether the
     answer starts inside a reasoning block, and for a chat `answered(reasoning, content)`: the
-    conversation with that answer, as the next request will render it, up to the answer's end."""
+    conversation with that answer, as the next request will render it, up to the answer's end;
+    the images among the tokens, where each starts."""
 
     tokens: list[int]
     boundaries: list[int] = field(default_factory=list)
     think_open: bool = False
     split_reasoning: bool = True
     answered: Callable[[str, str], Prompt | None] | None = None
+    images: list[PlacedImage] = field(default_factory=list)
+
+    @property
+    def image_keys(self) -> list[str]:
+        return [p.image.key for p in self.images]
+
+    def images_in(self, lo: int, hi: int) -> list[ImageInput]:
+        """The images whose tokens start in tokens[lo:hi]."""
+        return [p.image for p in self.images if lo <= p.start < hi]
+
+    def cuts_image(self, at: int) -> bool:
+        """Whether a prefill cut before token `at` would fall inside an image's tokens."""
+        return any(p.start < at < p.end for p in self.images)
 
 
 @dataclass
@@ -50,13 +69,17 @@ class ChatModel:
     tokenizer: Tokenizer
     template: ChatTemplate
     tokenizer_anonymous_bytes: int = 0  # what building the tokenizer added to anonymous memory
+    image_min_tokens: int = DEFAULT_MIN_TOKENS  # the bounds an image is resized within
+    image_max_tokens: int = DEFAULT_MAX_TOKENS
 
     @classmethod
     def open(cls, path: str | Path, name: str | None = None, embedding: EmbeddingMode = "mapped",
-             weights: WeightsMode = "mapped", dtype: str = "bfloat16", threads: int | None = None) -> ChatModel:
+             weights: WeightsMode = "mapped", dtype: str = "bfloat16", threads: int | None = None,
+             mmproj: str | None = None, image_cache_mib: int = DEFAULT_IMAGE_CACHE_MIB) -> ChatModel:
         path = Path(path)
         name = name or (path.name if path.is_dir() else path.stem)
-        model = Model(str(path), embedding=embedding, weights=weights, dtype=dtype, threads=threads)
+        model = Model(str(path), embedding=embedding, weights=weights, dtype=dtype, threads=threads, mmproj=mmproj,
+                      image_cache_mib=image_cache_mib)
         before = read_memory().anonymous
         tokenizer = Tokenizer.open(model.file)
         heap.trim()
@@ -88,24 +111,36 @@ class ChatModel:
         """How the template writes tool calls; None when it renders none."""
         return tool_format(self.template.source)
 
-    def chat_prompt(self, messages: list[dict], think: bool | None = None, tools: list[dict] | None = None) -> Prompt:
-        """Render `messages` (and the `tools` offered, in the template's function form) with the
-        generation prompt; `think` None leaves the template's default."""
-        tokens, ends, text = self._render(messages, think, tools)
-        return Prompt(tokens, sorted({n for n in ends if n is not None}), think_open=self.template.think_prefix(text),
-                      answered=partial(self._answered, messages, think, tools))
+    def prepare_image(self, data: bytes) -> ImageInput:
+        """An encoded image made ready for this model's tower; ImageError names what is wrong with it."""
+        if self.model.tower is None:
+            raise PagelmError(f"model '{self.name}' has no vision support (no vision tower): it cannot read images")
+        return prepare_image(data, self.model.tower.config, self.image_min_tokens, self.image_max_tokens)
 
-    def _render(self, messages: list[dict], think: bool | None, tools: list[dict] | None):
-        """(prompt tokens, per message the token count where it ends or None, prompt text)."""
+    def chat_prompt(self, messages: list[dict], think: bool | None = None, tools: list[dict] | None = None,
+                    images: Sequence[ImageInput] = ()) -> Prompt:
+        """Render `messages` (and the `tools` offered, in the template's function form) with the
+        generation prompt; `think` None leaves the template's default. `images` are those of the
+        messages' image parts, in order."""
+        tokens, ends, text, placed = self._render(messages, think, tools, images)
+        return Prompt(tokens, sorted({n for n in ends if n is not None}), think_open=self.template.think_prefix(text),
+                      answered=partial(self._answered, messages, think, tools, images), images=placed)
+
+    def _render(self, messages: list[dict], think: bool | None, tools: list[dict] | None,
+                images: Sequence[ImageInput]):
+        """(prompt tokens, per message the token count where it ends or None, prompt text, images placed)."""
         args = dict(add_generation_prompt=True, enable_thinking=think, tools=tools)
         text = self.template.render(messages, **args)
         tokens = self.tokenizer.encode(text, add_special=True)
         ends = self.message_ends.token_ends(self.message_ends.text_ends(messages, text, **args), text, tokens,
                                            self.tokenizer)
-        return tokens, ends, text
+        if self.model.tower is None:
+            return tokens, ends, text, []
+        expanded = expand_images(tokens, images)
+        return expanded.tokens, [None if e is None else expanded.index(e) for e in ends], text, expanded.images
 
-    def _answered(self, messages: list[dict], think: bool | None, tools: list[dict] | None, reasoning: str,
-                  content: str) -> Prompt | None:
+    def _answered(self, messages: list[dict], think: bool | None, tools: list[dict] | None,
+                  images: Sequence[ImageInput], reasoning: str, content: str) -> Prompt | None:
         """The conversation with this answer appended, as the next request (a user message after
         it) renders it, up to the answer's end: its tokens and message ends; None when the answer
         gets no end."""
@@ -116,13 +151,14 @@ class ChatModel:
             answer["content"], answer["tool_calls"] = calls
             follow = {"role": "tool", "content": "?"}
         try:
-            tokens, ends, _ = self._render([*messages, answer, follow], think, tools)
+            tokens, ends, _, placed = self._render([*messages, answer, follow], think, tools, images)
         except PagelmError:
             return None
         end = ends[len(messages)]
         if end is None:
             return None
-        return Prompt(tokens[:end], sorted({n for n in ends[:len(messages)] if n is not None and n < end}) + [end])
+        return Prompt(tokens[:end], sorted({n for n in ends[:len(messages)] if n is not None and n < end}) + [end],
+                      images=[p for p in placed if p.end <= end])
 
     def _tool_calls(self, content: str, tools: list[dict] | None) -> tuple[str, list[dict]] | None:
         """(the text, the calls as a request's assistant message carries them) of an answer that

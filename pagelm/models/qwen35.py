@@ -8,6 +8,8 @@ computes the output head.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -48,6 +50,9 @@ class Qwen35Config:
     linear_value_dim: int  # ssm.inner_size // n_value_heads
     full_attention_interval: int
     vocab: int  # rows of token_embd
+    # multimodal rope: frequency pairs turned by the (t, h, w) positions, interleaved (mrope_axes);
+    # empty: every pair by t, which for text is plain rope
+    rope_sections: tuple[int, ...] = ()
 
     @classmethod
     def from_loader(cls, model: WeightLoader) -> Qwen35Config:
@@ -61,6 +66,7 @@ class Qwen35Config:
         hidden = i("embedding_length")
         n_value_heads = i("ssm.time_step_rank")
         inner = i("ssm.inner_size")
+        sections = f"{ARCH}.rope.dimension_sections"
         embd = model.dims("token_embd.weight")
         if len(embd) != 2 or embd[0] != hidden:
             raise ModelFormatError(
@@ -88,6 +94,7 @@ class Qwen35Config:
             linear_value_dim=inner // n_value_heads,
             full_attention_interval=i("full_attention_interval"),
             vocab=embd[1],
+            rope_sections=tuple(model.get_int_array(sections)) if model.has(sections) else (),
         )
         if model.has(f"{ARCH}.attention.value_length"):
             value_length = i("attention.value_length")
@@ -101,7 +108,7 @@ class Qwen35Config:
 
     def validate(self, where: str = "qwen35 config") -> None:
         for name, value in vars(self).items():
-            if name not in ("rope_base", "rms_eps") and value < 1:
+            if name not in ("rope_base", "rms_eps", "rope_sections") and value < 1:
                 raise ModelFormatError(f"{where}: {name} is {value}, expected >= 1")
         checks = (
             (self.n_heads % self.n_kv_heads == 0, f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}"),
@@ -110,6 +117,8 @@ class Qwen35Config:
             (self.rope_base > 0, f"rope.freq_base {self.rope_base} must be > 0"),
             (self.rms_eps > 0, f"attention.layer_norm_rms_epsilon {self.rms_eps} must be > 0"),
             (self.conv_kernel >= 2, f"ssm.conv_kernel {self.conv_kernel} must be >= 2"),
+            (all(0 <= n <= self.rope_dim for n in self.rope_sections),
+             f"rope.dimension_sections {list(self.rope_sections)[:8]} must be counts of frequency pairs"),
         )
         for ok, message in checks:
             if not ok:
@@ -239,6 +248,40 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     r1 = x1 * c - x2 * s
     x2.mul_(c).addcmul_(x1, s)
     x1.copy_(r1)
+
+
+def mrope_axes(sections: Sequence[int], pairs: int) -> torch.Tensor:
+    """Which position (0 t, 1 h, 2 w) turns each of the `pairs` rope frequencies: transformers'
+    interleaved M-RoPE, pair i by h when i % 3 == 1 and i < 3·sections[1], by w when i % 3 == 2
+    and i < 3·sections[2], else by t ([11, 11, 10] over 32 pairs: t h w t h w ... t h t h)."""
+    axes = torch.zeros(pairs, dtype=torch.long)
+    for axis in (1, 2):
+        if axis < len(sections):
+            axes[axis : 3 * sections[axis] : 3] = axis
+    return axes
+
+
+def mrope_positions(first: int, length: int, images: Sequence[tuple[int, int, int]]) -> tuple[torch.Tensor, int]:
+    """The (3, length) t/h/w rope positions of `length` tokens whose first text position is
+    `first`, with images at (offset, rows, columns): the offset of the image's first token among
+    them and its merged grid, in order; and the position of the token after them.
+
+    Text advances by one per token (t = h = w). An image starting at st puts its token (r, c) at
+    (st, st + r, st + c), and the text after it at st + max(rows, columns) (transformers'
+    get_rope_index)."""
+    positions = torch.empty(3, length, dtype=torch.long)
+    at, position = 0, first
+    for offset, rows, columns in images:
+        positions[:, at:offset] = torch.arange(position, position + offset - at)
+        position += offset - at
+        end = offset + rows * columns
+        positions[0, offset:end] = position
+        positions[1, offset:end] = position + torch.arange(rows).repeat_interleave(columns)
+        positions[2, offset:end] = position + torch.arange(columns).repeat(rows)
+        position += max(rows, columns)
+        at = end
+    positions[:, at:] = torch.arange(position, position + length - at)
+    return positions, position + length - at
 
 
 def causal_conv1d_silu(x: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -425,6 +468,7 @@ class Qwen35Model(Decoder):
     """
 
     segment = 384
+    image_positions = staticmethod(mrope_positions)
 
     def __init__(self, config: Qwen35Config, model: WeightLoader):
         self.config, self.dtype, self.device = config, model.dtype, model.device
@@ -433,14 +477,18 @@ class Qwen35Model(Decoder):
         rd = config.rope_dim
         # as transformers computes it, in fp32
         self.inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, rd, 2, dtype=torch.float32, device=self.device) / rd))
+        self.rope_axes = mrope_axes(config.rope_sections, rd // 2).to(self.device)
 
     def new_state(self, max_len: int) -> Qwen35State:
         return Qwen35State(self.config, max_len, self.dtype, self.device)
 
-    def _forward(self, x: torch.Tensor, state: Qwen35State) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, state: Qwen35State, positions: torch.Tensor | None = None) -> torch.Tensor:
         c, pos, T = self.config, state.pos, x.shape[0]
         h = x.to(device=self.device, dtype=torch.float32, copy=True)
-        freqs = torch.arange(pos, pos + T, dtype=torch.float32, device=self.device)[:, None] * self.inv_freq
+        if positions is None:
+            freqs = torch.arange(pos, pos + T, dtype=torch.float32, device=self.device)[:, None] * self.inv_freq
+        else:  # frequency pair i turns by position rope_axes[i]: for text (t = h = w) the same numbers
+            freqs = positions.to(self.device)[self.rope_axes].T.to(torch.float32) * self.inv_freq
         cos, sin = freqs.cos(), freqs.sin()
         for layer, cache in zip(self.layers, state.layers):
             y = rms_norm(h, layer.attn_norm, c.rms_eps)
@@ -565,6 +613,13 @@ def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
         f"{ARCH}.ssm.state_size": dk, f"{ARCH}.ssm.group_count": nk, f"{ARCH}.ssm.time_step_rank": nv,
         f"{ARCH}.ssm.inner_size": nv * dv, f"{ARCH}.full_attention_interval": interval,
     })
+    sections = config.rope("mrope_section")
+    if sections is not None:
+        if not isinstance(sections, list) or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 16
+                                                     for n in sections):
+            raise ModelFormatError(f"{config.name}: rope setting 'mrope_section' is {json.dumps(sections)[:60]}, "
+                                   f"expected a list of counts")
+        metadata[f"{ARCH}.rope.dimension_sections"] = [*sections, 0]
     maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, HF_LAYER)
     shift_norms(maps, HF_SHIFTED_NORMS)
     qk = 2 * nk * dk
@@ -612,6 +667,8 @@ def hf_config(c: Qwen35Config, tied: bool) -> dict:
         "linear_value_head_dim": c.linear_value_dim, "linear_num_key_heads": c.n_key_heads,
         "linear_num_value_heads": c.n_value_heads,
         "layer_types": ["full_attention" if c.is_attention_layer(i) else "linear_attention" for i in range(c.n_layers)],
-        "rope_parameters": {**hf_rope(c.rope_base, 1.0), "partial_rotary_factor": c.rope_dim / c.head_dim},
+        "rope_parameters": {**hf_rope(c.rope_base, 1.0), "partial_rotary_factor": c.rope_dim / c.head_dim,
+                            **({"mrope_section": list(c.rope_sections[:3]), "mrope_interleaved": True}
+                               if c.rope_sections else {})},
         **decoder_hf_config(c, tied),
     }

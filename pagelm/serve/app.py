@@ -26,9 +26,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from pagelm.chat.model import ChatModel, Prompt
-from pagelm.chat.template import TemplateError
 from pagelm.chat.tools import PlainStream, Tool, ToolCallStream, ToolFormat
-from pagelm.errors import PagelmError
+from pagelm.errors import ImageError, PagelmError
 from pagelm.grammar import Grammar, GrammarError
 from pagelm.measure.memory import read_memory
 from pagelm.sampling import SamplingParams
@@ -78,6 +77,8 @@ class ServeSettings:
     queue_size: int = 64
     max_body_mib: int = 32
     max_tokens: int = 2048  # when a request does not say
+    mmproj: str | None = None  # the vision tower; None: one found beside the model, if any
+    image_cache_mib: int = 256
 
 
 class Server:
@@ -99,7 +100,8 @@ class Server:
         try:
             s = self.settings
             chat = ChatModel.open(s.model_path, name=s.model_name, embedding=s.embedding, weights=s.weights,
-                                  dtype=s.dtype, threads=s.threads)
+                                  dtype=s.dtype, threads=s.threads, mmproj=s.mmproj,
+                                  image_cache_mib=s.image_cache_mib)
             self.worker = Worker(chat.model, chat.tokenizer, s.ctx_len, self.cache, s.checkpoint_interval,
                                  s.queue_size)
             self.chat = chat
@@ -145,10 +147,15 @@ class Server:
         return value
 
     async def plan_chat(self, messages: list[dict], think: bool | None, tools: list[Tool] = (),
-                        choice: str | Tool = "auto", parallel: bool = True, answer: JsonAnswer | None = None) -> ChatPlan:
-        """The prompt with the tools rendered in, and the grammar that `choice` (a forced call) or
-        `answer` (JSON) asks for. `choice` none offers no tools: none rendered, none parsed."""
+                        choice: str | Tool = "auto", parallel: bool = True, answer: JsonAnswer | None = None,
+                        images: list[bytes] = ()) -> ChatPlan:
+        """The prompt with the tools and `images` (those of the messages' image parts, in order)
+        rendered in, and the grammar that `choice` (a forced call) or `answer` (JSON) asks for.
+        `choice` none offers no tools: none rendered, none parsed."""
         chat = self.require_ready()
+        if images and chat.model.tower is None:
+            raise RequestError(f"model '{chat.name}' has no vision support: it cannot read the {len(images)} "
+                               f"image(s) in this request")
         tools = list(tools) if choice != "none" else []
         form = chat.tool_form if tools else None
         if tools and form is None:
@@ -158,10 +165,19 @@ class Server:
         if forced and answer is not None:
             raise RequestError("a JSON answer format and a tool_choice that forces a call cannot be combined",
                                param="response_format")
+
+        def render() -> Prompt:
+            prepared = []
+            for i, data in enumerate(images):
+                try:
+                    prepared.append(chat.prepare_image(data))
+                except ImageError as e:
+                    raise RequestError(f"image {i + 1} of the request: {e}") from None
+            return chat.chat_prompt(messages, think, [t.for_template() for t in tools] or None, prepared)
+
         try:
-            prompt = await run_in_threadpool(chat.chat_prompt, messages, think,
-                                             [t.for_template() for t in tools] or None)
-        except TemplateError as e:
+            prompt = await run_in_threadpool(render)
+        except PagelmError as e:  # the template's own refusals, placeholders that do not match the images
             raise RequestError(str(e)) from None
         grammar = None
         if forced:
@@ -198,11 +214,6 @@ class Server:
 
     async def raw_prompt(self, text: str) -> Prompt:
         return await run_in_threadpool(self.require_ready().raw_prompt, text)
-
-    def check_images(self, images: list[bytes]) -> None:
-        if images:
-            raise RequestError(f"model '{self.require_ready().name}' has no vision support: it cannot read the "
-                               f"{len(images)} image(s) in this request")
 
     def start(self, request: Request, prompt: Prompt, params: SamplingParams, stop: tuple[str, ...],
               id_prefix: str, max_len: int | None = None, grammar: Grammar | None = None) -> Job:
@@ -251,6 +262,7 @@ class Server:
         memory = read_memory()
         return {
             "prefix_cache": self.cache.stats(),
+            "image_cache": self.chat.model.image_cache.stats() if self.chat else {},
             "requests": {"served": w.served if w else 0, "cancelled": w.cancelled if w else 0,
                          "failed": w.failed if w else 0, "queued": w.queued if w else 0,
                          "running": bool(w and w.running)},
@@ -296,7 +308,7 @@ async def events(job: Job, request: Request | None = None) -> AsyncIterator[Delt
 def _metrics(server: Server) -> str:
     s = server.stats()
     lines = []
-    for group in ("prefix_cache", "requests", "memory"):
+    for group in ("prefix_cache", "image_cache", "requests", "memory"):
         for key, value in s[group].items():
             if isinstance(value, (bool, int, float)):
                 lines.append(f"pagelm_{group}_{key} {int(value) if isinstance(value, bool) else value}")

@@ -113,9 +113,8 @@ def routes(server: Server) -> list[Route]:
         body = await server.read_json(request)
         (params, stop, num_ctx), streamed = check(body)
         messages, images = messages_from(body.get("messages"), "ollama")
-        server.check_images(images)
         plan = await server.plan_chat(messages, _think(body), tools_from(body.get("tools")),
-                                      answer=_json_answer(body.get("format")))
+                                      answer=_json_answer(body.get("format")), images=images)
         job = server.start(request, plan.prompt, params, stop, "chat", max_len=num_ctx, grammar=plan.grammar)
         name = server.chat.name
         calls = plan.answer_stream()
@@ -157,14 +156,15 @@ def routes(server: Server) -> list[Route]:
         images = body.get("images") or []
         if not isinstance(images, list):
             raise RequestError("images must be a list of base64 strings")
-        _, images = messages_from([{"role": "user", "content": "", "images": images}], "ollama")
-        server.check_images(images)
+        (user,), images = messages_from([{"role": "user", "content": text, "images": images}], "ollama")
         answer = _json_answer(body.get("format"))
         if boolean(body, "raw"):
+            if images:
+                raise RequestError("a raw prompt cannot carry images: it has no chat template to place them")
             prompt, grammar = await server.raw_prompt(text), await server.json_grammar(answer)
         else:
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-            plan = await server.plan_chat(messages, _think(body), answer=answer)
+            messages = ([{"role": "system", "content": system}] if system else []) + [user]
+            plan = await server.plan_chat(messages, _think(body), answer=answer, images=images)
             # a generate client never sends the answer back: nothing to keep for a next turn
             prompt, grammar = replace(plan.prompt, answered=None), plan.grammar
         job = server.start(request, prompt, params, stop, "gen", max_len=num_ctx, grammar=grammar)
@@ -208,7 +208,7 @@ def routes(server: Server) -> list[Route]:
         metadata = chat.model.file.metadata
         info = {k: v for k, v in metadata.items() if not k.startswith("tokenizer.") and isinstance(v, (int, float, str))}
         capabilities = (["completion"] + (["tools"] if chat.tool_form else [])
-                        + (["thinking"] if chat.thinks else []))
+                        + (["thinking"] if chat.thinks else []) + (["vision"] if chat.model.tower else []))
         return JSONResponse({"modelfile": "", "parameters": "", "template": chat.template.source,
                              "details": _details(server), "model_info": info, "capabilities": capabilities})
 

@@ -116,11 +116,10 @@ def routes(server: Server) -> list[Route]:
         body = await server.read_json(request)
         params, stop, streamed = _common(server, body)
         messages, images = messages_from(body.get("messages"), "openai")
-        server.check_images(images)
         tools = tools_from(body.get("tools"))
         parallel = boolean(body, "parallel_tool_calls")
         plan = await server.plan_chat(messages, _think(body), tools, tool_choice_from(body.get("tool_choice"), tools),
-                                      parallel is not False, _json_answer(body.get("response_format")))
+                                      parallel is not False, _json_answer(body.get("response_format")), images)
         job = server.start(request, plan.prompt, params, stop, "chatcmpl", grammar=plan.grammar)
         created, name = int(time.time()), model_name()
         head = {"id": job.id, "object": "chat.completion.chunk", "created": created, "model": name}

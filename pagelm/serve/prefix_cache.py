@@ -5,7 +5,9 @@ checkpoints: the recurrent + conv state at a token position and the attention K/
 K/V is held in segments: a checkpoint taken after another one in the same request shares that
 one's segments and adds only the positions between them, so a shared prefix is stored once.
 A segment lives as long as any checkpoint refers to it. Eviction is least-recently-used within
-a slot count and a byte bound. The engine thread changes the cache while request handlers read
+a slot count and a byte bound. A checkpoint is keyed by its tokens and by the keys of the images
+among them: a different image of the same size at the same place has the same tokens but is never
+a hit. The engine thread changes the cache while request handlers read
 its counters, hence the lock.
 """
 
@@ -37,15 +39,27 @@ class KVSegment:
 
 @dataclass(frozen=True, eq=False)
 class Checkpoint:
-    """The session state after `tokens`: K/V segments covering [0, len(tokens)) and the fixed state."""
+    """The session state after `tokens` (with `images` among them): K/V segments covering
+    [0, len(tokens)), the fixed state, and the session's rope position offset."""
 
     tokens: tuple[int, ...]
+    images: tuple[str, ...]
+    position_delta: int
     segments: tuple[KVSegment, ...]
     fixed: tuple[torch.Tensor, ...]
 
     @property
+    def key(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        return self.tokens, self.images
+
+    @property
     def fixed_nbytes(self) -> int:
         return nbytes(self.fixed)
+
+    def starts(self, tokens: Sequence[int], images: Sequence[str]) -> bool:
+        """Whether these are the first tokens of `tokens` and the first images of `images`."""
+        return (tuple(tokens[: len(self.tokens)]) == self.tokens
+                and tuple(images[: len(self.images)]) == self.images)
 
 
 class PrefixCache:
@@ -53,7 +67,7 @@ class PrefixCache:
 
     def __init__(self, slots: int, max_bytes: int):
         self.slots, self.max_bytes = slots, max_bytes
-        self._entries: OrderedDict[tuple[int, ...], Checkpoint] = OrderedDict()  # least recent first
+        self._entries: OrderedDict[tuple, Checkpoint] = OrderedDict()  # by Checkpoint.key, least recent first
         self.lookups = self.hits = self.tokens_reused = self.evictions = 0
         self._lock = threading.RLock()
 
@@ -71,36 +85,37 @@ class PrefixCache:
         segments = {id(s): s for c in entries for s in c.segments}
         return sum(s.nbytes for s in segments.values()) + sum(c.fixed_nbytes for c in entries)
 
-    def lookup(self, prompt: Sequence[int]) -> Checkpoint | None:
+    def lookup(self, prompt: Sequence[int], images: Sequence[str] = ()) -> Checkpoint | None:
         """The longest checkpoint whose tokens are a proper prefix of `prompt` (at least one
-        token must remain to produce logits), marked most recently used; None on a miss."""
+        token must remain to produce logits) and whose images are the first of `images` (the
+        keys of the prompt's images), marked most recently used; None on a miss."""
         if not self.enabled:
             return None
-        prompt = tuple(prompt)
         with self._lock:
             self.lookups += 1
-            best = self._longest(prompt, len(prompt) - 1)
+            best = self._longest(prompt, images, len(prompt) - 1)
             if best is not None:
                 self.hits += 1
                 self.tokens_reused += len(best.tokens)
         return best
 
-    def longest(self, tokens: Sequence[int]) -> Checkpoint | None:
-        """The longest checkpoint whose tokens are a prefix of `tokens` or all of them, marked
-        most recently used; not counted as a lookup (the server's own use, not a request's)."""
+    def longest(self, tokens: Sequence[int], images: Sequence[str] = ()) -> Checkpoint | None:
+        """The longest checkpoint whose tokens are a prefix of `tokens` or all of them (and its
+        images the first of `images`), marked most recently used; not counted as a lookup (the
+        server's own use, not a request's)."""
         if not self.enabled:
             return None
         with self._lock:
-            return self._longest(tuple(tokens), len(tokens))
+            return self._longest(tokens, images, len(tokens))
 
-    def _longest(self, tokens: tuple[int, ...], limit: int) -> Checkpoint | None:
+    def _longest(self, tokens: Sequence[int], images: Sequence[str], limit: int) -> Checkpoint | None:
         best = None
-        for key, entry in self._entries.items():
-            n = len(key)
-            if n <= limit and (best is None or n > len(best.tokens)) and tokens[:n] == key:
+        for entry in self._entries.values():
+            n = len(entry.tokens)
+            if n <= limit and (best is None or n > len(best.tokens)) and entry.starts(tokens, images):
                 best = entry
         if best is not None:
-            self._entries.move_to_end(best.tokens)
+            self._entries.move_to_end(best.key)
         return best
 
     def restore(self, entry: Checkpoint, session: Session) -> None:
@@ -115,6 +130,8 @@ class PrefixCache:
                 dst.copy_(src)
         state.pos = len(entry.tokens)
         session.tokens = list(entry.tokens)
+        session.images = list(entry.images)
+        session.position_delta = entry.position_delta
         session.logits = None
 
     def store(self, session: Session, base: Checkpoint | None = None) -> Checkpoint | None:
@@ -125,13 +142,14 @@ class PrefixCache:
         or the checkpoint alone exceeds the byte bound."""
         if not self.enabled or not session.tokens:
             return None
-        tokens = tuple(session.tokens)
+        tokens, images = tuple(session.tokens), tuple(session.images)
+        key = (tokens, images)
         with self._lock:
-            if tokens in self._entries:
-                self._entries.move_to_end(tokens)
-                return self._entries[tokens]
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return self._entries[key]
         start = 0
-        if base is not None and len(base.tokens) <= len(tokens) and tokens[: len(base.tokens)] == base.tokens:
+        if base is not None and base.starts(tokens, images):
             start = len(base.tokens)
         else:
             base = None
@@ -144,11 +162,11 @@ class PrefixCache:
                 segments += (KVSegment(start, len(tokens), layers),)
             fixed = tuple(t.clone() for t in state.fixed_tensors())
         with self._lock:
-            self._entries[tokens] = Checkpoint(tokens, segments, fixed)
+            self._entries[key] = Checkpoint(tokens, images, session.position_delta, segments, fixed)
             while self._entries and (len(self._entries) > self.slots or self.bytes_held > self.max_bytes):
                 self._entries.popitem(last=False)
                 self.evictions += 1
-            return self._entries.get(tokens)
+            return self._entries.get(key)
 
     def stats(self) -> dict:
         with self._lock:

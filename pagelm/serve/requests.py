@@ -15,6 +15,7 @@ from pagelm.chat.tools import Tool
 from pagelm.sampling import SamplingParams
 
 MAX_IMAGE_BYTES = 20 << 20
+MAX_IMAGES = 16  # per request
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -208,7 +209,9 @@ def _tool_calls(value: Any, protocol: str, where: str) -> list[dict]:
 
 
 def messages_from(value: Any, protocol: str) -> tuple[list[dict], list[bytes]]:
-    """(template messages, images) from an OpenAI or Ollama `messages` list."""
+    """(template messages, images) from an OpenAI or Ollama `messages` list. A message with
+    images gets a list of content parts (`{"type": "image"}` where each image goes, Ollama's
+    before the text), as chat templates read them; the images' bytes come in that order."""
     if not isinstance(value, list) or not value:
         raise RequestError("messages must be a non-empty list", param="messages")
     messages, images, call_ids = [], [], set()
@@ -222,18 +225,20 @@ def messages_from(value: Any, protocol: str) -> tuple[list[dict], list[bytes]]:
                                f"got {role!r}", param="messages")
         content = message.get("content")
         if isinstance(content, list) and protocol == "openai":
-            texts = []
+            parts = []
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind == "text" and isinstance(part.get("text"), str):
-                    texts.append(part["text"])
+                    parts.append({"type": "text", "text": part["text"]})
                 elif kind == "image_url":
                     url = part.get("image_url")
                     url = url.get("url") if isinstance(url, dict) else url
                     images.append(decode_image(url, f"{where}.content[{j}].image_url"))
+                    parts.append({"type": "image"})
                 else:
                     raise RequestError(f"{where}.content[{j}] must be a text or image_url part", param="messages")
-            content = "\n".join(texts)
+            texts = [p["text"] for p in parts if p["type"] == "text"]
+            content = parts if len(texts) < len(parts) else "\n".join(texts)
         elif content is None and role == "assistant":
             content = ""
         elif not isinstance(content, str):
@@ -258,6 +263,10 @@ def messages_from(value: Any, protocol: str) -> tuple[list[dict], list[bytes]]:
             if not isinstance(message["images"], list):
                 raise RequestError(f"{where}.images must be a list of base64 strings", param="messages")
             images += [decode_image(img, f"{where}.images[{j}]") for j, img in enumerate(message["images"])]
+            if message["images"]:
+                plain["content"] = [*({"type": "image"} for _ in message["images"]), {"type": "text", "text": content}]
+        if len(images) > MAX_IMAGES:
+            raise RequestError(f"{where}: more than {MAX_IMAGES} images in one request", param="messages")
         messages.append(plain)
     return messages, images
 

@@ -2,8 +2,8 @@
 each prefilled from the longest cached prefix and streamed back as text deltas.
 
 Owns the queue, cancel-by-id, the prefill split points (message boundaries and every
-`checkpoint_interval` tokens, the same with the cache on or off so both compute the same
-segments), stop strings and the reasoning split. HTTP shapes belong to the protocol modules.
+`checkpoint_interval` tokens but inside an image, the same with the cache on or off so both
+compute the same segments), stop strings and the reasoning split. HTTP shapes belong to the protocol modules.
 
 After a chat answer has gone out, the cache keeps the answer as the next request will render it
 (`Prompt.answered`), not as it was generated: Qwen3.5's template writes a past answer without the
@@ -196,12 +196,12 @@ class Worker:
                 if self._queue.empty():
                     heap.trim()  # idle: give back what the request's temporaries left in every malloc arena
 
-    def _split_points(self, start: int, end: int, boundaries: list[int]) -> list[int]:
-        points = {b for b in boundaries if start < b < end}
+    def _split_points(self, prompt: Prompt, start: int, end: int) -> list[int]:
+        points = {b for b in prompt.boundaries if start < b < end}
         if self.checkpoint_interval > 0:
             first = (start // self.checkpoint_interval + 1) * self.checkpoint_interval
             points.update(range(first, end, self.checkpoint_interval))
-        return sorted(points)
+        return sorted(p for p in points if not prompt.cuts_image(p))
 
     def _run(self, job: Job, emit: Callable) -> Result:
         prompt, session, cache = job.prompt.tokens, self.session, self.cache
@@ -215,18 +215,18 @@ class Worker:
         if len(prompt) >= max_len:
             raise PagelmError(f"prompt of {len(prompt)} tokens does not fit the context of {max_len} tokens")
         start = time.perf_counter()
-        base = cache.lookup(prompt)
+        base = cache.lookup(prompt, job.prompt.image_keys)
         if base is not None:
             cache.restore(base, session)
             result.cached_tokens = len(base.tokens)
         else:
             session.reset()
         cursor = len(session.tokens)
-        for point in self._split_points(cursor, len(prompt), job.prompt.boundaries):
+        for point in self._split_points(job.prompt, cursor, len(prompt)):
             if job.cancel.is_set():
                 result.finish_reason = "cancelled"
                 return result
-            session.prefill(prompt[cursor:point])
+            session.prefill(prompt[cursor:point], job.prompt.images_in(cursor, point))
             cursor = point
             base = cache.store(session, base) or base
 
@@ -246,7 +246,8 @@ class Worker:
         stopped = False  # by a stop string
         constraint = None if job.grammar is None else job.grammar.matcher(
             after_reasoning=job.prompt.think_open and job.prompt.split_reasoning)
-        tokens = session.generate(prompt[cursor:], params, cancel=job.cancel, constraint=constraint)
+        tokens = session.generate(prompt[cursor:], params, cancel=job.cancel, constraint=constraint,
+                                  images=job.prompt.images_in(cursor, len(prompt)))
         for token in tokens:
             if result.completion_tokens == 0:
                 result.prefill_s = time.perf_counter() - start
@@ -284,12 +285,13 @@ class Worker:
             kept = prompt.answered("".join(answer.reasoning), "".join(answer.content))
             if kept is None or len(kept.tokens) >= self.ctx_len:
                 return
-            base = self.cache.longest(kept.tokens)
+            base = self.cache.longest(kept.tokens, kept.image_keys)
             if base is None or not 0 < len(kept.tokens) - len(base.tokens) <= generated + 64:
                 return
             self.cache.restore(base, self.session)
-            for point in [*self._split_points(len(base.tokens), len(kept.tokens), kept.boundaries), len(kept.tokens)]:
-                self.session.prefill(kept.tokens[len(self.session.tokens):point])
+            for point in [*self._split_points(kept, len(base.tokens), len(kept.tokens)), len(kept.tokens)]:
+                held = len(self.session.tokens)
+                self.session.prefill(kept.tokens[held:point], kept.images_in(held, point))
                 base = self.cache.store(self.session, base) or base
         except Exception:  # noqa: BLE001 - the reply is out; the next request finds a reset session
             log.exception("keeping the answer in the prefix cache failed")

@@ -161,9 +161,11 @@ class WeightLoader:
     def get_int_array(self, key: str) -> list[int]:
         """An integer array metadata `key`, which must be present."""
         value = self.file.require(key, GGUFValueType.ARRAY)
-        if not isinstance(value, GGUFArray) or value.element_type not in _INT_TYPES:
-            raise ModelFormatError(f"{self.name}: metadata key '{key}' must be an array of integers")
-        return [int(v) for v in value]
+        # a GGUF array, or a list as a Hugging Face config gives it
+        if isinstance(value, GGUFArray) and value.element_type in _INT_TYPES or isinstance(value, list) and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return [int(v) for v in value]
+        raise ModelFormatError(f"{self.name}: metadata key '{key}' must be an array of integers")
 
     # ------------------------------------------------------------------ tensors
 

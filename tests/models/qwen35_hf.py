@@ -34,6 +34,7 @@ class Variant:
     value_heads: int
     linear_dim: int  # key = value head dim (llama.cpp requires them equal)
     vocab: int = 512
+    mrope_section: tuple[int, int, int] | None = None  # multimodal rope's (t, h, w) frequency pairs
 
 
 VARIANTS = {
@@ -58,7 +59,9 @@ def hf_config(v: Variant) -> Qwen3_5TextConfig:
         num_key_value_heads=v.kv_heads,
         head_dim=v.head_dim,
         rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": v.rope_theta, "partial_rotary_factor": v.partial_rotary},
+        rope_parameters={"rope_type": "default", "rope_theta": v.rope_theta, "partial_rotary_factor": v.partial_rotary,
+                         **({} if v.mrope_section is None else {"mrope_section": list(v.mrope_section),
+                                                                 "mrope_interleaved": True})},
         linear_conv_kernel_dim=4,
         linear_key_head_dim=v.linear_dim,
         linear_value_head_dim=v.linear_dim,
@@ -139,8 +142,10 @@ def hf_to_gguf(model: Qwen3_5ForCausalLM, path, *, drop_keys: tuple[str, ...] = 
     # Text positions are equal in every M-RoPE section, so any split of the rope_dim / 2 frequency
     # pairs over t/h/w is plain 1-D rope, as long as the three sections cover them all (llama.cpp's
     # interleaved M-RoPE gives uncovered pairs the fourth, zero, position), as the real [11, 11, 10] do.
+    # A model made for images has its own sections, which image positions need.
     pairs = rope_dim // 2
-    sections = [pairs - 2 * (pairs // 3), pairs // 3, pairs // 3, 0]
+    mrope = c.rope_parameters.get("mrope_section")
+    sections = [*mrope, 0] if mrope else [pairs - 2 * (pairs // 3), pairs // 3, pairs // 3, 0]
 
     a = "qwen35."
     u32 = lambda x: Typed(GGUFValueType.UINT32, int(x))  # noqa: E731

@@ -54,3 +54,14 @@ def leaky(servers, smollm2_gguf) -> ServerProcess:
     return servers.get("leaky", smollm2_gguf, "--ctx-len", "1024", "--prefix-cache-mib", "8", "--max-tokens", "8")
 
 
+
+
+@pytest.fixture(scope="session")
+def qwen_vision(servers, qwen35_chat_gguf, tmp_path_factory) -> ServerProcess:
+    """The synthetic Qwen3.5 with its tiny vision tower (--mmproj, kept apart so that the other
+    qwen servers find none beside the model), cache on."""
+    from pagelm.vision import SHAPES, write_mmproj
+
+    tower = str(tmp_path_factory.mktemp("tower") / "mmproj.gguf")
+    write_mmproj(tower, SHAPES["qwen3.5-tiny-chat"], seed=1)
+    return servers.get("qwen_vision", qwen35_chat_gguf, "--ctx-len", "2048", "--max-tokens", "8", "--mmproj", tower)
