@@ -29,18 +29,29 @@ def synthetic_shapes() -> list[str]:
     return [name for name, shape in SHAPES.items() if shape.full]
 
 
+def _synth(name: str, path: str, *flags: str) -> None:
+    """`pagelm synth --shape NAME [FLAGS] PATH`, unless PATH exists."""
+    if os.path.exists(path):
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    command = ["synth", "--shape", name, *flags, path]
+    print(f"pagelm bench: writing {path} (pagelm {' '.join(command)})", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "pagelm", *command], check=True, stdout=sys.stderr)
+
+
 def model_path(name: str, models_dir: str = DEFAULT_MODELS_DIR) -> str:
     """A .gguf path for a synthetic shape (written to MODELS_DIR/SHAPE-q8_0.gguf with `pagelm synth`
-    when missing), a store name (pulled when missing) or an existing .gguf path."""
+    when missing, and a Qwen3.5 shape's vision tower beside it, MODELS_DIR/mmproj-SHAPE-q8_0.gguf,
+    which `pagelm serve` finds by the model's name), a store name (pulled when missing) or an
+    existing .gguf path."""
     from pagelm import store
+    from pagelm.vision import SHAPES as TOWERS
 
     if name in synthetic_shapes():
         path = os.path.join(models_dir, f"{name}-q8_0.gguf")
-        if not os.path.exists(path):
-            os.makedirs(models_dir, exist_ok=True)
-            print(f"pagelm bench: writing {path} (pagelm synth --shape {name})", file=sys.stderr, flush=True)
-            subprocess.run([sys.executable, "-m", "pagelm", "synth", "--shape", name, path], check=True,
-                           stdout=sys.stderr)
+        _synth(name, path)
+        if name in TOWERS:
+            _synth(name, os.path.join(models_dir, f"mmproj-{name}-q8_0.gguf"), "--mmproj")
         return path
     if name in store.KNOWN_MODELS:
         return str(store.pull(name))

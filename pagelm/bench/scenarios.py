@@ -28,10 +28,10 @@ def configs(weights: str = "mapped") -> tuple[ServerConfig, ...]:
 
 LONG_PROMPT_TOKENS = 2600
 MAX_TOKENS = 32
-# a 1×1 PNG: enough to exercise the image path of the API
+# a 1×1 PNG of one red pixel: a vision model reads it as 64 image tokens (the smallest image)
 PNG_1X1 = base64.b64encode(bytes.fromhex(
-    "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
-    "1f15c4890000000d49444154789c6360f8cfc0000003010100c9fe92ef0000000049454e44ae426082")).decode()
+    "89504e470d0a1a0a0000000d4948445200000001000000010802000000907753de"
+    "0000000c4944415478da633821a7010002c0010fe4bd52150000000049454e44ae426082")).decode()
 SYSTEM = "You are a careful assistant for a weather station. Answer briefly and plainly."
 TURNS = ("What does a barometer measure?", "And what does falling pressure usually mean?",
          "How fast can it fall before a storm?", "Summarise all of that in one sentence.")
@@ -329,19 +329,20 @@ class ScenarioReport:
                 f"{scenario_table(self.results)}\n\n{summary_line(self.results, self.n_runs)}\n")
 
 
-def run_scenarios(model_name: str, model_path: str, n_runs: int, weights: str = "mapped") -> ScenarioReport:
-    """Every scenario on every configuration, `n_runs` times, configurations interleaved."""
+def run_scenarios(model_name: str, model_path: str, n_runs: int, weights: str = "mapped",
+                  names: tuple[str, ...] = tuple(SCENARIOS)) -> ScenarioReport:
+    """Every scenario (of `names`) on every configuration, `n_runs` times, configurations interleaved."""
     chosen = configs(weights)
     model = display_name(model_name)
-    context = {"long_text": text_of_tokens(model_path, LONG_PROMPT_TOKENS)}
-    results: dict[str, list[Run]] = {name: [] for name in SCENARIOS}
+    context = {"long_text": text_of_tokens(model_path, LONG_PROMPT_TOKENS)} if "long-prompt" in names else {}
+    results: dict[str, list[Run]] = {name: [] for name in names}
     for run, config in itertools.product(range(1, n_runs + 1), chosen):
         progress(f"scenarios {model}: run {run}/{n_runs}, {config.label}")
         with ServerProcess(model_path, config) as server:
             client = Client(server, Path(model_path).stem)  # the name `pagelm serve` gives a file
-            for name, scenario in SCENARIOS.items():
+            for name in names:
                 before = client.cache_counters()
-                observation = scenario(client, context)
+                observation = SCENARIOS[name](client, context)
                 after = client.cache_counters()
                 counters = {k: after[k] - before[k] for k in after}
                 results[name].append(Run(config, run, observation, counters))
