@@ -71,3 +71,32 @@ def test_think_on_returns_reasoning_apart_and_think_off_answers_directly(synthet
     # off: the template closes an empty think block ("<think>\n\n</think>\n\n", 2 more tokens)
     assert direct["content"] and direct["reasoning"] == ""
     assert direct["prompt_tokens"] == thinking["prompt_tokens"] + 2
+
+
+def test_images_join_the_prompt_one_shot_and_in_the_repl(qwen35_chat_gguf, tmp_path):
+    import re
+
+    from PIL import Image
+
+    from pagelm.vision import SHAPES, write_mmproj
+
+    tower, image, bad = tmp_path / "tower.gguf", tmp_path / "square.png", tmp_path / "bad.png"
+    write_mmproj(str(tower), SHAPES["qwen3.5-tiny-chat"])
+    Image.new("RGB", (40, 40), (10, 200, 30)).save(image)
+    bad.write_bytes(b"hello")
+    flags = ("--mmproj", str(tower), "--json", "--max-tokens", "2")
+
+    def prompt_tokens(*images: str) -> int:
+        out = _run(qwen35_chat_gguf, "What is it?", *flags, *(f"--image={i}" for i in images)).stdout
+        return json.loads(out.strip().splitlines()[-1])["prompt_tokens"]
+
+    # <|vision_start|>, 64 image tokens (the smallest image), <|vision_end|>
+    assert prompt_tokens(str(image)) == prompt_tokens() + 66
+    refused = subprocess.run([sys.executable, "-m", "pagelm", "run", qwen35_chat_gguf, "What?", *flags,
+                              "--image", str(bad)], capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and f"{bad}: not a PNG" in refused.stderr
+
+    script = f"/image {bad}\n/image {image}\nWhat is it?\n/stats\n/bye\n"
+    repl = _run(qwen35_chat_gguf, "--mmproj", str(tower), "--max-tokens", "2", stdin=script).stderr
+    assert "(no image:" in repl and "(image 1 joins the next message)" in repl
+    assert int(re.search(r"\[prompt (\d+) tokens", repl).group(1)) > 66
