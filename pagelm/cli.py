@@ -238,6 +238,10 @@ def _add_compute_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mmproj", metavar="FILE",
                         help="the vision tower (llama.cpp's mmproj GGUF) of a Qwen3.5 model (default: an mmproj*.gguf "
                              "beside the model file, or mmproj.gguf in a model directory)")
+    parser.add_argument("--image-min-tokens", type=int, default=64,
+                        help="an image is resized up to at least this many tokens of 32 × 32 pixels (default 64)")
+    parser.add_argument("--image-max-tokens", type=int, default=1024,
+                        help="and down to at most this many (default 1024)")
     parser.add_argument("--embedding", choices=["mapped", "dense"], default="mapped",
                         help="token embedding rows decoded from the file map (mapped, default) or an unpacked table (dense)")
     parser.add_argument("--weights", choices=["mapped", "dense"], default="mapped",
@@ -259,7 +263,8 @@ def _open_chat(args: argparse.Namespace):
     path = _pull_with_progress(args.model) if args.model in store.KNOWN_MODELS else store.resolve(args.model)
     print(f"loading {path} (embedding {args.embedding}, weights {args.weights}, {args.dtype})", file=sys.stderr)
     chat = ChatModel.open(path, name=args.model, embedding=args.embedding, weights=args.weights, dtype=args.dtype,
-                          threads=args.threads, mmproj=args.mmproj)
+                          threads=args.threads, mmproj=args.mmproj,
+                          image_tokens=(args.image_min_tokens, args.image_max_tokens))
     conversation = Conversation(chat.model, chat.tokenizer, chat.template, max_len=args.ctx_len, think=args.think)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens)
@@ -412,6 +417,7 @@ def _serve(args: argparse.Namespace) -> int:
                              ("--checkpoint-interval", args.checkpoint_interval, 0),
                              ("--queue-size", args.queue_size, 1), ("--max-body-mib", args.max_body_mib, 1),
                              ("--image-cache-mib", args.image_cache_mib, 0),
+                             ("--image-min-tokens", args.image_min_tokens, 1),
                              ("--max-tokens", args.max_tokens, 1), ("--port", args.port, 0)]:
         if value < low:
             raise PagelmError(f"{flag} must be >= {low}, got {value}")
@@ -424,7 +430,8 @@ def _serve(args: argparse.Namespace) -> int:
                              weights=args.weights, dtype=args.dtype, threads=args.threads, api_key=args.api_key,
                              queue_size=args.queue_size,
                              max_body_mib=args.max_body_mib, max_tokens=args.max_tokens, mmproj=args.mmproj,
-                             image_cache_mib=args.image_cache_mib)
+                             image_cache_mib=args.image_cache_mib,
+                             image_tokens=(args.image_min_tokens, args.image_max_tokens))
     try:
         loopback = ipaddress.ip_address(args.host).is_loopback
     except ValueError:

@@ -86,12 +86,14 @@ def test_images_join_the_prompt_one_shot_and_in_the_repl(qwen35_chat_gguf, tmp_p
     bad.write_bytes(b"hello")
     flags = ("--mmproj", str(tower), "--json", "--max-tokens", "2")
 
-    def prompt_tokens(*images: str) -> int:
-        out = _run(qwen35_chat_gguf, "What is it?", *flags, *(f"--image={i}" for i in images)).stdout
+    def prompt_tokens(*more: str) -> int:
+        out = _run(qwen35_chat_gguf, "What is it?", *flags, *more).stdout
         return json.loads(out.strip().splitlines()[-1])["prompt_tokens"]
 
-    # <|vision_start|>, 64 image tokens (the smallest image), <|vision_end|>
-    assert prompt_tokens(str(image)) == prompt_tokens() + 66
+    # <|vision_start|>, 64 image tokens (the smallest image by default), <|vision_end|>
+    text_only = prompt_tokens()
+    assert prompt_tokens("--image", str(image)) == text_only + 66
+    assert prompt_tokens("--image", str(image), "--image-min-tokens", "4") == text_only + 4 + 2
     refused = subprocess.run([sys.executable, "-m", "pagelm", "run", qwen35_chat_gguf, "What?", *flags,
                               "--image", str(bad)], capture_output=True, text=True, timeout=600)
     assert refused.returncode == 2 and f"{bad}: not a PNG" in refused.stderr

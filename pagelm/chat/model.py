@@ -75,7 +75,11 @@ class ChatModel:
     @classmethod
     def open(cls, path: str | Path, name: str | None = None, embedding: EmbeddingMode = "mapped",
              weights: WeightsMode = "mapped", dtype: str = "bfloat16", threads: int | None = None,
-             mmproj: str | None = None, image_cache_mib: int = DEFAULT_IMAGE_CACHE_MIB) -> ChatModel:
+             mmproj: str | None = None, image_cache_mib: int = DEFAULT_IMAGE_CACHE_MIB,
+             image_tokens: tuple[int, int] = (DEFAULT_MIN_TOKENS, DEFAULT_MAX_TOKENS)) -> ChatModel:
+        """`image_tokens`: the (min, max) token counts an image is resized within."""
+        if not 1 <= image_tokens[0] <= image_tokens[1]:
+            raise PagelmError(f"image token bounds {image_tokens[0]}..{image_tokens[1]}: expected 1 <= min <= max")
         path = Path(path)
         name = name or (path.name if path.is_dir() else path.stem)
         model = Model(str(path), embedding=embedding, weights=weights, dtype=dtype, threads=threads, mmproj=mmproj,
@@ -91,7 +95,7 @@ class ChatModel:
         template = ChatTemplate(model.file.metadata.get("tokenizer.chat_template"), name=name,
                                 bos_token=text_of(tokenizer.bos_id),
                                 eos_token=text_of(tokenizer.eos_ids[0] if tokenizer.eos_ids else None))
-        return cls(name, path, model, tokenizer, template, tokenizer_bytes)
+        return cls(name, path, model, tokenizer, template, tokenizer_bytes, *image_tokens)
 
     @property
     def architecture(self) -> str:

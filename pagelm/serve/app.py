@@ -34,6 +34,7 @@ from pagelm.sampling import SamplingParams
 from pagelm.serve.prefix_cache import PrefixCache
 from pagelm.serve.requests import RequestError, request_id
 from pagelm.serve.worker import Delta, Failed, Job, QueueFull, Result, Worker
+from pagelm.vision.preprocess import DEFAULT_MAX_TOKENS, DEFAULT_MIN_TOKENS
 
 log = logging.getLogger("pagelm.serve")
 GRAMMAR_CACHE_SIZE = 32  # compiled grammars kept, least recently used dropped
@@ -79,6 +80,7 @@ class ServeSettings:
     max_tokens: int = 2048  # when a request does not say
     mmproj: str | None = None  # the vision tower; None: one found beside the model, if any
     image_cache_mib: int = 256
+    image_tokens: tuple[int, int] = (DEFAULT_MIN_TOKENS, DEFAULT_MAX_TOKENS)  # an image is resized within
 
 
 class Server:
@@ -101,7 +103,7 @@ class Server:
             s = self.settings
             chat = ChatModel.open(s.model_path, name=s.model_name, embedding=s.embedding, weights=s.weights,
                                   dtype=s.dtype, threads=s.threads, mmproj=s.mmproj,
-                                  image_cache_mib=s.image_cache_mib)
+                                  image_cache_mib=s.image_cache_mib, image_tokens=s.image_tokens)
             self.worker = Worker(chat.model, chat.tokenizer, s.ctx_len, self.cache, s.checkpoint_interval,
                                  s.queue_size)
             self.chat = chat
