@@ -131,7 +131,7 @@ class ChatModel:
                       answered=partial(self._answered, messages, think, tools, images), images=placed)
 
     def _render(self, messages: list[dict], think: bool | None, tools: list[dict] | None,
-                images: Sequence[ImageInput]):
+                images: Sequence[ImageInput] = ()):
         """(prompt tokens, per message the token count where it ends or None, prompt text, images placed)."""
         args = dict(add_generation_prompt=True, enable_thinking=think, tools=tools)
         text = self.template.render(messages, **args)
