@@ -10,7 +10,7 @@ import sys
 import time
 from datetime import datetime, timezone
 
-from pagelm.bench.inputs import DEFAULT_MODELS_DIR, model_path
+from pagelm.bench.inputs import DEFAULT_MODELS_DIR, model_path, tower_path
 from pagelm.errors import PagelmError
 
 SCENARIO_MODELS = ("qwen3.5-tiny-chat", "smollm2-135m")
@@ -28,7 +28,8 @@ def _scenarios(args: argparse.Namespace) -> int:
     from pagelm.bench.scenarios import run_scenarios
 
     _positive("--runs", args.runs)
-    report = run_scenarios(args.model, model_path(args.model, args.models_dir), args.runs, args.weights)
+    report = run_scenarios(args.model, model_path(args.model, args.models_dir), args.runs, args.weights,
+                           mmproj=tower_path(args.model, args.models_dir))
     print(report.markdown())
     return 1 if report.differing else 0
 
@@ -122,7 +123,7 @@ def _all(args: argparse.Namespace) -> int:
 
     sections, differing = [], 0
     for name in args.scenario_models:
-        report = run_scenarios(name, resolve(name), args.scenario_runs)
+        report = run_scenarios(name, resolve(name), args.scenario_runs, mmproj=tower_path(name, args.models_dir))
         differing += report.differing
         sections.append(section(f"Scenarios: {report.model}", ["scenarios", name, "--runs", str(args.scenario_runs)],
                                 report.markdown()))

@@ -41,17 +41,12 @@ def _synth(name: str, path: str, *flags: str) -> None:
 
 def model_path(name: str, models_dir: str = DEFAULT_MODELS_DIR) -> str:
     """A .gguf path for a synthetic shape (written to MODELS_DIR/SHAPE-q8_0.gguf with `pagelm synth`
-    when missing, and a Qwen3.5 shape's vision tower beside it, MODELS_DIR/mmproj-SHAPE-q8_0.gguf,
-    which `pagelm serve` finds by the model's name), a store name (pulled when missing) or an
-    existing .gguf path."""
+    when missing), a store name (pulled when missing) or an existing .gguf path."""
     from pagelm import store
-    from pagelm.vision import SHAPES as TOWERS
 
     if name in synthetic_shapes():
         path = os.path.join(models_dir, f"{name}-q8_0.gguf")
         _synth(name, path)
-        if name in TOWERS:
-            _synth(name, os.path.join(models_dir, f"mmproj-{name}-q8_0.gguf"), "--mmproj")
         return path
     if name in store.KNOWN_MODELS:
         return str(store.pull(name))
@@ -59,6 +54,19 @@ def model_path(name: str, models_dir: str = DEFAULT_MODELS_DIR) -> str:
         return name
     raise PagelmError(f"model '{name}': not a synthetic shape ({', '.join(synthetic_shapes())}), "
                       f"a known model ({', '.join(store.KNOWN_MODELS)}), a .gguf file or a model directory")
+
+
+def tower_path(name: str, models_dir: str = DEFAULT_MODELS_DIR) -> str | None:
+    """The vision tower of a synthetic Qwen3.5 shape (written to MODELS_DIR/SHAPE-tower.gguf with
+    `pagelm synth --mmproj` when missing), for the benchmarks that send images; None for any other
+    model. Not named mmproj*.gguf, so the other benchmarks' servers do not find it beside the models."""
+    from pagelm.vision import SHAPES as TOWERS
+
+    if name not in TOWERS or name not in synthetic_shapes():
+        return None
+    path = os.path.join(models_dir, f"{name}-tower.gguf")
+    _synth(name, path, "--mmproj")
+    return path
 
 
 def display_name(name: str) -> str:

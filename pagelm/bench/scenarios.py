@@ -330,15 +330,16 @@ class ScenarioReport:
 
 
 def run_scenarios(model_name: str, model_path: str, n_runs: int, weights: str = "mapped",
-                  names: tuple[str, ...] = tuple(SCENARIOS)) -> ScenarioReport:
-    """Every scenario (of `names`) on every configuration, `n_runs` times, configurations interleaved."""
+                  names: tuple[str, ...] = tuple(SCENARIOS), mmproj: str | None = None) -> ScenarioReport:
+    """Every scenario (of `names`) on every configuration, `n_runs` times, configurations interleaved;
+    `mmproj`: the model's vision tower, when not beside it."""
     chosen = configs(weights)
     model = display_name(model_name)
     context = {"long_text": text_of_tokens(model_path, LONG_PROMPT_TOKENS)} if "long-prompt" in names else {}
     results: dict[str, list[Run]] = {name: [] for name in names}
     for run, config in itertools.product(range(1, n_runs + 1), chosen):
         progress(f"scenarios {model}: run {run}/{n_runs}, {config.label}")
-        with ServerProcess(model_path, config) as server:
+        with ServerProcess(model_path, config, None if mmproj is None else ["--mmproj", mmproj]) as server:
             client = Client(server, Path(model_path).stem)  # the name `pagelm serve` gives a file
             for name in names:
                 before = client.cache_counters()
