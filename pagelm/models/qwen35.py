@@ -253,7 +253,7 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 def mrope_axes(sections: Sequence[int], pairs: int) -> torch.Tensor:
     """Which position (0 t, 1 h, 2 w) turns each of the `pairs` rope frequencies: transformers'
     interleaved M-RoPE, pair i by h when i % 3 == 1 and i < 3·sections[1], by w when i % 3 == 2
-    and i < 3·sections[2], else by t ([11, 11, 10] over 32 pairs: t h w t h w ... t h t h)."""
+    and i < 3·sections[2], else by t ([11, 11, 10] over 32 pairs: t h w, ten times, then t h)."""
     axes = torch.zeros(pairs, dtype=torch.long)
     for axis in (1, 2):
         if axis < len(sections):
