@@ -105,7 +105,7 @@ def _save_local_models(entries: dict[str, Path]) -> None:
 
 
 def is_model_path(path: Path) -> bool:
-    """A model file, or a checkpoint directory (Hugging Face: config.json)."""
+    """A model file, or a checkpoint directory (Hugging Face or FastFlowLM: both hold config.json)."""
     return path.is_file() or (path.is_dir() and (path / "config.json").is_file())
 
 
