@@ -1,9 +1,10 @@
 """Images as a prompt carries them: decoded once, keyed by content, placed at their pad tokens.
 
-Owns Qwen3.5's image token ids, `ImageInput` (a decoded RGB image with its resize bounds, its
-content key and its grid; pixel rows made only when the tower needs them) and expanding each
-image's one `<|image_pad|>` of a rendered prompt to the image's token count. Never runs the
-tower (`vision.tower`) and never renders templates (`chat`).
+Owns Qwen3.5's image token ids, `ImageInput` (an image decoded and resized once, when a request
+arrives, so that what waits for the engine is bounded by the token cap; its content key; pixel
+rows made only when the tower needs them) and expanding each image's one `<|image_pad|>` of a
+rendered prompt to the image's token count. Never runs the tower (`vision.tower`) and never
+renders templates (`chat`).
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image
 
 from pagelm.errors import PagelmError
 from pagelm.vision.mmproj import VisionConfig
 from pagelm.vision.preprocess import (DEFAULT_MAX_TOKENS, DEFAULT_MIN_TOKENS, MAX_DECODED_PIXELS, PixelRows,
-                                      decode_image, image_rows, smart_resize, to_rgb)
+                                      decode_image, pixel_rows, resized_pixels, to_rgb)
 
 VISION_START = 248_053
 VISION_END = 248_054
@@ -27,15 +27,18 @@ IMAGE_PAD = 248_056  # the chat template writes one per image; it stands for all
 
 @dataclass(frozen=True, eq=False)
 class ImageInput:
-    """One image of a prompt: the decoded RGB picture, how it is resized, and `key`, a hash of
-    its pixels and of the resize parameters (equal keys: equal rows, equal embeddings)."""
+    """One image of a prompt: its resized RGB pixels and `key`, a hash of the decoded pixels and
+    of the resize parameters (equal keys: equal rows, equal embeddings)."""
 
-    image: Image.Image
+    pixels: np.ndarray  # (height, width, 3) uint8, resized for the tower
     config: VisionConfig
-    min_tokens: int
-    max_tokens: int
     key: str
-    grid: tuple[int, int, int]  # (1, patch rows, patch columns) after the resize
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """(1, patch rows, patch columns)."""
+        patch = self.config.patch_size
+        return 1, self.pixels.shape[0] // patch, self.pixels.shape[1] // patch
 
     @property
     def merged(self) -> tuple[int, int]:
@@ -50,24 +53,19 @@ class ImageInput:
 
     def rows(self) -> PixelRows:
         c = self.config
-        return image_rows(self.image, self.min_tokens, self.max_tokens, c.patch_size, c.merge_size, c.image_mean,
-                          c.image_std)
+        return pixel_rows(self.pixels, c.patch_size, c.merge_size, c.image_mean, c.image_std)
 
 
 def prepare_image(data: bytes, config: VisionConfig, min_tokens: int = DEFAULT_MIN_TOKENS,
                   max_tokens: int = DEFAULT_MAX_TOKENS, max_decoded_pixels: int = MAX_DECODED_PIXELS) -> ImageInput:
     """Decode an encoded image (PNG, JPEG, WebP, GIF) for `config`'s tower; ImageError names what is wrong."""
-    if not 1 <= min_tokens <= max_tokens:
-        raise PagelmError(f"image token bounds {min_tokens}..{max_tokens}: expected 1 <= min <= max")
     rgb = to_rgb(decode_image(data, max_decoded_pixels))
-    factor = config.patch_size * config.merge_size
-    height, width = smart_resize(rgb.height, rgb.width, factor, min_tokens * factor**2, max_tokens * factor**2)
-    pixels = np.asarray(rgb)
-    digest = hashlib.blake2b(pixels.tobytes(), digest_size=16)
-    digest.update(repr((pixels.shape, min_tokens, max_tokens, config.patch_size, config.merge_size,
+    resized = resized_pixels(rgb, min_tokens, max_tokens, config.patch_size * config.merge_size)
+    decoded = np.asarray(rgb)
+    digest = hashlib.blake2b(decoded.tobytes(), digest_size=16)
+    digest.update(repr((decoded.shape, min_tokens, max_tokens, config.patch_size, config.merge_size,
                         config.image_mean, config.image_std)).encode())
-    grid = (1, height // config.patch_size, width // config.patch_size)
-    return ImageInput(rgb, config, min_tokens, max_tokens, digest.hexdigest(), grid)
+    return ImageInput(resized, config, digest.hexdigest())
 
 
 @dataclass(frozen=True)

@@ -128,12 +128,22 @@ def image_rows(
 ) -> PixelRows:
     """The rows of a decoded image, resized so that its token count lies in [min_tokens, max_tokens]
     (as smart_resize bounds it)."""
+    pixels = resized_pixels(to_rgb(image), min_tokens, max_tokens, patch_size * merge_size)
+    return pixel_rows(pixels, patch_size, merge_size, mean, std)
+
+
+def resized_pixels(rgb: Image.Image, min_tokens: int, max_tokens: int, factor: int) -> np.ndarray:
+    """(height, width, 3) uint8: an RGB image resized (bicubic) to smart_resize's multiples of `factor`."""
     if not 1 <= min_tokens <= max_tokens:
         raise PagelmError(f"image token bounds {min_tokens}..{max_tokens}: expected 1 <= min <= max")
-    factor = patch_size * merge_size
-    rgb = to_rgb(image)
     height, width = smart_resize(rgb.height, rgb.width, factor, min_tokens * factor**2, max_tokens * factor**2)
-    pixels = np.asarray(rgb.resize((width, height), Image.Resampling.BICUBIC))  # (height, width, 3) uint8
+    return np.asarray(rgb.resize((width, height), Image.Resampling.BICUBIC))
+
+
+def pixel_rows(pixels: np.ndarray, patch_size: int = 16, merge_size: int = 2,
+               mean: tuple[float, ...] = (0.5, 0.5, 0.5), std: tuple[float, ...] = (0.5, 0.5, 0.5)) -> PixelRows:
+    """The rows of resized pixels (height, width, 3) uint8, both sides multiples of patch · merge."""
+    height, width = pixels.shape[:2]
     grid_h, grid_w = height // patch_size, width // patch_size
     blocks = pixels.reshape(grid_h // merge_size, merge_size, patch_size, grid_w // merge_size, merge_size,
                             patch_size, CHANNELS)
