@@ -182,12 +182,16 @@ def pull(name_or_path: str, progress: Callable[[int], None] | None = None) -> Pa
     if target.is_file() and target.stat().st_size == model.size:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # one download at a time per model: a second pull waits, then finds the file there
-    with open(target.with_name(target.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    # one download at a time in the store (a lock on its directory, so no lock file is left): a
+    # second pull of the same model waits, then finds the file there
+    directory = os.open(target.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(directory, fcntl.LOCK_EX)
         if target.is_file() and target.stat().st_size == model.size:
             return target
         return _download(model, target, progress)
+    finally:
+        os.close(directory)
 
 
 def _download(model: KnownModel, target: Path, progress: Callable[[int], None] | None) -> Path:
