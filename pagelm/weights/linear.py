@@ -130,54 +130,51 @@ class RowGroup:
     out_lo: int
     data: np.ndarray  # the file map, as uint8
 
+    @property
+    def rows(self) -> int:
+        return len(self.offsets)
 
-class MappedLinear(Linear):
-    """W read in place from the file map: its rows may come from several tensors (a fused
-    projection) of different types, in any order (a row permutation), with no copy."""
+    def matmul(self, xs: np.ndarray, out: np.ndarray, width: int) -> None:
+        rows_matmul(self.data, self.ggml_type, self.offsets, width, xs, out, self.out_lo)
 
-    def __init__(self, groups: list[RowGroup], in_features: int, dtype: torch.dtype, scratch: Scratch):
-        self.groups, self.scratch = groups, scratch
-        self.in_features = in_features
-        self.out_features = groups[-1].out_lo + len(groups[-1].offsets)
-        self.dtype = dtype
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > MAX_GEMV_ROWS:
-            return self._many_rows(x)
-        xs = x.to(torch.float32).contiguous().numpy()
-        out = np.empty((x.shape[0], self.out_features), np.float32)
-        for g in self.groups:
-            rows_matmul(g.data, g.ggml_type, g.offsets, self.in_features, xs, out, g.out_lo)
-        return torch.from_numpy(out)
-
-    def _tile(self, lo: int, hi: int) -> torch.Tensor:
-        tensor, array = self.scratch.take(hi - lo, self.in_features)
-        for g in self.groups:
-            a, b = max(lo, g.out_lo), min(hi, g.out_lo + len(g.offsets))
-            if a < b:
-                rows_dequantize(g.data, g.ggml_type, g.offsets[a - g.out_lo : b - g.out_lo],
-                                self.in_features, array[a - lo : b - lo])
-        return tensor
+    def dequantize(self, lo: int, hi: int, width: int, out: np.ndarray) -> None:
+        rows_dequantize(self.data, self.ggml_type, self.offsets[lo:hi], width, out)
 
 
 @dataclass(frozen=True)
 class TiledPart:
     """Consecutive output rows read from one tiled matrix (`weights.flm.TiledMatrix`): W[out_lo + r]
-    is the matrix's row order[r]."""
+    is the matrix's row order[r]. A few rows of x multiply the matrix's whole 32-row groups, then
+    the rows are put in order."""
 
     matrix: object
     order: np.ndarray  # int64
     out_lo: int
 
+    @property
+    def rows(self) -> int:
+        return len(self.order)
 
-class TiledLinear(Linear):
-    """W read in place from FastFlowLM tiles: a few rows of x multiply whole 32-row groups (then
-    the rows are put in order), many rows take W a tile of rows at a time, as MappedLinear does."""
+    def matmul(self, xs: np.ndarray, out: np.ndarray, width: int) -> None:
+        m = self.matrix
+        groups = np.empty((xs.shape[0], m.groups * ROWS), np.float32)
+        tile_matmul(m.data, m.kind, m.offset, m.groups, m.col_tiles, xs, groups)
+        out[:, self.out_lo : self.out_lo + self.rows] = groups[:, self.order]
 
-    def __init__(self, parts: list[TiledPart], in_features: int, dtype: torch.dtype, scratch: Scratch):
+    def dequantize(self, lo: int, hi: int, width: int, out: np.ndarray) -> None:
+        m = self.matrix
+        tile_dequantize(m.data, m.kind, m.offset, m.groups, m.col_tiles, self.order[lo:hi], out)
+
+
+class MappedLinear(Linear):
+    """W read in place from the file maps: its rows may come from several tensors (a fused
+    projection) of different types and layouts (GGML rows, FastFlowLM tiles), in any order (a row
+    permutation), with no copy. Each part (RowGroup, TiledPart) multiplies and dequantizes its rows."""
+
+    def __init__(self, parts: list, in_features: int, dtype: torch.dtype, scratch: Scratch):
         self.parts, self.scratch = parts, scratch
         self.in_features = in_features
-        self.out_features = parts[-1].out_lo + len(parts[-1].order)
+        self.out_features = parts[-1].out_lo + parts[-1].rows
         self.dtype = dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,34 +183,16 @@ class TiledLinear(Linear):
         xs = x.to(torch.float32).contiguous().numpy()
         out = np.empty((x.shape[0], self.out_features), np.float32)
         for p in self.parts:
-            m = p.matrix
-            groups = np.empty((x.shape[0], m.groups * ROWS), np.float32)
-            tile_matmul(m.data, m.kind, m.offset, m.groups, m.col_tiles, xs, groups)
-            out[:, p.out_lo : p.out_lo + len(p.order)] = groups[:, p.order]
+            p.matmul(xs, out, self.in_features)
         return torch.from_numpy(out)
 
     def _tile(self, lo: int, hi: int) -> torch.Tensor:
         tensor, array = self.scratch.take(hi - lo, self.in_features)
         for p in self.parts:
-            a, b = max(lo, p.out_lo), min(hi, p.out_lo + len(p.order))
+            a, b = max(lo, p.out_lo), min(hi, p.out_lo + p.rows)
             if a < b:
-                m = p.matrix
-                tile_dequantize(m.data, m.kind, m.offset, m.groups, m.col_tiles, p.order[a - p.out_lo : b - p.out_lo],
-                          array[a - lo : b - lo])
+                p.dequantize(a - p.out_lo, b - p.out_lo, self.in_features, array[a - lo : b - lo])
         return tensor
-
-
-class StackedLinear(Linear):
-    """Operators over consecutive row ranges of one W, stacked: a fused projection whose parts are
-    stored in different ways (tiled and untiled)."""
-
-    def __init__(self, parts: list[Linear]):
-        self.parts = parts
-        self.in_features, self.dtype = parts[0].in_features, parts[0].dtype
-        self.out_features = sum(p.out_features for p in parts)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p(x) for p in self.parts], dim=1)
 
 
 class ColumnOrder(Linear):

@@ -12,7 +12,6 @@ matrix at load (the reference, and the way to other devices), "mapped" computes 
 
 from __future__ import annotations
 
-import itertools
 import mmap
 import os
 from collections.abc import Sequence
@@ -28,8 +27,7 @@ from pagelm.quant import kernels, matmul, tiles
 from pagelm.weights.embedding import EmbeddingMode, OutputHead, RowFormat, TokenEmbedding, load_output_head, load_token_embedding
 from pagelm.weights.flm import FLMCheckpoint, TiledMatrix, is_flm_directory
 from pagelm.weights.hf import HFCheckpoint, is_hf_directory
-from pagelm.weights.linear import (ColumnOrder, DenseLinear, Linear, MappedLinear, RowGroup, Scratch, StackedLinear,
-                                   TiledLinear, TiledPart)
+from pagelm.weights.linear import ColumnOrder, DenseLinear, Linear, MappedLinear, RowGroup, Scratch, TiledPart
 from pagelm.weights.mapped import MappedTensor, tiled_matrices
 
 Checkpoint = GGUFFile | HFCheckpoint | FLMCheckpoint
@@ -209,14 +207,8 @@ class WeightLoader:
                 rows_of = np.asarray(conversion.rows, np.int64)[rows_of]
             columns.append(None if conversion is None else conversion.columns)
             sources.append((source, rows_of))
-        if self.weights == "dense":
-            ops = [self._dense(sources, in_features)]
-        else:  # runs of tiled and of untiled parts, each its own operator
-            runs = [list(run) for _, run in itertools.groupby(sources, lambda s: isinstance(s[0], TiledMatrix))]
-            ops = [self._tiled(run, in_features) if isinstance(run[0][0], TiledMatrix) else self._mapped(run, in_features)
-                   for run in runs]
-        self._operators.extend(ops)
-        op = ops[0] if len(ops) == 1 else StackedLinear(ops)
+        op = self._dense(sources, in_features) if self.weights == "dense" else self._mapped(sources, in_features)
+        self._operators.append(op)
         first = columns[0]
         if any((c is None) != (first is None) or (c is not None and not np.array_equal(c, first)) for c in columns):
             raise UnsupportedError(f"{self.name}: the parts of one operator reorder their columns differently")
@@ -250,32 +242,27 @@ class WeightLoader:
             lo += len(order)
         return DenseLinear(fused.to(self.device))
 
-    def _tiled(self, sources, in_features: int) -> TiledLinear:
-        parts, lo = [], 0
-        for matrix, order in sources:
-            tiles.check_tiles(matrix.data, matrix.kind, matrix.offset, matrix.groups, matrix.col_tiles)
-            parts.append(TiledPart(matrix, order, lo))
-            lo += len(order)
-            matrix.advise(mmap.MADV_WILLNEED)  # bring the matrix into the page cache in the background
-        return TiledLinear(parts, in_features, self.dtype, self.scratch)
-
-    def _mapped(self, infos, in_features: int) -> MappedLinear:
-        groups: list[RowGroup] = []
+    def _mapped(self, sources, in_features: int) -> MappedLinear:
+        parts: list[RowGroup | TiledPart] = []
         lo = 0
-        for info, order in infos:
-            data = self.file.tensor_buffer(info.name)[0]
-            offsets = info.offset + order * info.row_nbytes
-            matmul.check_rows(data, info.ggml_type, offsets, in_features)
-            if groups and groups[-1].ggml_type == info.ggml_type and groups[-1].data.ctypes.data == data.ctypes.data:
-                last = groups.pop()
-                offsets = np.concatenate((last.offsets, offsets))
-                groups.append(RowGroup(last.ggml_type, offsets, last.out_lo, data))
+        for source, order in sources:
+            if isinstance(source, TiledMatrix):
+                tiles.check_tiles(source.data, source.kind, source.offset, source.groups, source.col_tiles)
+                parts.append(TiledPart(source, order, lo))
+                source.advise(mmap.MADV_WILLNEED)  # bring the matrix into the page cache in the background
             else:
-                groups.append(RowGroup(info.ggml_type, offsets, lo, data))
+                data = self.file.tensor_buffer(source.name)[0]
+                offsets = source.offset + order * source.row_nbytes
+                matmul.check_rows(data, source.ggml_type, offsets, in_features)
+                last = parts[-1] if parts else None
+                if isinstance(last, RowGroup) and last.ggml_type == source.ggml_type \
+                        and last.data.ctypes.data == data.ctypes.data:
+                    parts[-1] = RowGroup(last.ggml_type, np.concatenate((last.offsets, offsets)), last.out_lo, data)
+                else:
+                    parts.append(RowGroup(source.ggml_type, offsets, lo, data))
+                MappedTensor(self.file, source.name).advise(mmap.MADV_WILLNEED)
             lo += len(order)
-            # bring the matrix into the page cache in the background
-            MappedTensor(self.file, info.name).advise(mmap.MADV_WILLNEED)
-        return MappedLinear(groups, in_features, self.dtype, self.scratch)
+        return MappedLinear(parts, in_features, self.dtype, self.scratch)
 
     def token_embedding(self, mode: EmbeddingMode, rows: RowFormat) -> TokenEmbedding:
         return load_token_embedding(self.file, mode, rows)
@@ -287,7 +274,8 @@ class WeightLoader:
         """Load the compiled kernels this model uses now rather than inside the first request."""
         kernels.warmup()
         if self.weights == "mapped":
-            matmul.warmup({g.ggml_type for op in self._operators if isinstance(op, MappedLinear) for g in op.groups})
+            matmul.warmup({p.ggml_type for op in self._operators if isinstance(op, MappedLinear)
+                           for p in op.parts if isinstance(p, RowGroup)})
         tiles.warmup({m.kind for m in self.tiles.values()})
 
     @property
