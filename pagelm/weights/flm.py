@@ -21,12 +21,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from pagelm.errors import ModelFormatError
-from pagelm.formats.safetensors import SafetensorsFile, ShardedSafetensors, read_json_file
-from pagelm.models import architecture_module
+from pagelm.formats.safetensors import SafetensorsFile, ShardedSafetensors
 from pagelm.quant import bf16_to_f32
 from pagelm.quant.tiles import COLUMNS, ROWS, TILE_BYTES, TileKind, decode_groups, group_steps, kind_of_size
-from pagelm.weights.hf import (CONFIG_NAME, MAX_CONFIG_BYTES, HFCheckpoint, HFConfig, HFLayout, architecture_of,
-                               plus_one)
+from pagelm.weights.hf import HFCheckpoint, HFConfig, HFLayout, plus_one
 
 MODEL_FILE = "model.q4nx"
 VERSION_KEY = "flm_version"
@@ -139,19 +137,14 @@ class FLMCheckpoint(HFCheckpoint):
         version = parse_version(config)
         self.tiles = self._tiled(tiled, None if version is None else version < Q8_COLUMN_ORDER_SINCE)
 
-    @classmethod
-    def open(cls, path: str | os.PathLike) -> FLMCheckpoint:
-        path = os.fspath(path)
-        config_path = os.path.join(path, CONFIG_NAME)
-        config = HFConfig(read_json_file(config_path, MAX_CONFIG_BYTES), config_path)
-        module = architecture_module(architecture_of(config), config.name)
+    @staticmethod
+    def _open_tensors(path: str) -> ShardedSafetensors:
         file = SafetensorsFile.open(os.path.join(path, MODEL_FILE))
-        shards = ShardedSafetensors(file.name, {MODEL_FILE: file}, dict.fromkeys(file.tensors, MODEL_FILE))
-        try:
-            return cls(path, config, shards, flm_layout(module, config, set(file.tensors)))
-        except BaseException:
-            shards.close()
-            raise
+        return ShardedSafetensors(file.name, {MODEL_FILE: file}, dict.fromkeys(file.tensors, MODEL_FILE))
+
+    @staticmethod
+    def _layout(module, config: HFConfig, names: set[str]) -> HFLayout:
+        return flm_layout(module, config, names)
 
     def _tiled(self, tiled: dict, q8_v102: bool | None) -> dict[str, TiledMatrix]:
         """The tiled matrices, with the Q8 code order of the file's version (or, without one, the

@@ -165,13 +165,20 @@ class HFCheckpoint:
         config_path = os.path.join(path, CONFIG_NAME)
         config = HFConfig(read_json_file(config_path, MAX_CONFIG_BYTES), config_path)
         module = architecture_module(architecture_of(config), config.name)
-        shards = ShardedSafetensors.open(path)
+        shards = cls._open_tensors(path)
         try:
-            layout = module.hf_layout(config, set(shards.tensors))
-            return cls(path, config, shards, layout)
+            return cls(path, config, shards, cls._layout(module, config, set(shards.tensors)))
         except BaseException:
             shards.close()
             raise
+
+    @staticmethod
+    def _open_tensors(path: str) -> ShardedSafetensors:
+        return ShardedSafetensors.open(path)
+
+    @staticmethod
+    def _layout(module, config: HFConfig, names: set[str]) -> HFLayout:
+        return module.hf_layout(config, names)
 
     def close(self) -> None:
         self.shards.close()

@@ -150,11 +150,17 @@ class TiledTensor(_Table):
 
     def logits(self, x, out=None):
         m = self.matrix
-        full = np.empty((1, m.groups * ROWS), np.float32)
-        tile_matmul(m.data, m.kind, m.offset, m.groups, m.col_tiles, np.ascontiguousarray(x, np.float32)[None], full)
         if out is None:
-            return full[0, : self.rows]
-        out[...] = full[0, : self.rows]
+            out = np.empty(self.rows, np.float32)
+        # the kernel writes whole groups: padded ones (rows not a multiple of 32), or an `out` it
+        # cannot write in place, go through a buffer
+        direct = self.rows == m.groups * ROWS and out.dtype == np.float32 and out.shape == (self.rows,) \
+            and out.flags.c_contiguous and out.flags.writeable
+        full = out if direct else np.empty(m.groups * ROWS, np.float32)
+        x = np.ascontiguousarray(x, np.float32)[None]
+        tile_matmul(m.data, m.kind, m.offset, m.groups, m.col_tiles, x, full.reshape(1, -1))
+        if full is not out:
+            out[...] = full[: self.rows]
         return out
 
 
