@@ -438,6 +438,12 @@ def _serve(args: argparse.Namespace) -> int:
         loopback = args.host == "localhost"
     if not loopback and args.api_key is None:
         print(f"pagelm serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    if args.ray_address is not None and args.replicas is None:
+        raise PagelmError("--ray-address needs --replicas N")
+    if args.replicas is not None:
+        from pagelm.serve.cluster.run import serve_cluster
+
+        return serve_cluster(settings, args.replicas, args.ray_address, args.host, args.port)
     failure: list[Exception] = []
 
     def on_load(error: Exception | None) -> None:
@@ -592,6 +598,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "0 disables (default 256)")
     serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level (default warning)")
+    serve.add_argument("--replicas", type=int, metavar="N",
+                       help="run N engine replicas on Ray Serve (pip install 'pagelm[cluster]') behind one ingress "
+                            "with the same routes; each conversation goes back to the replica holding its prefix. "
+                            "CPUs per replica: --threads, else an equal share of the cluster")
+    serve.add_argument("--ray-address", metavar="ADDR",
+                       help="with --replicas: join the Ray cluster at ADDR (e.g. HEAD:6379 after `ray start --head`; "
+                            "the model path must exist on every node); default: start a local Ray, dashboard off")
     serve.set_defaults(run=_serve)
 
     pull = commands.add_parser(

@@ -259,6 +259,10 @@ class Server:
     def max_tokens(self, value: int | None) -> int:
         return self.settings.max_tokens if value is None else value
 
+    async def current_stats(self) -> dict:
+        """What /api/ps and /metrics report; a server whose engines run elsewhere asks them."""
+        return self.stats()
+
     def stats(self) -> dict:
         w = self.worker
         memory = read_memory()
@@ -299,6 +303,8 @@ async def events(job: Job, request: Request | None = None) -> AsyncIterator[Delt
                 continue
             if isinstance(event, Failed):
                 error = event.error
+                if isinstance(error, RequestError):  # already an HTTP answer (a remote engine's)
+                    raise error
                 raise RequestError(str(error), status=400 if isinstance(error, PagelmError) else 500)
             yield event
             if isinstance(event, Result):
@@ -307,22 +313,25 @@ async def events(job: Job, request: Request | None = None) -> AsyncIterator[Delt
         job.cancel.set()  # a no-op when finished; stops the engine when the consumer went away
 
 
-def _metrics(server: Server) -> str:
-    s = server.stats()
+def _metrics(s: dict) -> str:
+    """Prometheus text of `stats`: its totals, and with `replicas` (engines elsewhere) each one's
+    figures as pagelm_replica_* labelled by replica."""
     lines = []
-    for group in ("prefix_cache", "image_cache", "requests", "memory"):
-        for key, value in s[group].items():
-            if isinstance(value, (bool, int, float)):
-                lines.append(f"pagelm_{group}_{key} {int(value) if isinstance(value, bool) else value}")
+    for prefix, label, figures in [("pagelm", "", s)] + [
+            ("pagelm_replica", f'{{replica="{r["replica"]}"}}', r) for r in s.get("replicas", ())]:
+        for group in ("prefix_cache", "image_cache", "requests", "memory"):
+            for key, value in figures[group].items():
+                if isinstance(value, (bool, int, float)):
+                    lines.append(f"{prefix}_{group}_{key}{label} {int(value) if isinstance(value, bool) else value}")
     return "\n".join(lines) + "\n"
 
 
-def create_app(settings: ServeSettings, on_load=None) -> Starlette:
+def create_app(settings: ServeSettings, on_load=None, server: Server | None = None) -> Starlette:
     """The app; the model starts loading when the server starts. `on_load(error or None)` is
-    called once loading ends."""
+    called once loading ends. `server`: one built elsewhere (the cluster's ingress), else a Server."""
     from pagelm.serve import ollama_api, openai_api
 
-    server = Server(settings)
+    server = server or Server(settings)
     if on_load is not None:
         server.on_load = on_load
 
@@ -334,7 +343,7 @@ def create_app(settings: ServeSettings, on_load=None) -> Starlette:
         return JSONResponse({"status": "ok", "model": server.chat.name})
 
     async def metrics(request: Request) -> Response:
-        return PlainTextResponse(_metrics(server))
+        return PlainTextResponse(_metrics(await server.current_stats()))
 
     @asynccontextmanager
     async def lifespan(app):

@@ -199,7 +199,7 @@ def routes(server: Server) -> list[Route]:
 
     async def ps(request: Request) -> Response:
         entry = {**model_entry(), "size_vram": 0, "expires_at": "", "context_length": server.settings.ctx_len}
-        return JSONResponse({"models": [entry], **server.stats()})
+        return JSONResponse({"models": [entry], **(await server.current_stats())})
 
     async def show(request: Request) -> Response:
         body = await server.read_json(request)

@@ -1,0 +1,65 @@
+"""`pagelm serve MODEL --replicas N [--ray-address ADDR]`: start or join Ray, deploy the
+application, answer until interrupted, then take the application down (and a local Ray with it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import replace
+
+from pagelm.errors import PagelmError
+from pagelm.serve.app import ServeSettings
+from pagelm.serve.cluster import APP_NAME, require_ray
+
+
+def replica_cpus(ray, replicas: int, threads: int | None) -> int:
+    """CPUs per replica: --threads when given, else an equal share of the cluster, no more than
+    the largest node has (a replica runs on one node)."""
+    if threads is not None:
+        return threads
+    nodes = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
+    total = sum(nodes)
+    return max(1, min(int(total // replicas), int(max(nodes, default=1))))
+
+
+def serve_cluster(settings: ServeSettings, replicas: int, ray_address: str | None, host: str, port: int) -> int:
+    serve = require_ray()
+    import ray
+
+    from pagelm.serve.cluster.deployments import build_app
+
+    if replicas < 1:
+        raise PagelmError(f"--replicas must be >= 1, got {replicas}")
+    # replicas start in other working directories, maybe on other nodes: paths must be absolute
+    settings = replace(settings, model_path=os.path.abspath(settings.model_path),
+                       mmproj=settings.mmproj and os.path.abspath(settings.mmproj))
+    local = ray_address is None
+    if local:
+        ray.init(include_dashboard=False, logging_level=logging.WARNING)
+    else:
+        ray.init(address=ray_address, logging_level=logging.WARNING)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        cpus = replica_cpus(ray, replicas, settings.threads)
+        serve.start(http_options={"host": host, "port": port})
+        print(f"pagelm serve: deploying {replicas} replica(s) of {settings.model_path}, {cpus} CPU(s) each "
+              f"({'local Ray' if local else 'Ray at ' + ray_address})", file=sys.stderr, flush=True)
+        serve.run(build_app(settings, replicas, cpus), name=APP_NAME, route_prefix="/")
+        print(f"pagelm serve: {settings.model_name} ready on http://{host}:{port} ({replicas} replicas)",
+              file=sys.stderr, flush=True)
+        stop.wait()
+    finally:
+        print("pagelm serve: shutting down (running generations may finish)", file=sys.stderr, flush=True)
+        try:
+            serve.delete(APP_NAME)
+            if local:
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
