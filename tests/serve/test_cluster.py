@@ -1,0 +1,210 @@
+"""`pagelm serve --replicas 2` on a local Ray cluster (2 CPUs, dashboard off, started once for the
+module): the same answers as one `pagelm serve`, Ollama routes, per-replica counters, cancel on
+disconnect, prefix affinity across a growing chat, a replica killed mid-run, a clean shutdown.
+"""
+
+import json
+import logging
+import sys
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+from serve_helpers import ServerProcess, ndjson
+
+ray = pytest.importorskip("ray", reason="the cluster extra is not installed (pip install -e '.[cluster]')")
+pytest.importorskip("ray.serve", reason="the cluster extra is not installed (pip install -e '.[cluster]')")
+
+from pagelm.chat.model import Prompt  # noqa: E402
+from pagelm.errors import PagelmError  # noqa: E402
+from pagelm.serve.cluster import require_ray  # noqa: E402
+from pagelm.serve.cluster.router import AffinityTable  # noqa: E402
+from pagelm.serve.cluster.wire import prefix_hashes  # noqa: E402
+
+CATS = [{"role": "user", "content": "Tell me about cats."}]
+TOPICS = ["rivers", "volcanoes", "owls"]
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_address, qwen35_chat_gguf):
+    server = ServerProcess(qwen35_chat_gguf, "--ctx-len", "2048", "--max-tokens", "64", "--replicas", "2",
+                           "--ray-address", ray_address)
+    yield server.wait_ready()
+    server.stop()
+
+
+def _replicas(server) -> list[dict]:
+    return server.ps()["replicas"]
+
+
+def _wait(server, done, what: str, deadline_s: float = 60) -> dict:
+    end = time.monotonic() + deadline_s
+    while True:
+        ps = server.ps()
+        if done(ps):
+            return ps
+        assert time.monotonic() < end, f"{what}: {json.dumps(ps['requests'])}"
+        time.sleep(0.1)
+
+
+# -- without a cluster ----------------------------------------------------------------------
+
+def test_affinity_table_finds_the_longest_live_prefix_and_stays_bounded():
+    table = AffinityTable(max_entries=3)
+    table.record(["a", "ab"], "r1")
+    table.record(["a", "ab", "abc"], "r2")
+    assert table.longest(["a", "ab", "abc", "abcd"], {"r1", "r2"}) == "r2"
+    assert table.longest(["a", "ab", "abc"], {"r1"}) is None  # "ab" moved to r2 too; r2 is gone
+    table.record(["x"], "r1")
+    assert len(table) == 3
+    assert table.longest(["a"], {"r1", "r2"}) is None  # the least recently used went first
+
+
+def test_prefix_hashes_are_equal_up_to_where_two_prompts_part():
+    one = Prompt(list(range(30)), boundaries=[5, 12, 20])
+    two = Prompt(list(range(12)) + [99] * 18, boundaries=[5, 12, 20])
+    a, b = prefix_hashes(one), prefix_hashes(two)
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    assert prefix_hashes(Prompt([1, 2, 3])) == []
+
+
+def test_a_missing_ray_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(PagelmError, match=r"pagelm\[cluster\]"):
+        require_ray()
+
+
+# -- on the cluster -------------------------------------------------------------------------
+
+def test_openai_client_streams_the_answers_of_a_single_server(cluster, qwen):
+    for messages in (CATS, [{"role": "user", "content": "Name three colours."}]):
+        kwargs = dict(messages=messages, max_tokens=24, temperature=0)
+        answers = []
+        for server in (qwen, cluster):
+            chunks = list(server.openai().chat.completions.create(model=server.model, stream=True, **kwargs))
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            answers.append(("".join(getattr(d, "reasoning_content", None) or "" for d in deltas),
+                            "".join(d.content or "" for d in deltas), chunks[-1].choices[0].finish_reason))
+        assert answers[1] == answers[0] and any(answers[0][:2])
+        full = cluster.openai().chat.completions.create(model=cluster.model, **kwargs)
+        assert full.choices[0].message.content == answers[0][1]
+
+
+def test_ollama_routes_answer_as_a_single_server(cluster, qwen):
+    body = {"messages": CATS, "stream": False, "options": {"temperature": 0, "num_predict": 16}}
+    single = httpx.post(f"{qwen.url}/api/chat", json={**body, "model": qwen.model}, timeout=120).json()
+    with httpx.Client(base_url=cluster.url, timeout=120) as client:
+        chat = client.post("/api/chat", json={**body, "model": cluster.model}).json()
+        assert chat["message"] == single["message"] and chat["eval_count"] == single["eval_count"]
+        with client.stream("POST", "/api/generate", json={"model": cluster.model, "prompt": "Hello",
+                                                          "options": {"num_predict": 8}}) as r:
+            lines = ndjson(r)
+        assert r.status_code == 200 and lines[-1]["done"] is True and lines[-1]["eval_count"] == 8
+        assert all(line["done"] is False for line in lines[:-1])
+        assert client.get("/api/tags").json()["models"][0]["name"] == cluster.model
+        assert "completion" in client.post("/api/show", json={"model": cluster.model}).json()["capabilities"]
+        assert client.post("/api/chat", json={**body, "model": "nope"}).status_code == 404
+
+
+def test_ps_and_metrics_report_each_replica_and_their_sums(cluster):
+    ps = cluster.ps()
+    replicas = ps["replicas"]
+    assert len(replicas) == 2 and len({r["replica"] for r in replicas}) == 2 and len({r["pid"] for r in replicas}) == 2
+    assert all(r["threads"] == 1 for r in replicas)  # one CPU each of the cluster's two
+    assert ps["requests"]["served"] == sum(r["requests"]["served"] for r in replicas)
+    assert ps["prefix_cache"]["hits"] == sum(r["prefix_cache"]["hits"] for r in replicas)
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=30).text
+    for r in replicas:
+        assert f'pagelm_replica_prefix_cache_hits{{replica="{r["replica"]}"}}' in metrics
+        assert f'pagelm_replica_memory_anonymous_bytes{{replica="{r["replica"]}"}}' in metrics
+    assert "\npagelm_requests_served " in metrics
+
+
+def test_a_client_that_disconnects_cancels_the_generation_on_its_replica(cluster):
+    rid = f"gone-{uuid.uuid4().hex[:8]}"
+    before = cluster.ps()["requests"]["cancelled"]
+    body = {"model": cluster.model, "messages": CATS, "max_tokens": 1500, "stream": True}
+    with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", json=body, headers={"X-Request-Id": rid},
+                      timeout=120) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    ps = _wait(cluster, lambda ps: ps["requests"]["cancelled"] > before and not ps["requests"]["running"],
+               "the disconnected request was not cancelled")
+    replica = next(r for r in ps["replicas"] if rid in r["recent_requests"])
+    assert replica["requests"]["cancelled"] >= 1
+
+
+def test_each_turn_of_a_chat_goes_back_to_the_replica_holding_its_prefix(cluster):
+    turns: dict[int, list[tuple[str, int]]] = {}
+
+    def chat(c: int) -> None:
+        client = cluster.openai()
+        messages, seen = [], []
+        for t in range(4):
+            messages.append({"role": "user", "content": f"Chat {c}, turn {t}: tell me about {TOPICS[c]}."})
+            rid = f"chat{c}-turn{t}-{uuid.uuid4().hex[:6]}"
+            r = client.chat.completions.create(model=cluster.model, messages=messages, max_tokens=8, temperature=0,
+                                               extra_headers={"X-Request-Id": rid})
+            seen.append((rid, r.usage.prompt_tokens_details.cached_tokens))
+            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        turns[c] = seen
+
+    threads = [threading.Thread(target=chat, args=(c,)) for c in range(len(TOPICS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(turns) == [0, 1, 2]
+    served_by = {rid: r["replica"] for r in _replicas(cluster) for rid in r["recent_requests"]}
+    for c, seen in turns.items():
+        assert len({served_by[rid] for rid, _ in seen}) == 1, f"chat {c} moved between replicas: {seen}"
+        assert all(cached > 0 for _, cached in seen[1:]), f"chat {c} missed its prefix: {seen}"
+
+
+def test_killing_a_replica_loses_no_request_that_had_not_started(cluster):
+    n = 6
+    replies: list = [None] * n
+
+    def ask(i: int) -> None:
+        body = {"model": cluster.model, "messages": [{"role": "user", "content": f"Story number {i}, please."}],
+                "max_tokens": 160, "temperature": 0}
+        replies[i] = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=240)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    ps = _wait(cluster, lambda ps: sum(r["requests"]["queued"] for r in ps["replicas"]) >= 1,
+               "no request waited on a replica", deadline_s=30)
+    victim = max(ps["replicas"], key=lambda r: r["requests"]["queued"])["replica"]
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].endswith(f"#{victim}") and a["namespace"] == "serve"]
+    assert len(names) == 1, names
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    for thread in threads:
+        thread.join()
+    failed = [r for r in replies if r.status_code != 200]
+    assert len(failed) <= 1, [r.text for r in failed]  # only the one it was running
+    for r in failed:
+        assert r.status_code == 500 and "replica" in r.json()["error"]["message"]
+    assert all(r.json()["usage"]["completion_tokens"] > 0 for r in replies if r.status_code == 200)
+    assert cluster.ps()["ingress"]["resent"] >= 1  # what waited on the victim went elsewhere
+    after = httpx.post(f"{cluster.url}/v1/chat/completions", timeout=120,
+                       json={"model": cluster.model, "messages": CATS, "max_tokens": 4})
+    assert after.status_code == 200  # the survivor answers while Serve replaces the victim
+
+
+def test_the_cluster_shuts_down_cleanly(cluster):
+    from ray import serve
+
+    cluster.interrupt()
+    assert cluster.proc.wait(timeout=90) == 0, cluster.log()[-3000:]
+    assert "pagelm" not in serve.status().applications
