@@ -83,6 +83,17 @@ def test_a_missing_ray_is_a_clear_error(monkeypatch):
         require_ray()
 
 
+def test_a_serve_config_file_builds_the_application(qwen35_chat_gguf):
+    from ray import serve
+
+    from pagelm.serve.cluster.deployments import app_builder
+
+    app = app_builder({"model": qwen35_chat_gguf, "replicas": 3, "num_cpus": 2, "ctx_len": 1024})
+    assert isinstance(app, serve.Application)
+    with pytest.raises(TypeError):
+        app_builder({"model": qwen35_chat_gguf, "no_such_setting": 1})
+
+
 # -- on the cluster -------------------------------------------------------------------------
 
 def test_openai_client_streams_the_answers_of_a_single_server(cluster, qwen):
@@ -202,9 +213,19 @@ def test_killing_a_replica_loses_no_request_that_had_not_started(cluster):
     assert after.status_code == 200  # the survivor answers while Serve replaces the victim
 
 
-def test_the_cluster_shuts_down_cleanly(cluster):
+def test_the_cluster_shuts_down_cleanly_after_letting_a_generation_finish(cluster):
     from ray import serve
 
+    reply = []
+    body = {"model": cluster.model, "messages": CATS, "max_tokens": 200, "temperature": 0}
+    asking = threading.Thread(target=lambda: reply.append(
+        httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=120)))
+    asking.start()
+    _wait(cluster, lambda ps: ps["requests"]["running"], "the request did not start")
     cluster.interrupt()
+    asking.join()
+    assert reply[0].status_code == 200, reply[0].text
+    assert reply[0].json()["choices"][0]["finish_reason"] in ("length", "stop")  # not cancelled
     assert cluster.proc.wait(timeout=90) == 0, cluster.log()[-3000:]
     assert "pagelm" not in serve.status().applications
+

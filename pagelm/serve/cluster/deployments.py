@@ -247,3 +247,18 @@ def build_app(settings: ServeSettings, replicas: int, num_cpus: float, routing: 
                                max_ongoing_requests=settings.queue_size + replicas * MAX_ONGOING,
                                ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=30)
     return ingress.bind(settings, engine.bind(settings, stuck_s), replicas)
+
+
+def app_builder(args: dict):
+    """The application for a Serve config file (`import_path: pagelm.serve.cluster.deployments:app_builder`):
+    `args` are `model` (a path on every node), optional `name`, `replicas` (default 1), `num_cpus`
+    per replica (default 1), `routing` (prefix | random) and any ServeSettings field (ctx_len, …)."""
+    args = dict(args)
+    model = os.path.abspath(args.pop("model"))
+    replicas, num_cpus = int(args.pop("replicas", 1)), float(args.pop("num_cpus", 1))
+    routing = args.pop("routing", "prefix")
+    if "image_tokens" in args:
+        args["image_tokens"] = tuple(args["image_tokens"])
+    settings = ServeSettings(model_path=model, model_name=args.pop("name", os.path.splitext(os.path.basename(model))[0]),
+                             **args)
+    return build_app(settings, replicas, num_cpus, routing)
