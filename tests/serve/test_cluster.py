@@ -94,6 +94,25 @@ def test_a_serve_config_file_builds_the_application(qwen35_chat_gguf):
         app_builder({"model": qwen35_chat_gguf, "no_such_setting": 1})
 
 
+def test_check_health_fails_when_the_engine_thread_is_dead_or_stuck():
+    from types import SimpleNamespace
+
+    from pagelm.serve.cluster.deployments import PagelmEngine
+
+    thread = SimpleNamespace(is_alive=lambda: True)
+    worker = SimpleNamespace(_thread=thread, running=None)
+    engine = SimpleNamespace(server=SimpleNamespace(worker=worker), stuck_s=60, last_event=time.monotonic() - 120)
+    PagelmEngine.check_health(engine)  # idle for long is healthy
+    worker.running = SimpleNamespace(id="req-1")
+    with pytest.raises(RuntimeError, match="req-1 has made no progress"):
+        PagelmEngine.check_health(engine)
+    engine.last_event = time.monotonic()
+    PagelmEngine.check_health(engine)
+    thread.is_alive = lambda: False
+    with pytest.raises(RuntimeError, match="engine thread is dead"):
+        PagelmEngine.check_health(engine)
+
+
 # -- on the cluster -------------------------------------------------------------------------
 
 def test_openai_client_streams_the_answers_of_a_single_server(cluster, qwen):

@@ -63,7 +63,8 @@ class PagelmEngine:
         self.recent: collections.deque[str] = collections.deque(maxlen=RECENT)
 
     async def generate(self, wire: WireJob, prefix: list[str] = ()):
-        """The Job's events (Delta…, then Result or Failed); cancelled when the caller goes away."""
+        """The Job's events (Delta…, then Result or Failed); cancelled when the caller goes away.
+        `prefix` (the prompt's prefix hashes) is for the router, which reads it before this runs."""
         server = self.server
         try:
             grammar = None if wire.grammar is None else await server._grammar(*wire.grammar, "grammar")

@@ -79,7 +79,7 @@ class PrefixAffinityRouter(RequestRouter):
         cache = self.replica_queue_len_cache
         mine = cache.get(replica_id)
         lengths = [n for r in candidates if (n := cache.get(r.replica_id)) is not None]
-        return mine is not None and lengths and mine - min(lengths) >= self.imbalance
+        return mine is not None and bool(lengths) and mine - min(lengths) >= self.imbalance
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self.table.record(_hashes(pending_request), replica_id)
