@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,7 @@ class Model:
         if dtype not in DTYPES:
             raise PagelmError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.threads = threads_module.configure(threads)
+        heap.map_large_blocks()
         self.loader = WeightLoader.open(path, weights, DTYPES[dtype], device)
         self.file = self.loader.file
         config_class, model_class = architecture(self.loader)
@@ -126,9 +128,10 @@ class Model:
             raise PagelmError("this model has no vision tower: it cannot read images")
         found = self.image_cache.get(image.key)
         if found is None:
+            start = time.perf_counter()
             pixels = image.rows()
             found = self.tower.encode(pixels.rows, pixels.grid)
-            self.image_cache.put(image.key, found)
+            self.image_cache.put(image.key, found, time.perf_counter() - start)
         return found
 
     def session(self, max_len: int = 4096) -> "Session":

@@ -14,6 +14,7 @@ from pagelm.bench.inputs import DEFAULT_MODELS_DIR, model_path, tower_path
 from pagelm.errors import PagelmError
 
 SCENARIO_MODELS = ("qwen3.5-tiny-chat", "smollm2-135m")
+VISION_SHAPES = ("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b")
 DEFAULT_RUNS = 3
 RESULTS = "results.md"
 CHARTS = {"memory": "bench-memory.png", "pressure": "bench-pressure.png", "shared": "bench-shared.png"}
@@ -69,6 +70,25 @@ def _shared(args: argparse.Namespace) -> int:
 
     _positive("--runs", args.runs)
     report = run_shared(args.model, model_path(args.model, args.models_dir), args.runs)
+    print(report.markdown())
+    if args.png:
+        print(f"chart: {report.chart(args.png)}")
+    return 0
+
+
+def _vision(args: argparse.Namespace) -> int:
+    from pagelm.bench.vision import run_vision
+
+    _positive("--runs", args.runs)
+    _positive("--image-cache-mib", args.image_cache_mib)
+    models = []
+    for name in args.models:
+        tower = tower_path(name, args.models_dir)
+        if tower is None:
+            raise PagelmError(f"model '{name}': bench vision takes a synthetic Qwen3.5 shape with a vision tower "
+                              f"({', '.join(VISION_SHAPES)})")
+        models.append((name, model_path(name, args.models_dir), tower))
+    report = run_vision(models, args.runs, args.image_cache_mib)
     print(report.markdown())
     if args.png:
         print(f"chart: {report.chart(args.png)}")
@@ -249,6 +269,25 @@ def register(commands) -> None:
     shared.add_argument("--png", metavar="PATH", help="also write a bar chart")
     _models_dir(shared)
     shared.set_defaults(run=_shared)
+
+    vision = subcommands.add_parser(
+        "vision", help="what one image costs a Qwen3.5 server: tokens, tower time, TTFT, TTFT again, peak memory",
+        description="For each synthetic Qwen3.5 shape (its model and a random vision tower of the real geometry, "
+                    "written with `pagelm synth` when missing), one `pagelm serve --mmproj`: a warm-up image, "
+                    "then seeded photograph-like JPEGs of 640×480, 1080×720, 1920×1080 and 4032×3024 (resized to "
+                    "the 1,024-token cap), each sent as it is, again, and with a new question. Prints per "
+                    "geometry and size the image's prompt tokens, the tower's seconds, TTFT, TTFT of the same "
+                    "request again and with the new question, the peak anonymous memory the request added (and "
+                    "per megapixel) and what stays after it.")
+    vision.add_argument("models", nargs="*", metavar="SHAPE", default=list(VISION_SHAPES[:3]),
+                        help=f"Qwen3.5 shapes with a tower ({', '.join(VISION_SHAPES)}; default: "
+                             f"{' '.join(VISION_SHAPES[:3])})")
+    vision.add_argument("--runs", type=int, default=1, help="images per size (default 1)")
+    vision.add_argument("--image-cache-mib", type=int, default=256,
+                        help="the servers' image-embedding cache bound (default 256, as pagelm serve)")
+    vision.add_argument("--png", metavar="PATH", help="also write a bar chart of peak memory and TTFT")
+    _models_dir(vision)
+    vision.set_defaults(run=_vision)
 
     perplexity = subcommands.add_parser(
         "perplexity", help="perplexity on a fixed English text per weights mode and dtype, via prefill and via decode",

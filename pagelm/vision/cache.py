@@ -2,7 +2,8 @@
 same image again costs no tower pass.
 
 Bounded in bytes, least recently used dropped first; an embedding larger than the bound is not
-kept. The engine thread fills it while request handlers read its counters, hence the lock.
+kept. The engine thread fills it while request handlers read its counters, hence the lock; it
+also counts the tower passes its misses cost and their seconds (what a hit saves).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ class EmbeddingCache:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()  # least recent first
         self.bytes_held = 0
-        self.lookups = self.hits = self.evictions = 0
+        self.lookups = self.hits = self.evictions = self.tower_passes = 0
+        self.tower_seconds = 0.0
         self._lock = threading.Lock()
 
     def get(self, key: str) -> torch.Tensor | None:
@@ -32,11 +34,14 @@ class EmbeddingCache:
                 self._entries.move_to_end(key)
             return found
 
-    def put(self, key: str, embedding: torch.Tensor) -> None:
+    def put(self, key: str, embedding: torch.Tensor, tower_seconds: float = 0.0) -> None:
+        """Keep the tower's output for `key` (a pass that took `tower_seconds`)."""
         size = embedding.numel() * embedding.element_size()
-        if size > self.max_bytes:
-            return
         with self._lock:
+            self.tower_passes += 1
+            self.tower_seconds += tower_seconds
+            if size > self.max_bytes:
+                return
             old = self._entries.pop(key, None)
             if old is not None:
                 self.bytes_held -= old.numel() * old.element_size()
@@ -53,4 +58,5 @@ class EmbeddingCache:
     def stats(self) -> dict:
         with self._lock:
             return {"max_bytes": self.max_bytes, "entries": len(self._entries), "bytes_held": self.bytes_held,
-                    "lookups": self.lookups, "hits": self.hits, "evictions": self.evictions}
+                    "lookups": self.lookups, "hits": self.hits, "evictions": self.evictions,
+                    "tower_passes": self.tower_passes, "tower_seconds": round(self.tower_seconds, 6)}

@@ -18,9 +18,10 @@ from pagelm.vision.mmproj import (CHANNELS, TEMPORAL_PATCH, LayerNormWeights, Vi
                                   VisionWeights, load_weights)
 from pagelm.weights.loader import WeightLoader
 
-# Scores held at once per attention call (heads × query rows × patches): 32 MiB of float32,
-# where the full matrix of a 1080 × 720 image on the 2B tower would take 573 MB.
-ATTENTION_BLOCK_VALUES = 1 << 23
+# Scores held at once per attention call (heads × query rows × patches): 8 MiB of float32
+# (SDPA holds two or three such buffers), where the full matrix of a 1080 × 720 image on the
+# 2B tower would take 573 MB.
+ATTENTION_BLOCK_VALUES = 1 << 21
 
 
 def merge_block_positions(grid_h: int, grid_w: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,6 +57,8 @@ def test_openai_images_reach_the_model_once(qwen_vision):
     assert usage(first)[0] == usage(text_only)[0] + 64 + 2  # <|vision_start|>, 64 image tokens, <|vision_end|>
     after_first = qwen_vision.ps()["image_cache"]
     assert after_first["entries"] == start["entries"] + 1 and after_first["hits"] == start["hits"]
+    assert after_first["tower_passes"] == start["tower_passes"] + 1
+    assert after_first["tower_seconds"] > start["tower_seconds"]
 
     again = openai_chat(qwen_vision, png(40, 40))
     assert again["choices"] == first["choices"]
@@ -67,6 +69,7 @@ def test_openai_images_reach_the_model_once(qwen_vision):
     assert elsewhere["status"] == 200
     cache = qwen_vision.ps()["image_cache"]
     assert cache["hits"] == after_first["hits"] + 1 and cache["entries"] == after_first["entries"]
+    assert cache["tower_passes"] == after_first["tower_passes"]  # the hit cost no tower pass
     assert cache["bytes_held"] <= cache["max_bytes"] and cache["bytes_held"] >= 64 * 128 * 4
 
 
