@@ -53,8 +53,8 @@ class Endpoint:
 
 
 def throughput(endpoint: Endpoint, concurrency: int, tokens: int) -> tuple[float, float]:
-    """(requests/s, generated tokens/s) of 2 × concurrency distinct requests, `concurrency` at a time."""
-    n = 2 * concurrency
+    """(requests/s, generated tokens/s) of max(4, concurrency) distinct requests, `concurrency` at a time."""
+    n = max(4, concurrency)
     pending, generated, lock = list(range(n)), [], threading.Lock()
 
     def client() -> None:
@@ -163,6 +163,8 @@ def main() -> int:
     try:
         for replicas in (1, 2):
             print(f"{replicas} replica(s) ...", file=sys.stderr, flush=True)
+            # a new size is a new application: an update would wait for CPUs the old replicas hold
+            serve.delete(APP_NAME)
             serve.run(build_app(settings, replicas, max(1, cpus // replicas)), name=APP_NAME, route_prefix="/")
             endpoint.chat([{"role": "user", "content": "Warm up."}], args.tokens)
             if replicas == 1:
@@ -172,9 +174,11 @@ def main() -> int:
                 hits["prefix affinity"] = hit_rate(endpoint, 8)
                 for r in endpoint.ps()["replicas"]:
                     rss, pss = model_file_pages(r["pid"], path)
-                    memory[r["replica"]] = (rss / MIB, pss / MIB, r["memory"]["anonymous_bytes"] / MIB)
+                    memory[r["replica"]] = (rss / MIB, pss / MIB, r["memory"]["anonymous_bytes"] / MIB,
+                                            r["prefix_cache"]["bytes_held"] / MIB)
                 ray_own = ray_memory()
         print("2 replicas, random routing ...", file=sys.stderr, flush=True)
+        serve.delete(APP_NAME)
         serve.run(build_app(settings, 2, max(1, cpus // 2), routing="random"), name=APP_NAME, route_prefix="/")
         endpoint.chat([{"role": "user", "content": "Warm up."}], args.tokens)
         hits["random"] = hit_rate(endpoint, 8)
@@ -190,10 +194,12 @@ def main() -> int:
                 [["plain pagelm serve", f"{plain_latency:.3f}"], ["cluster, 1 replica", f"{cluster_latency:.3f}"],
                  ["added by Ray Serve", f"{cluster_latency - plain_latency:+.3f}"]]))
     print()
-    rows = [[f"replica {rid}", f"{rss:.0f}", f"{pss:.0f}", f"{anon:.0f}"] for rid, (rss, pss, anon) in memory.items()]
-    rows += [[f"plain pagelm serve {i}", f"{f['model_rss']:.0f}", f"{f['model_pss']:.0f}", f"{f['anonymous']:.0f}"]
-             for i, f in ((1, plain_first), (2, plain_second))]
-    print(table(["process", "model file RSS MiB", "model file PSS MiB", "anonymous MiB"], rows))
+    rows = [[f"replica {rid}", f"{rss:.0f}", f"{pss:.0f}", f"{anon:.0f}", f"{cache:.0f}"]
+            for rid, (rss, pss, anon, cache) in memory.items()]
+    rows += [[f"plain pagelm serve {i} (one chat)", f"{f['model_rss']:.0f}", f"{f['model_pss']:.0f}",
+              f"{f['anonymous']:.0f}", ""] for i, f in ((1, plain_first), (2, plain_second))]
+    print(table(["process", "model file RSS MiB", "model file PSS MiB", "anonymous MiB", "of which prefix cache"],
+                rows))
     print()
     print(table(["Ray process (this node)", "PSS MiB"],
                 [[k, f"{v:.0f}"] for k, v in sorted(ray_own.items())] + [["total", f"{sum(ray_own.values()):.0f}"]]))
