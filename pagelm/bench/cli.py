@@ -76,6 +76,21 @@ def _shared(args: argparse.Namespace) -> int:
     return 0
 
 
+def _image_sizes(value: str | None) -> tuple[tuple[str, int, int], ...]:
+    """--sizes WxH,…: those images; without it the standard four."""
+    from pagelm.bench.vision import SIZES
+
+    if value is None:
+        return SIZES
+    sizes = []
+    for item in (v.strip() for v in value.split(",")):
+        width, _, height = item.lower().partition("x")
+        if not (width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
+            raise PagelmError(f"--sizes takes a comma-separated list of WIDTHxHEIGHT, got {item!r}")
+        sizes.append((f"{int(width)}×{int(height)}", int(width), int(height)))
+    return tuple(dict.fromkeys(sizes))
+
+
 def _vision(args: argparse.Namespace) -> int:
     from pagelm.bench.vision import run_vision
 
@@ -88,7 +103,7 @@ def _vision(args: argparse.Namespace) -> int:
             raise PagelmError(f"model '{name}': bench vision takes a synthetic Qwen3.5 shape with a vision tower "
                               f"({', '.join(VISION_SHAPES)})")
         models.append((name, model_path(name, args.models_dir), tower))
-    report = run_vision(models, args.runs, args.image_cache_mib)
+    report = run_vision(models, args.runs, args.image_cache_mib, _image_sizes(args.sizes))
     print(report.markdown())
     if args.png:
         print(f"chart: {report.chart(args.png)}")
@@ -283,6 +298,8 @@ def register(commands) -> None:
                         help=f"Qwen3.5 shapes with a tower ({', '.join(VISION_SHAPES)}; default: "
                              f"{' '.join(VISION_SHAPES[:3])})")
     vision.add_argument("--runs", type=int, default=1, help="images per size (default 1)")
+    vision.add_argument("--sizes", metavar="WxH,…",
+                        help="other image sizes, e.g. 1080x720,4032x3024 (default: the four above)")
     vision.add_argument("--image-cache-mib", type=int, default=256,
                         help="the servers' image-embedding cache bound (default 256, as pagelm serve)")
     vision.add_argument("--png", metavar="PATH", help="also write a bar chart of peak memory and TTFT")
