@@ -165,6 +165,11 @@ class Worker:
     def queued(self) -> int:
         return self._queue.qsize()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread still runs (a crash outside a request would end it)."""
+        return self._thread.is_alive()
+
     def close(self) -> None:
         for job in list(self._jobs.values()):
             job.cancel.set()

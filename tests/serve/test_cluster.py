@@ -99,8 +99,7 @@ def test_check_health_fails_when_the_engine_thread_is_dead_or_stuck():
 
     from pagelm.serve.cluster.deployments import PagelmEngine
 
-    thread = SimpleNamespace(is_alive=lambda: True)
-    worker = SimpleNamespace(_thread=thread, running=None)
+    worker = SimpleNamespace(alive=True, running=None)
     engine = SimpleNamespace(server=SimpleNamespace(worker=worker), stuck_s=60, last_event=time.monotonic() - 120)
     PagelmEngine.check_health(engine)  # idle for long is healthy
     worker.running = SimpleNamespace(id="req-1")
@@ -108,7 +107,7 @@ def test_check_health_fails_when_the_engine_thread_is_dead_or_stuck():
         PagelmEngine.check_health(engine)
     engine.last_event = time.monotonic()
     PagelmEngine.check_health(engine)
-    thread.is_alive = lambda: False
+    worker.alive = False
     with pytest.raises(RuntimeError, match="engine thread is dead"):
         PagelmEngine.check_health(engine)
 

@@ -95,7 +95,7 @@ class PagelmEngine:
 
     def check_health(self) -> None:
         worker = self.server.worker
-        if not worker._thread.is_alive():  # the Worker keeps its engine thread private
+        if not worker.alive:
             raise RuntimeError("the engine thread is dead")
         if worker.running is not None and time.monotonic() - self.last_event > self.stuck_s:
             raise RuntimeError(f"request {worker.running.id} has made no progress for {self.stuck_s:.0f} s")
