@@ -27,6 +27,7 @@ from pagelm.bench.server import ServerConfig, ServerProcess, free_port
 from pagelm.bench.shared import measure_pair, model_file_pages
 from pagelm.measure.memory import read_memory
 from pagelm.serve.app import ServeSettings
+from pagelm.serve.cluster.run import LOOPBACK
 
 MIB = 1 << 20
 CONCURRENCY = (1, 2, 4, 8)
@@ -155,7 +156,8 @@ def main() -> int:
     print("two plain pagelm serve processes (shared pages) ...", file=sys.stderr, flush=True)
     plain_first, plain_second = measure_pair(path, "all mapped")
 
-    ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
+             _node_ip_address=LOOPBACK)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     endpoint = Endpoint(f"http://127.0.0.1:{port}", name)

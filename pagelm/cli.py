@@ -645,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pagelm: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"pagelm: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"pagelm: error: {where}{e.strerror or e or type(e).__name__}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("pagelm: interrupted", file=sys.stderr)

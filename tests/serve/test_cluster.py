@@ -5,6 +5,7 @@ disconnect, prefix affinity across a growing chat, a replica killed mid-run, a c
 
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -21,6 +22,7 @@ from pagelm.chat.model import Prompt  # noqa: E402
 from pagelm.errors import PagelmError  # noqa: E402
 from pagelm.serve.cluster import require_ray  # noqa: E402
 from pagelm.serve.cluster.router import AffinityTable  # noqa: E402
+from pagelm.serve.cluster.run import LOOPBACK  # noqa: E402
 from pagelm.serve.cluster.wire import prefix_hashes  # noqa: E402
 
 CATS = [{"role": "user", "content": "Tell me about cats."}]
@@ -29,7 +31,13 @@ TOPICS = ["rivers", "volcanoes", "owls"]
 
 @pytest.fixture(scope="module")
 def ray_address():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    # Serve's proxy must answer its readiness check within 5 s by default, which a loaded 2-core
+    # machine misses (the proxy is then killed and `serve.start` fails); the cluster's processes
+    # inherit this environment
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
+             _node_ip_address=LOOPBACK)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

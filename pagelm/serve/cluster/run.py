@@ -15,6 +15,8 @@ from pagelm.errors import PagelmError
 from pagelm.serve.app import ServeSettings
 from pagelm.serve.cluster import APP_NAME, require_ray
 
+LOOPBACK = "127.0.0.1"  # a local Ray of one node listens on this machine only
+
 
 def replica_cpus(ray, replicas: int, threads: int | None) -> int:
     """CPUs per replica: --threads when given, else an equal share of the cluster, no more than
@@ -39,7 +41,7 @@ def serve_cluster(settings: ServeSettings, replicas: int, ray_address: str | Non
                        mmproj=settings.mmproj and os.path.abspath(settings.mmproj))
     local = ray_address is None
     if local:
-        ray.init(include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(include_dashboard=False, logging_level=logging.WARNING, _node_ip_address=LOOPBACK)
     else:
         ray.init(address=ray_address, logging_level=logging.WARNING)
     stop = threading.Event()
