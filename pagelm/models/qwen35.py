@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.models.decoder import Decoder, nbytes
-from pagelm.models.delta_rule import delta_rule_step
+from pagelm.models.delta_rule import delta_rule_step, deltanet_token
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, heads_tiled, hf_rope,
                                layer_period, rope_scaling, shift_norms, tensor_maps)
 from pagelm.weights.linear import Linear
@@ -539,6 +539,10 @@ class Qwen35Model(Decoder):
         nk, nv, dk, dv = c.n_key_heads, c.n_value_heads, c.linear_key_dim, c.linear_value_dim
         C, V = c.conv_channels, nv * dv
         proj = w.in_proj(y).float()
+        if T == 1 and proj.device.type == "cpu" and cache.conv.is_contiguous() and cache.recurrent.is_contiguous():
+            o = deltanet_token(proj[0], cache.conv, w.conv, w.a, w.dt_bias, w.norm, cache.recurrent, nk, c.rms_eps,
+                               L2_EPS)
+            return w.out(o[None])
         qkv = causal_conv1d_silu(proj[:, :C], cache.conv, w.conv)
         z = proj[:, C : C + V].view(T, nv, dv)
         beta = torch.sigmoid(proj[:, C + V : C + V + nv])
