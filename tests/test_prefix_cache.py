@@ -96,6 +96,31 @@ def test_checkpoints_of_one_request_share_their_kv_segments(qwen):
     assert [(s.start, s.end) for s in c.segments] == [(0, 30)]
 
 
+def test_a_whole_prompt_checkpoint_serves_only_that_prompt_again(qwen):
+    cache = PrefixCache(slots=8, max_bytes=1 << 30)
+    session = qwen.session(256)
+    session.prefill(PROMPT[:30])
+    boundary = cache.store(session)
+    logits = session.prefill(PROMPT[30:50]).copy()
+    whole = cache.store(session, boundary, whole=True)
+    assert whole.logits is not None and whole.fixed_nbytes == boundary.fixed_nbytes + logits.nbytes
+    assert cache.lookup(PROMPT[:50]) is whole  # nothing left to prefill
+    other = qwen.session(256)
+    cache.restore(whole, other)
+    np.testing.assert_array_equal(other.logits, logits)
+    np.testing.assert_array_equal(other.decode(5), session.decode(5))
+    # never a prefix: a longer prompt would be cut where no other request cuts it
+    assert cache.lookup(PROMPT[:60]) is boundary
+    assert cache.longest(PROMPT[:60]) is boundary
+    # a prefix checkpoint of the same tokens takes its place, and is kept over a later whole one
+    replay = qwen.session(256)
+    prefill_in(replay, PROMPT[:50], [30])
+    prefix = cache.store(replay, boundary)
+    assert prefix is not whole and prefix.logits is None and len(cache) == 2
+    assert cache.store(replay, boundary, whole=True) is prefix
+    assert cache.lookup(PROMPT[:50]) is boundary
+
+
 def test_storing_the_same_tokens_again_only_touches_the_entry(qwen):
     cache = PrefixCache(slots=8, max_bytes=1 << 30)
     session = qwen.session(256)

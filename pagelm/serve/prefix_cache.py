@@ -5,7 +5,11 @@ checkpoints: the recurrent + conv state at a token position and the attention K/
 K/V is held in segments: a checkpoint taken after another one in the same request shares that
 one's segments and adds only the positions between them, so a shared prefix is stored once.
 A segment lives as long as any checkpoint refers to it. Eviction is least-recently-used within
-a slot count and a byte bound. A checkpoint is keyed by its tokens and by the keys of the images
+a slot count and a byte bound.
+
+A checkpoint taken at the end of a whole prompt also keeps its logits, and serves only that same
+prompt again (nothing left to prefill): it sits where no other request cuts its prefill, so as a
+prefix of a longer prompt it would change that prompt's arithmetic. A checkpoint is keyed by its tokens and by the keys of the images
 among them: a different image of the same size at the same place has the same tokens but is never
 a hit. The engine thread changes the cache while request handlers read
 its counters, hence the lock.
@@ -18,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from pagelm.engine import Session
@@ -47,6 +52,7 @@ class Checkpoint:
     position_delta: int
     segments: tuple[KVSegment, ...]
     fixed: tuple[torch.Tensor, ...]
+    logits: np.ndarray | None = None  # kept at the end of a whole prompt only
 
     @property
     def key(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -54,7 +60,7 @@ class Checkpoint:
 
     @property
     def fixed_nbytes(self) -> int:
-        return nbytes(self.fixed)
+        return nbytes(self.fixed) + (0 if self.logits is None else self.logits.nbytes)
 
     def starts(self, tokens: Sequence[int], images: Sequence[str]) -> bool:
         """Whether these are the first tokens of `tokens` and the first images of `images`."""
@@ -86,14 +92,15 @@ class PrefixCache:
         return sum(s.nbytes for s in segments.values()) + sum(c.fixed_nbytes for c in entries)
 
     def lookup(self, prompt: Sequence[int], images: Sequence[str] = ()) -> Checkpoint | None:
-        """The longest checkpoint whose tokens are a proper prefix of `prompt` (at least one
-        token must remain to produce logits) and whose images are the first of `images` (the
-        keys of the prompt's images), marked most recently used; None on a miss."""
+        """The checkpoint of this whole prompt with its logits, else the longest one whose tokens
+        are a proper prefix of `prompt` (at least one token must remain to produce logits); its
+        images the first of `images` (the keys of the prompt's images). Marked most recently
+        used; None on a miss."""
         if not self.enabled:
             return None
         with self._lock:
             self.lookups += 1
-            best = self._longest(prompt, images, len(prompt) - 1)
+            best = self._longest(prompt, images, len(prompt) - 1, whole=True)
             if best is not None:
                 self.hits += 1
                 self.tokens_reused += len(best.tokens)
@@ -108,11 +115,19 @@ class PrefixCache:
         with self._lock:
             return self._longest(tokens, images, len(tokens))
 
-    def _longest(self, tokens: Sequence[int], images: Sequence[str], limit: int) -> Checkpoint | None:
+    def _longest(self, tokens: Sequence[int], images: Sequence[str], limit: int,
+                 whole: bool = False) -> Checkpoint | None:
+        """The longest prefix checkpoint of at most `limit` tokens; with `whole`, a whole-prompt
+        checkpoint of exactly these tokens first."""
+        best = self._entries.get((tuple(tokens), tuple(images))) if whole else None
+        if best is not None and best.logits is not None:
+            self._entries.move_to_end(best.key)
+            return best
         best = None
         for entry in self._entries.values():
             n = len(entry.tokens)
-            if n <= limit and (best is None or n > len(best.tokens)) and entry.starts(tokens, images):
+            if entry.logits is None and n <= limit and (best is None or n > len(best.tokens)) \
+                    and entry.starts(tokens, images):
                 best = entry
         if best is not None:
             self._entries.move_to_end(best.key)
@@ -132,20 +147,22 @@ class PrefixCache:
         session.tokens = list(entry.tokens)
         session.images = list(entry.images)
         session.position_delta = entry.position_delta
-        session.logits = None
+        session.logits = None if entry.logits is None else entry.logits.copy()
 
-    def store(self, session: Session, base: Checkpoint | None = None) -> Checkpoint | None:
-        """Checkpoint the session's current state. `base` must be a checkpoint the session's
-        state descends from (restored from it or stored earlier in this request): its K/V
-        segments are shared and only the positions after it are copied. Returns the checkpoint
-        (an existing one for the same tokens is just touched), or None when the cache is off
-        or the checkpoint alone exceeds the byte bound."""
+    def store(self, session: Session, base: Checkpoint | None = None, whole: bool = False) -> Checkpoint | None:
+        """Checkpoint the session's current state; `whole` when it is the end of a whole prompt
+        (its logits are kept too). `base` must be a checkpoint the session's state descends from
+        (restored from it or stored earlier in this request): its K/V segments are shared and
+        only the positions after it are copied. Returns the checkpoint (an existing one for the
+        same tokens is just touched, unless it is a whole-prompt one and this is not), or None when the cache is off or the checkpoint alone
+        exceeds the byte bound."""
         if not self.enabled or not session.tokens:
             return None
         tokens, images = tuple(session.tokens), tuple(session.images)
         key = (tokens, images)
         with self._lock:
-            if key in self._entries:
+            # a prefix checkpoint of the same tokens serves more requests than a whole-prompt one
+            if key in self._entries and (self._entries[key].logits is None or whole):
                 self._entries.move_to_end(key)
                 return self._entries[key]
         start = 0
@@ -161,8 +178,10 @@ class PrefixCache:
                                for k, v in state.kv_pairs())
                 segments += (KVSegment(start, len(tokens), layers),)
             fixed = tuple(t.clone() for t in state.fixed_tensors())
+        logits = session.logits.copy() if whole else None
         with self._lock:
-            self._entries[key] = Checkpoint(tokens, images, session.position_delta, segments, fixed)
+            self._entries.pop(key, None)
+            self._entries[key] = Checkpoint(tokens, images, session.position_delta, segments, fixed, logits)
             while self._entries and (len(self._entries) > self.slots or self.bytes_held > self.max_bytes):
                 self._entries.popitem(last=False)
                 self.evictions += 1

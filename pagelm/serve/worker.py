@@ -3,7 +3,8 @@ each prefilled from the longest cached prefix and streamed back as text deltas.
 
 Owns the queue, cancel-by-id, the prefill split points (message boundaries and every
 `checkpoint_interval` tokens but inside an image, the same with the cache on or off so both
-compute the same segments), stop strings and the reasoning split. HTTP shapes belong to the protocol modules.
+compute the same segments; with the cache on, the whole prompt is checkpointed too, for the same
+request again), stop strings and the reasoning split. HTTP shapes belong to the protocol modules.
 
 After a chat answer has gone out, the cache keeps the answer as the next request will render it
 (`Prompt.answered`), not as it was generated: Qwen3.5's template writes a past answer without the
@@ -234,6 +235,10 @@ class Worker:
             session.prefill(prompt[cursor:point], job.prompt.images_in(cursor, point))
             cursor = point
             base = cache.store(session, base) or base
+        if cursor < len(prompt) and cache.enabled:  # the same prompt again finds nothing left to prefill
+            session.prefill(prompt[cursor:], job.prompt.images_in(cursor, len(prompt)))
+            cursor = len(prompt)
+            cache.store(session, base, whole=True)
 
         stops = tuple(job.params.stop_tokens) + self.tokenizer.eos_ids
         params = replace(job.params, stop_tokens=stops,

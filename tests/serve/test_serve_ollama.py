@@ -27,13 +27,13 @@ def _check_done(record: dict, eval_count_max: int):
     assert record["done"] is True
     assert record["done_reason"] in ("stop", "length")
     assert 0 < record["eval_count"] <= eval_count_max
-    assert record["prompt_eval_count"] > 0
+    # the prompt's tokens: computed, or restored (the same prompt again is all restored)
+    assert record["prompt_eval_count"] >= 0 and record["prompt_eval_count"] + record["prompt_cached_count"] > 0
     for key in ("total_duration", "prompt_eval_duration", "eval_duration"):
         assert isinstance(record[key], int) and record[key] > 0, key
     assert record["total_duration"] >= record["eval_duration"]
     assert record["total_duration"] >= record["prompt_eval_duration"]
     assert record["load_duration"] == 0
-    assert record["prompt_cached_count"] >= 0
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT.*Z", record["created_at"])
 
 

@@ -106,4 +106,7 @@ def test_ollama_done_record_counts_cached_prompt_tokens(smol):
     httpx.post(f"{smol.url}/api/chat", json=body, timeout=120)
     again = httpx.post(f"{smol.url}/api/chat", json=body, timeout=120).json()
     assert again["prompt_cached_count"] > 80
-    assert again["prompt_eval_count"] > 0  # at least one prompt token is always computed
+    assert again["prompt_eval_count"] == 0  # the whole prompt was checkpointed, with its logits
+    messages[1]["content"] = "Hello again!"
+    other = httpx.post(f"{smol.url}/api/chat", json=body, timeout=120).json()
+    assert other["prompt_cached_count"] > 80 and other["prompt_eval_count"] > 0  # the system prompt's checkpoint
