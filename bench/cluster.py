@@ -127,6 +127,23 @@ def ray_memory() -> dict[str, float]:
     return out
 
 
+def file_mappers(path: str, replicas: dict[int, str]) -> list[tuple[str, float, float]]:
+    """(who, RSS MiB, PSS MiB) of every process on this node with pages of the model file mapped:
+    the replicas by id, any other by its command line, which says who else is charged a share."""
+    out = []
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            rss, pss = model_file_pages(pid, path)
+            if rss == 0:
+                continue
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # a process that ended (or is not ours) while we looked
+            continue
+        who = f"replica {replicas[pid]}" if pid in replicas else f"pid {pid}: {cmdline.strip()[:60]}"
+        out.append((who, rss / MIB, pss / MIB))
+    return sorted(out)
+
+
 def table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if i else "---" for i in range(len(header))) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -178,6 +195,7 @@ def main() -> int:
                     rss, pss = model_file_pages(r["pid"], path)
                     memory[r["replica"]] = (rss / MIB, pss / MIB, r["memory"]["anonymous_bytes"] / MIB,
                                             r["prefix_cache"]["bytes_held"] / MIB)
+                mappers = file_mappers(path, {r["pid"]: r["replica"] for r in endpoint.ps()["replicas"]})
                 ray_own = ray_memory()
         print("2 replicas, random routing ...", file=sys.stderr, flush=True)
         serve.delete(APP_NAME)
@@ -202,6 +220,9 @@ def main() -> int:
               f"{f['anonymous']:.0f}", ""] for i, f in ((1, plain_first), (2, plain_second))]
     print(table(["process", "model file RSS MiB", "model file PSS MiB", "anonymous MiB", "of which prefix cache"],
                 rows))
+    print()
+    print(table(["every process mapping the model file (2 replicas)", "RSS MiB", "PSS MiB"],
+                [[who, f"{rss:.0f}", f"{pss:.0f}"] for who, rss, pss in mappers]))
     print()
     print(table(["Ray process (this node)", "PSS MiB"],
                 [[k, f"{v:.0f}"] for k, v in sorted(ray_own.items())] + [["total", f"{sum(ray_own.values()):.0f}"]]))

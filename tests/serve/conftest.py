@@ -57,11 +57,18 @@ def leaky(servers, smollm2_gguf) -> ServerProcess:
 
 
 @pytest.fixture(scope="session")
-def qwen_vision(servers, qwen35_chat_gguf, tmp_path_factory) -> ServerProcess:
-    """The synthetic Qwen3.5 with its tiny vision tower (--mmproj, kept apart so that the other
-    qwen servers find none beside the model), cache on."""
+def qwen35_tower(tmp_path_factory) -> str:
+    """A tiny vision tower for the synthetic Qwen3.5, kept apart so that the qwen servers started
+    without --mmproj find none beside the model."""
     from pagelm.vision import SHAPES, write_mmproj
 
     tower = str(tmp_path_factory.mktemp("tower") / "mmproj.gguf")
     write_mmproj(tower, SHAPES["qwen3.5-tiny-chat"], seed=1)
-    return servers.get("qwen_vision", qwen35_chat_gguf, "--ctx-len", "2048", "--max-tokens", "8", "--mmproj", tower)
+    return tower
+
+
+@pytest.fixture(scope="session")
+def qwen_vision(servers, qwen35_chat_gguf, qwen35_tower) -> ServerProcess:
+    """The synthetic Qwen3.5 with its tiny vision tower (--mmproj), cache on."""
+    return servers.get("qwen_vision", qwen35_chat_gguf, "--ctx-len", "2048", "--max-tokens", "8",
+                       "--mmproj", qwen35_tower)

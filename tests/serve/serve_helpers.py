@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import signal
@@ -12,7 +14,9 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+from PIL import Image
 
 from pagelm.bench.server import free_port
 
@@ -141,3 +145,33 @@ def sse(response) -> tuple[list[dict], bool]:
         assert not done, "data after [DONE]"
         chunks.append(json.loads(data))
     return chunks, done
+
+
+# -- images ------------------------------------------------------------------------------
+
+QUESTION = "What is in this picture?"
+
+
+def png(width: int, height: int, seed: int = 0) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(out, "PNG")
+    return out.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def openai_chat(server, *images: bytes, text: str = QUESTION, system: str | None = None) -> dict:
+    parts = [{"type": "text", "text": text}]
+    parts += [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(i)}"}} for i in images]
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": parts}]
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json={"model": server.model, "messages": messages, "max_tokens": 8,
+                                                 "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}})
+    return {"status": r.status_code, **r.json()}
+
+
+def usage(reply: dict) -> tuple[int, int]:
+    return reply["usage"]["prompt_tokens"], reply["usage"]["prompt_tokens_details"]["cached_tokens"]

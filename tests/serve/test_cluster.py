@@ -13,7 +13,7 @@ import uuid
 
 import httpx
 import pytest
-from serve_helpers import ServerProcess, ndjson
+from serve_helpers import ServerProcess, ndjson, openai_chat, png, usage
 
 ray = pytest.importorskip("ray", reason="the cluster extra is not installed (pip install -e '.[cluster]')")
 pytest.importorskip("ray.serve", reason="the cluster extra is not installed (pip install -e '.[cluster]')")
@@ -43,9 +43,9 @@ def ray_address():
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_address, qwen35_chat_gguf):
-    server = ServerProcess(qwen35_chat_gguf, "--ctx-len", "2048", "--max-tokens", "64", "--replicas", "2",
-                           "--ray-address", ray_address)
+def cluster(ray_address, qwen35_chat_gguf, qwen35_tower):
+    server = ServerProcess(qwen35_chat_gguf, "--ctx-len", "2048", "--max-tokens", "64", "--mmproj", qwen35_tower,
+                           "--replicas", "2", "--ray-address", ray_address)
     yield server.wait_ready()
     server.stop()
 
@@ -150,6 +150,18 @@ def test_ollama_routes_answer_as_a_single_server(cluster, qwen):
         assert client.get("/api/tags").json()["models"][0]["name"] == cluster.model
         assert "completion" in client.post("/api/show", json={"model": cluster.model}).json()["capabilities"]
         assert client.post("/api/chat", json={**body, "model": "nope"}).status_code == 404
+
+
+def test_an_image_answers_as_on_a_single_server_and_is_encoded_once(cluster, qwen_vision):
+    image = png(40, 40, seed=11)
+    single = openai_chat(qwen_vision, image)
+    passes = cluster.ps()["image_cache"]["tower_passes"]
+    first, again = openai_chat(cluster, image), openai_chat(cluster, image)
+    assert first["status"] == 200 and first["choices"] == single["choices"]
+    assert usage(first)[0] == usage(single)[0]
+    assert again["choices"] == first["choices"]
+    assert usage(again)[1] > 66  # back to the replica whose prefix cache holds the image
+    assert cluster.ps()["image_cache"]["tower_passes"] == passes + 1
 
 
 def test_ps_and_metrics_report_each_replica_and_their_sums(cluster):

@@ -5,22 +5,10 @@ hit, and bad images are 400s in each protocol's error shape that leave nothing i
 
 from __future__ import annotations
 
-import base64
-import io
 import struct
 import zlib
 
-import numpy as np
-from PIL import Image
-
-QUESTION = "What is in this picture?"
-
-
-def png(width: int, height: int, seed: int = 0) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels, "RGB").save(out, "PNG")
-    return out.getvalue()
+from serve_helpers import QUESTION, b64, openai_chat, png, usage
 
 
 def png_claiming(width: int, height: int) -> bytes:
@@ -29,24 +17,6 @@ def png_claiming(width: int, height: int) -> bytes:
     data[16:24] = struct.pack(">II", width, height)
     data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
     return bytes(data)
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def openai_chat(server, *images: bytes, text: str = QUESTION, system: str | None = None) -> dict:
-    parts = [{"type": "text", "text": text}]
-    parts += [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(i)}"}} for i in images]
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": parts}]
-    with server.client() as c:
-        r = c.post("/v1/chat/completions", json={"model": server.model, "messages": messages, "max_tokens": 8,
-                                                 "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}})
-    return {"status": r.status_code, **r.json()}
-
-
-def usage(reply: dict) -> tuple[int, int]:
-    return reply["usage"]["prompt_tokens"], reply["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 def test_openai_images_reach_the_model_once(qwen_vision):
