@@ -70,12 +70,16 @@ class Linear:
         x = x.to(self.dtype).to(gemm)
         n, step = self.out_features, tile_rows(self.in_features)
         if step >= n:
-            return F.linear(x, self._tile(0, n).to(gemm)).to(self.dtype)
+            return F.linear(x, self._gemm_tile(0, n, gemm)).to(self.dtype)
         out = torch.empty(x.shape[0], n, dtype=self.dtype, device=x.device)
         for lo in range(0, n, step):
             hi = min(lo + step, n)
-            out[:, lo:hi] = F.linear(x, self._tile(lo, hi).to(gemm))
+            out[:, lo:hi] = F.linear(x, self._gemm_tile(lo, hi, gemm))
         return out
+
+    def _gemm_tile(self, lo: int, hi: int, gemm: torch.dtype) -> torch.Tensor:
+        """Rows lo:hi of W in the GEMM's type."""
+        return self._tile(lo, hi).to(gemm)
 
 
 class DenseLinear(Linear):
@@ -101,11 +105,15 @@ class DenseLinear(Linear):
 
 class Scratch:
     """One reused buffer (at most TILE_VALUES weights) in the compute dtype, shared by a model's
-    mapped operators (they run one at a time), grown to the largest tile asked for."""
+    mapped operators (they run one at a time), grown to the largest tile asked for; and where
+    the GEMM runs wider than that dtype (bf16 on a CPU without bf16 GEMMs), a second one the tile
+    is widened into: a fresh tensor per tile would be fresh pages, faulted in and zeroed each time
+    (more than a second of a short prefill on the 0.8B geometry)."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
         self._flat: torch.Tensor | None = None
+        self._wide: torch.Tensor | None = None
 
     def take(self, rows: int, cols: int) -> tuple[torch.Tensor, np.ndarray]:
         """A (rows, cols) view as a tensor and as the numpy array the kernels write (bf16 as uint16)."""
@@ -115,9 +123,15 @@ class Scratch:
         array = tensor.view(torch.int16).numpy().view(np.uint16) if self.dtype == torch.bfloat16 else tensor.numpy()
         return tensor, array
 
+    def widen(self, tile: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`tile` converted to `dtype` (exactly: bf16 to float32) in the second buffer."""
+        if self._wide is None or self._wide.dtype != dtype or self._wide.numel() < tile.numel():
+            self._wide = torch.empty(tile.numel(), dtype=dtype)
+        return self._wide[: tile.numel()].view(tile.shape).copy_(tile)
+
     @property
     def nbytes(self) -> int:
-        return 0 if self._flat is None else self._flat.numel() * self._flat.element_size()
+        return sum(0 if t is None else t.numel() * t.element_size() for t in (self._flat, self._wide))
 
 
 @dataclass(frozen=True)
@@ -185,6 +199,10 @@ class MappedLinear(Linear):
         for p in self.parts:
             p.matmul(xs, out, self.in_features)
         return torch.from_numpy(out)
+
+    def _gemm_tile(self, lo: int, hi: int, gemm: torch.dtype) -> torch.Tensor:
+        tile = self._tile(lo, hi)
+        return tile if tile.dtype == gemm else self.scratch.widen(tile, gemm)
 
     def _tile(self, lo: int, hi: int) -> torch.Tensor:
         tensor, array = self.scratch.take(hi - lo, self.in_features)
