@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.models.decoder import Decoder, nbytes
 from pagelm.models.delta_rule import delta_rule_step, deltanet_token
+from pagelm.models.norms import rms_norm_rows
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, heads_tiled, hf_rope,
                                layer_period, rope_scaling, shift_norms, tensor_maps)
 from pagelm.weights.linear import Linear
@@ -233,7 +234,8 @@ class Qwen35State:
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x²) + eps) * w over the last axis (GGUF form: any +1 is already in w)."""
-    return F.rms_norm(x, w.shape, w, eps)
+    few = rms_norm_rows(x, w, eps)
+    return F.rms_norm(x, w.shape, w, eps) if few is None else few
 
 
 def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:

@@ -1,0 +1,25 @@
+"""The compiled RMS norm of a few rows against a float64 reference, on odd shapes, and its limits."""
+
+import pytest
+import torch
+
+from pagelm.models.norms import MAX_ROWS, rms_norm_rows
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (3, 33), (1, 5, 19), (MAX_ROWS, 1024)])
+def test_rows_match_float64(shape):
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=gen) * 3
+    w = 1 + 0.2 * torch.randn(shape[-1], generator=gen)
+    want = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    got = rms_norm_rows(x, w, 1e-6)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert (got.double() - want).abs().max().item() <= 1e-6 * want.abs().max().item()
+
+
+def test_what_the_kernel_does_not_take_is_left_to_torch():
+    w = torch.ones(16)
+    assert rms_norm_rows(torch.ones(MAX_ROWS + 1, 16), w, 1e-6) is None  # a prefill's rows
+    assert rms_norm_rows(torch.ones(2, 16, dtype=torch.bfloat16), w, 1e-6) is None
+    assert rms_norm_rows(torch.ones(2, 32)[:, ::2], w, 1e-6) is None  # not contiguous
+    assert rms_norm_rows(torch.ones(2, 8), w, 1e-6) is None  # another width
