@@ -5,14 +5,13 @@ checkpoints: the recurrent + conv state at a token position and the attention K/
 K/V is held in segments: a checkpoint taken after another one in the same request shares that
 one's segments and adds only the positions between them, so a shared prefix is stored once.
 A segment lives as long as any checkpoint refers to it. Eviction is least-recently-used within
-a slot count and a byte bound.
+a slot count and a byte bound. A checkpoint is keyed by its tokens and by the keys of the images
+among them: a different image of the same size at the same place has the same tokens but is never
+a hit. The engine thread changes the cache while request handlers read its counters, hence the lock.
 
 A checkpoint taken at the end of a whole prompt also keeps its logits, and serves only that same
 prompt again (nothing left to prefill): it sits where no other request cuts its prefill, so as a
-prefix of a longer prompt it would change that prompt's arithmetic. A checkpoint is keyed by its tokens and by the keys of the images
-among them: a different image of the same size at the same place has the same tokens but is never
-a hit. The engine thread changes the cache while request handlers read
-its counters, hence the lock.
+prefix of a longer prompt it would change that prompt's arithmetic.
 """
 
 from __future__ import annotations
@@ -154,8 +153,8 @@ class PrefixCache:
         (its logits are kept too). `base` must be a checkpoint the session's state descends from
         (restored from it or stored earlier in this request): its K/V segments are shared and
         only the positions after it are copied. Returns the checkpoint (an existing one for the
-        same tokens is just touched, unless it is a whole-prompt one and this is not), or None when the cache is off or the checkpoint alone
-        exceeds the byte bound."""
+        same tokens is just touched, unless it is a whole-prompt one and this is not), or None when
+        the cache is off or the checkpoint alone exceeds the byte bound."""
         if not self.enabled or not session.tokens:
             return None
         tokens, images = tuple(session.tokens), tuple(session.images)
