@@ -23,7 +23,7 @@ _F32, _F16, _BF16 = int(_T.F32), int(_T.F16), int(_T.BF16)
 _Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1 = int(_T.Q8_0), int(_T.Q4_0), int(_T.Q4_1), int(_T.Q5_0), int(_T.Q5_1)
 _Q4_K, _Q5_K, _Q6_K = int(_T.Q4_K), int(_T.Q5_K), int(_T.Q6_K)
 
-# Hint the data this many bytes ahead of the read position: the hardware prefetcher stops at each
+# Hint the rows about this many bytes ahead of the one being read: the hardware prefetcher stops at each
 # 4 KiB page, hints do not (see kernels._AHEAD).
 _AHEAD = 8192
 
@@ -213,26 +213,28 @@ def _chunk(c, nch, rows):
 
 
 @njit(inline="always")
-def _ahead_start(r0, rnb):
-    """(row, byte in row) of the first hint: _AHEAD bytes past the start of row r0."""
-    return r0 + _AHEAD // rnb, _AHEAD % rnb
+def _ahead_rows(rnb):
+    """How many rows ahead of the one being read the hints run: about _AHEAD bytes."""
+    return max(_AHEAD // rnb, 1)
 
 
 @njit(inline="always")
-def _run_ahead(data, offs, ra, pa, debt, rnb):
-    """Hints one cache line per 64 bytes of `debt` (bytes read since), _AHEAD bytes ahead of the reads.
+def _ahead_row(offs, r, ahead):
+    """Byte offset of the row `ahead` rows after row r, whose lines the reads of row r hint; -1 past the last.
 
-    Rows need not be contiguous: the hint position walks the same row sequence as the reads.
+    Rows need not be contiguous (a row order, a fused projection): the hints follow the rows read.
     """
-    while debt >= 64:
-        if ra < len(offs):
-            _prefetch(data, offs[ra] + pa)
-        debt -= 64
-        pa += 64
-        if pa >= rnb:
-            pa -= rnb
-            ra += 1
-    return ra, pa, debt
+    return offs[r + ahead] if r + ahead < len(offs) else -1
+
+
+@njit(inline="always")
+def _hint_to(data, arow, pa, end):
+    """Hints the lines of the row at byte `arow` from byte `pa` of it up to byte `end`; the next byte to hint."""
+    if arow >= 0:
+        while pa < end:
+            _prefetch(data, arow + pa)
+            pa += 64
+    return pa
 
 
 # --- kernels ------------------------------------------------------------------------
@@ -262,24 +264,38 @@ def _put8(out, r, at, kind, data, o, g, h, j0, s, m, f16):
 
 
 @njit(inline="always")
+def _mac_q8_0(acc, data, o, d, x, xo):
+    """One Q8_0 block as d · (q · x) in one 32-lane loop: compiled without optsize, LLVM vectorizes
+    and unrolls it into ~1.3x the throughput of the four 8-lane loops."""
+    for j in range(32):
+        acc[j] += d * (np.float32(_load(data, o + 2 + j, np.int8)) * x[0, np.uint64(xo + j)])
+
+
+@njit(inline="always")
+def _no_attributes():
+    pass
+
+
+@njit(inline="always")
 def _mv_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb):
     acc = carray(_stack_f32x32(), 32)
-    ra, pa = _ahead_start(r0, rnb)
-    debt = 0
+    ahead = _ahead_rows(rnb)
     for r in range(r0, r1):
-        row = offs[r]
+        row, arow, pa = offs[r], _ahead_row(offs, r, ahead), 0
         acc[:] = 0
         for b in range(nblk):
-            debt += bb
-            ra, pa, debt = _run_ahead(data, offs, ra, pa, debt, rnb)
+            pa = _hint_to(data, arow, pa, (b + 1) * bb)
             o = row + b * bb
             for g in range(vb // 32):
                 xo = b * vb + 32 * g
                 s0, m0, s1, m1 = _prep(kind, data, o, g, f16)
-                _mac8(acc, 0, kind, data, o, g, 0, 0, s0, m0, f16, x, xo)
-                _mac8(acc, 8, kind, data, o, g, 0, 8, s0, m0, f16, x, xo + 8)
-                _mac8(acc, 16, kind, data, o, g, 1, 0, s1, m1, f16, x, xo + 16)
-                _mac8(acc, 24, kind, data, o, g, 1, 8, s1, m1, f16, x, xo + 24)
+                if kind == _Q8_0:
+                    _mac_q8_0(acc, data, o, s0, x, xo)
+                else:
+                    _mac8(acc, 0, kind, data, o, g, 0, 0, s0, m0, f16, x, xo)
+                    _mac8(acc, 8, kind, data, o, g, 0, 8, s0, m0, f16, x, xo + 8)
+                    _mac8(acc, 16, kind, data, o, g, 1, 0, s1, m1, f16, x, xo + 16)
+                    _mac8(acc, 24, kind, data, o, g, 1, 8, s1, m1, f16, x, xo + 24)
         total = _sum32(acc)
         for k in range(tail):
             total += _val(kind, data, row + nblk * bb, k, f16) * x[0, nblk * vb + k]
@@ -298,13 +314,11 @@ def _mm_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb)
     n, width = x.shape
     acc = carray(_stack_f32x32(), 32)
     w = np.empty(width, np.float32)
-    ra, pa = _ahead_start(r0, rnb)
-    debt = 0
+    ahead = _ahead_rows(rnb)
     for r in range(r0, r1):
-        row = offs[r]
+        row, arow, pa = offs[r], _ahead_row(offs, r, ahead), 0
         for b in range(nblk):
-            debt += bb
-            ra, pa, debt = _run_ahead(data, offs, ra, pa, debt, rnb)
+            pa = _hint_to(data, arow, pa, (b + 1) * bb)
             o = row + b * bb
             for g in range(vb // 32):
                 xo = b * vb + 32 * g
@@ -333,18 +347,25 @@ def _matmul_kernel(kind: int, vb: int, bb: int):
     # Rows of float types end in a partial "block" of width % 32 values, each of bb // 32 bytes.
     value_bytes = bb // 32 if kind in (_F32, _F16, _BF16) else 0
 
+    # Each prange body is a function of its own, with its own attributes.
+    mv_loops = _no_attributes if kind == _Q8_0 else _keep_loops
+
     @njit(parallel=True, cache=True, fastmath={"contract"})
     def matmul(data, offs, x, f16, out, lo, width, nch):
         rows, n = len(offs), x.shape[0]
         nblk, tail = width // vb, width % vb
         rnb = max(nblk * bb + tail * value_bytes, 1)
-        for c in prange(nch):
-            _wide_vectors()
-            _keep_loops()
-            r0, r1 = _chunk(c, nch, rows)
-            if n == 1:
+        if n == 1:
+            for c in prange(nch):
+                _wide_vectors()
+                mv_loops()
+                r0, r1 = _chunk(c, nch, rows)
                 _mv_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb)
-            else:
+        else:
+            for c in prange(nch):
+                _wide_vectors()
+                _keep_loops()
+                r0, r1 = _chunk(c, nch, rows)
                 _mm_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb)
 
     return matmul
@@ -383,13 +404,11 @@ def _dequant_kernel(kind: int, vb: int, bb: int):
             _wide_vectors()
             _keep_loops()
             r0, r1 = _chunk(c, nch, rows)
-            ra, pa = _ahead_start(r0, rnb)
-            debt = 0
+            ahead = _ahead_rows(rnb)
             for r in range(r0, r1):
-                row = offs[r]
+                row, arow, pa = offs[r], _ahead_row(offs, r, ahead), 0
                 for b in range(nblk):
-                    debt += bb
-                    ra, pa, debt = _run_ahead(data, offs, ra, pa, debt, rnb)
+                    pa = _hint_to(data, arow, pa, (b + 1) * bb)
                     o = row + b * bb
                     for g in range(groups):
                         xo = b * vb + 32 * g
@@ -427,12 +446,11 @@ def _dequant_kq_kernel(kind: int, bb: int):
         for c in prange(nch):
             _wide_vectors()
             r0, r1 = _chunk(c, nch, rows)
-            ra, pa = _ahead_start(r0, rnb)
-            debt = 0
+            ahead = _ahead_rows(rnb)
             for r in range(r0, r1):
+                arow, pa = _ahead_row(offs, r, ahead), 0
                 for b in range(nblk):
-                    debt += bb
-                    ra, pa, debt = _run_ahead(data, offs, ra, pa, debt, rnb)
+                    pa = _hint_to(data, arow, pa, (b + 1) * bb)
                     o = offs[r] + b * bb
                     for p in range(4):
                         s0, m0, _, _ = _prep(kind, data, o, 2 * p, f16)
