@@ -272,11 +272,6 @@ def _mac_q8_0(acc, data, o, d, x, xo):
 
 
 @njit(inline="always")
-def _no_attributes():
-    pass
-
-
-@njit(inline="always")
 def _mv_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb):
     acc = carray(_stack_f32x32(), 32)
     ahead = _ahead_rows(rnb)
@@ -347,8 +342,10 @@ def _matmul_kernel(kind: int, vb: int, bb: int):
     # Rows of float types end in a partial "block" of width % 32 values, each of bb // 32 bytes.
     value_bytes = bb // 32 if kind in (_F32, _F16, _BF16) else 0
 
-    # Each prange body is a function of its own, with its own attributes.
-    mv_loops = _no_attributes if kind == _Q8_0 else _keep_loops
+    # Each prange body is a function of its own, with its own attributes. A bool, not a function, in
+    # the closure: numba's cache key pickles closure values, and a dispatcher pickles differently
+    # in every process (the cache would never hit); the constant branch is pruned before lowering.
+    mv_keeps_loops = kind != _Q8_0
 
     @njit(parallel=True, cache=True, fastmath={"contract"})
     def matmul(data, offs, x, f16, out, lo, width, nch):
@@ -358,7 +355,8 @@ def _matmul_kernel(kind: int, vb: int, bb: int):
         if n == 1:
             for c in prange(nch):
                 _wide_vectors()
-                mv_loops()
+                if mv_keeps_loops:
+                    _keep_loops()
                 r0, r1 = _chunk(c, nch, rows)
                 _mv_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb)
         else:
@@ -528,6 +526,19 @@ def rows_matmul(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width: int
             f"got shape {out.shape}"
         )
     matmul(_readonly(data), _readonly(row_offsets), _readonly(x), _F16_TO_F32, out, out_lo, width, _chunks(len(row_offsets)))
+
+
+def bound_rows_matmul(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width: int):
+    """rows_matmul over these rows (validated by check_rows) as a function (x, out, out_lo) that
+    checks nothing per call, for an operator that makes x and out itself: a decode step makes ~100
+    such calls, and rows_matmul's checks cost ~7 us each."""
+    matmul, offs, data = _block(ggml_type)[0], _readonly(row_offsets), _readonly(data)
+    rows = len(offs)
+
+    def run(x: np.ndarray, out: np.ndarray, out_lo: int) -> None:
+        matmul(data, offs, _readonly(x), _F16_TO_F32, out, out_lo, width, _chunks(rows))
+
+    return run
 
 
 def rows_dequantize(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width: int, out: np.ndarray) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagelm.quant.matmul import MAX_GEMV_ROWS, rows_dequantize, rows_matmul
+from pagelm.quant.matmul import MAX_GEMV_ROWS, bound_rows_matmul, rows_dequantize
 from pagelm.quant.tiles import ROWS, tile_dequantize, tile_matmul
 
 # Weights per row tile of a many-row product: bounds the mapped mode's one reused scratch
@@ -149,7 +149,14 @@ class RowGroup:
         return len(self.offsets)
 
     def matmul(self, xs: np.ndarray, out: np.ndarray, width: int) -> None:
-        rows_matmul(self.data, self.ggml_type, self.offsets, width, xs, out, self.out_lo)
+        """xs: C-contiguous float32 (n <= MAX_GEMV_ROWS, width); out: float32 (n, operator's rows), fresh."""
+        self._bound(width)(xs, out, self.out_lo)
+
+    def _bound(self, width: int):
+        bound = self.__dict__.get("_run")
+        if bound is None:  # the loader validated the rows (check_rows); frozen, so set directly
+            bound = self.__dict__["_run"] = bound_rows_matmul(self.data, self.ggml_type, self.offsets, width)
+        return bound
 
     def dequantize(self, lo: int, hi: int, width: int, out: np.ndarray) -> None:
         rows_dequantize(self.data, self.ggml_type, self.offsets[lo:hi], width, out)
