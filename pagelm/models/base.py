@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from pagelm.errors import PagelmError
 from pagelm.models.decoder import nbytes
 from pagelm.models.qwen35 import apply_rope_, rms_norm
+from pagelm.models.token_ops import attend_token
 
 __all__ = ["KVCheckpoint", "KVState", "apply_rope_", "attention", "inv_freq", "rms_norm", "rope_tables"]
 
@@ -106,16 +107,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[to
     q (T, H, D), k and v (T, G, D) with rope already applied (any float dtype; stored in the
     cache's dtype). Query t (absolute position pos + t) sees keys j ≤ pos + t, and with `window`
     only those with pos + t − j < window (transformers' and llama.cpp's sliding window).
-    Returns (T, H·D) in the cache dtype.
+    Returns (T, H·D) in the cache dtype, or float32 from the one-token kernel (token_ops.attend_token).
     """
     ck, cv = cache
     T, H, D = q.shape
     G = k.shape[1]
     end = pos + T
-    ck[:, pos:end] = k.transpose(0, 1)
-    cv[:, pos:end] = v.transpose(0, 1)
     # the first key any query can see
     lo = 0 if window is None else max(0, pos + 1 - window)
+    o = attend_token(q, k, v, ck, cv, pos, scale, lo) if T == 1 else None
+    if o is not None:
+        return o
+    ck[:, pos:end] = k.transpose(0, 1)
+    cv[:, pos:end] = v.transpose(0, 1)
     keys, values = ck[None, :, lo:end], cv[None, :, lo:end]  # (1, G, S, D)
     q = q.to(ck.dtype).transpose(0, 1)  # (H, T, D)
     if T == 1:  # the H/G query heads of one kv head form its query rows

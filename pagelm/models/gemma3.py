@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, rms_norm, rope_tables
 from pagelm.models.decoder import Decoder
+from pagelm.models.token_ops import gated_product
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, layer_period,
                                rope_scaling, shift_norms, tensor_maps)
 from pagelm.weights.linear import Linear
@@ -240,7 +240,7 @@ class Gemma3Model(Decoder):
             h += rms_norm(w.out(o).float(), w.post_attn_norm, c.rms_eps)
             y = rms_norm(h, w.ffn_norm, c.rms_eps)
             gate, up = w.gate_up(y).chunk(2, -1)
-            m = w.down(F.gelu(gate, approximate="tanh").mul_(up))
+            m = w.down(gated_product("gelu_tanh", gate, up))
             h += rms_norm(m.float(), w.post_ffn_norm, c.rms_eps)
         state.pos = pos + T
         return rms_norm(h, self.output_norm, c.rms_eps)

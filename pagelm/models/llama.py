@@ -19,13 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 import numpy as np
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, rms_norm, rope_tables
 from pagelm.models.decoder import Decoder
+from pagelm.models.token_ops import gated_product
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, rope_scaling,
                                tensor_maps)
 from pagelm.weights.linear import Linear
@@ -180,7 +180,7 @@ class LlamaModel(Decoder):
             h += w.out(attention(q, k, v, cache, pos, scale))
             y = rms_norm(h, w.ffn_norm, c.rms_eps)
             gate, up = w.gate_up(y).chunk(2, -1)
-            h += w.down(F.silu(gate).mul_(up))
+            h += w.down(gated_product("silu", gate, up))
         state.pos = pos + T
         return rms_norm(h, self.output_norm, c.rms_eps)
 

@@ -20,6 +20,7 @@ from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.models.decoder import Decoder, nbytes
 from pagelm.models.delta_rule import delta_rule_step, deltanet_token
 from pagelm.models.norms import rms_norm_rows
+from pagelm.models.token_ops import attend_token, gated_product, rope_rows_
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, heads_tiled, hf_rope,
                                layer_period, rope_scaling, shift_norms, tensor_maps)
 from pagelm.weights.linear import Linear
@@ -244,6 +245,8 @@ def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """NeoX (rotate-half) rope, in place, on the first 2·cos.shape[-1] dims of x (T, heads, D)."""
+    if rope_rows_(x, cos, sin):
+        return
     half = cos.shape[-1]
     x1, x2 = x[..., :half], x[..., half : 2 * half]
     c, s = cos[:, None], sin[:, None]
@@ -506,7 +509,7 @@ class Qwen35Model(Decoder):
     def _mlp(self, w: MLPWeights, y: torch.Tensor) -> torch.Tensor:
         gu = w.gate_up(y)
         gate, up = gu.chunk(2, -1)
-        return w.down(F.silu(gate).mul_(up))
+        return w.down(gated_product("silu", gate, up))
 
     def _attention(self, w: AttentionWeights, y, cache: KVCache, pos: int, cos, sin) -> torch.Tensor:
         c, T = self.config, y.shape[0]
@@ -519,6 +522,9 @@ class Qwen35Model(Decoder):
         v = proj[:, (2 * H + G) * D :].view(T, G, D)
         apply_rope_(q, cos, sin)
         apply_rope_(k, cos, sin)
+        o = attend_token(q, k, v, cache.k, cache.v, pos, D**-0.5) if T == 1 else None
+        if o is not None:
+            return w.out(o * torch.sigmoid(gate))
         cache.k[:, pos : pos + T] = k.transpose(0, 1)
         cache.v[:, pos : pos + T] = v.transpose(0, 1)
         keys, values = cache.k[None, :, : pos + T], cache.v[None, :, : pos + T]  # (1, G, S, D)

@@ -134,32 +134,24 @@ class Scratch:
         return sum(0 if t is None else t.numel() * t.element_size() for t in (self._flat, self._wide))
 
 
-@dataclass(frozen=True)
 class RowGroup:
-    """Consecutive output rows of one GGML type in one file: W[out_lo + r] is the row at
-    data[offsets[r]:]."""
+    """Consecutive output rows of one GGML type in one file: W[out_lo + r] is the row of `width`
+    values at data[offsets[r]:], rows the loader validated (matmul.check_rows)."""
 
-    ggml_type: int
-    offsets: np.ndarray  # int64 byte offsets into `data`
-    out_lo: int
-    data: np.ndarray  # the file map, as uint8
+    def __init__(self, ggml_type: int, offsets: np.ndarray, out_lo: int, data: np.ndarray, width: int):
+        self.ggml_type, self.offsets, self.out_lo, self.data, self.width = ggml_type, offsets, out_lo, data, width
+        self._matmul = bound_rows_matmul(data, ggml_type, offsets, width)
 
     @property
     def rows(self) -> int:
         return len(self.offsets)
 
-    def matmul(self, xs: np.ndarray, out: np.ndarray, width: int) -> None:
+    def matmul(self, xs: np.ndarray, out: np.ndarray) -> None:
         """xs: C-contiguous float32 (n <= MAX_GEMV_ROWS, width); out: float32 (n, operator's rows), fresh."""
-        self._bound(width)(xs, out, self.out_lo)
+        self._matmul(xs, out, self.out_lo)
 
-    def _bound(self, width: int):
-        bound = self.__dict__.get("_run")
-        if bound is None:  # the loader validated the rows (check_rows); frozen, so set directly
-            bound = self.__dict__["_run"] = bound_rows_matmul(self.data, self.ggml_type, self.offsets, width)
-        return bound
-
-    def dequantize(self, lo: int, hi: int, width: int, out: np.ndarray) -> None:
-        rows_dequantize(self.data, self.ggml_type, self.offsets[lo:hi], width, out)
+    def dequantize(self, lo: int, hi: int, out: np.ndarray) -> None:
+        rows_dequantize(self.data, self.ggml_type, self.offsets[lo:hi], self.width, out)
 
 
 @dataclass(frozen=True)
@@ -176,13 +168,13 @@ class TiledPart:
     def rows(self) -> int:
         return len(self.order)
 
-    def matmul(self, xs: np.ndarray, out: np.ndarray, width: int) -> None:
+    def matmul(self, xs: np.ndarray, out: np.ndarray) -> None:
         m = self.matrix
         groups = np.empty((xs.shape[0], m.groups * ROWS), np.float32)
         tile_matmul(m.data, m.kind, m.offset, m.groups, m.col_tiles, xs, groups)
         out[:, self.out_lo : self.out_lo + self.rows] = groups[:, self.order]
 
-    def dequantize(self, lo: int, hi: int, width: int, out: np.ndarray) -> None:
+    def dequantize(self, lo: int, hi: int, out: np.ndarray) -> None:
         m = self.matrix
         tile_dequantize(m.data, m.kind, m.offset, m.groups, m.col_tiles, self.order[lo:hi], out)
 
@@ -204,7 +196,7 @@ class MappedLinear(Linear):
         xs = x.to(torch.float32).contiguous().numpy()
         out = np.empty((x.shape[0], self.out_features), np.float32)
         for p in self.parts:
-            p.matmul(xs, out, self.in_features)
+            p.matmul(xs, out)
         return torch.from_numpy(out)
 
     def _gemm_tile(self, lo: int, hi: int, gemm: torch.dtype) -> torch.Tensor:
@@ -216,7 +208,7 @@ class MappedLinear(Linear):
         for p in self.parts:
             a, b = max(lo, p.out_lo), min(hi, p.out_lo + p.rows)
             if a < b:
-                p.dequantize(a - p.out_lo, b - p.out_lo, self.in_features, array[a - lo : b - lo])
+                p.dequantize(a - p.out_lo, b - p.out_lo, array[a - lo : b - lo])
         return tensor
 
 

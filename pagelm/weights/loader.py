@@ -257,9 +257,10 @@ class WeightLoader:
                 last = parts[-1] if parts else None
                 if isinstance(last, RowGroup) and last.ggml_type == source.ggml_type \
                         and last.data.ctypes.data == data.ctypes.data:
-                    parts[-1] = RowGroup(last.ggml_type, np.concatenate((last.offsets, offsets)), last.out_lo, data)
+                    parts[-1] = RowGroup(last.ggml_type, np.concatenate((last.offsets, offsets)), last.out_lo, data,
+                                         in_features)
                 else:
-                    parts.append(RowGroup(source.ggml_type, offsets, lo, data))
+                    parts.append(RowGroup(source.ggml_type, offsets, lo, data, in_features))
                 MappedTensor(self.file, source.name).advise(mmap.MADV_WILLNEED)
             lo += len(order)
         return MappedLinear(parts, in_features, self.dtype, self.scratch)

@@ -1,0 +1,113 @@
+"""The decode token's compiled kernels (pagelm.models.token_ops) against float64 references on odd
+shapes, and torch's path for the inputs they do not take."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagelm.models.token_ops import MAX_ROWS, attend_token, gated_product, rope_rows_
+
+
+def _rope_f64(x, cos, sin):
+    x, cos, sin = x.double(), cos.double()[:, None], sin.double()[:, None]
+    half = cos.shape[-1]
+    out = x.clone()
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    out[..., :half] = x1 * cos - x2 * sin
+    out[..., half : 2 * half] = x2 * cos + x1 * sin
+    return out
+
+
+@pytest.mark.parametrize("T, heads, D, half", [(1, 7, 18, 9), (2, 3, 40, 12), (1, 1, 6, 3)])
+def test_rope_matches_f64_and_leaves_the_rest(T, heads, D, half):
+    g = torch.Generator().manual_seed(T * heads + D)
+    base = torch.randn(T, heads + 2, D, generator=g)
+    x = base[:, 1 : heads + 1]  # a strided view, as q and k are views of the projection
+    angles = torch.rand(T, half, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    want = _rope_f64(x, cos, sin)
+    before = base.clone()
+    assert rope_rows_(x, cos, sin)
+    torch.testing.assert_close(x.double(), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(base[:, 0], before[:, 0]) and torch.equal(base[:, -1], before[:, -1])
+
+
+def test_rope_refuses_what_it_does_not_take():
+    cos, sin = torch.ones(1, 4), torch.zeros(1, 4)
+    assert not rope_rows_(torch.ones(1, 2, 8, dtype=torch.bfloat16), cos, sin)
+    assert not rope_rows_(torch.ones(1, MAX_ROWS + 1, 8), cos, sin)  # a prefill's rows
+    assert not rope_rows_(torch.ones(1, 2, 16)[..., ::2], cos, sin)  # last axis not unit stride
+    assert not rope_rows_(torch.ones(2, 2, 8), cos, sin)  # cos for another number of tokens
+
+
+def _act_f64(kind, g):
+    g = g.double()
+    if kind == "silu":
+        return g / (1 + torch.exp(-g))
+    return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
+
+
+@pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows, width", [(1, 37), (3, 130)])
+def test_gated_product_matches_f64(kind, rows, width):
+    g = torch.Generator().manual_seed(rows * width)
+    gate_up = torch.randn(rows, 2 * width, generator=g) * 4
+    gate, up = gate_up.chunk(2, -1)
+    got = gated_product(kind, gate, up)
+    torch.testing.assert_close(got.double(), _act_f64(kind, gate) * up.double(), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind, act", [("silu", F.silu), ("gelu_tanh", lambda g: F.gelu(g, approximate="tanh"))])
+def test_gated_product_falls_back_to_torch(kind, act):
+    for gate in (torch.randn(MAX_ROWS + 1, 5), torch.randn(2, 5, dtype=torch.bfloat16)):
+        up = torch.randn_like(gate)
+        assert torch.equal(gated_product(kind, gate, up), act(gate) * up)
+
+
+def _attend_f64(q, keys, values, scale):
+    """q (H, D), keys/values (G, S, D) float64: softmax(q·kᵀ·scale)·v per head, GQA."""
+    H, G = q.shape[0], keys.shape[0]
+    out = []
+    for h in range(H):
+        g = h // (H // G)
+        p = torch.softmax(keys[g] @ q[h] * scale, 0)
+        out.append(p @ values[g])
+    return torch.cat(out)[None]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("H, G, D, pos, lo", [(6, 2, 20, 13, 0), (3, 3, 33, 40, 29), (4, 1, 8, 0, 0)])
+def test_attend_token_matches_f64_and_writes_the_cache(dtype, H, G, D, pos, lo):
+    g = torch.Generator().manual_seed(H * D + pos)
+    max_len = pos + 5
+    ck = torch.randn(G, max_len, D, generator=g).to(dtype)
+    cv = torch.randn(G, max_len, D, generator=g).to(dtype)
+    q = torch.randn(1, H, D, generator=g) * 2
+    k, v = torch.randn(1, G, D, generator=g), torch.randn(1, G, D, generator=g)
+    untouched = ck[:, pos + 1 :].clone()
+    scale = D**-0.5
+    got = attend_token(q, k, v, ck, cv, pos, scale, lo)
+    assert torch.equal(ck[:, pos], k[0].to(dtype)) and torch.equal(cv[:, pos], v[0].to(dtype))
+    assert torch.equal(ck[:, pos + 1 :], untouched)
+    want = _attend_f64(q[0].double(), ck[:, lo : pos + 1].double(), cv[:, lo : pos + 1].double(), scale)
+    assert got.shape == (1, H * D) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_attend_token_refuses_without_writing():
+    G, D, max_len = 2, 8, 6
+    q, k, v = torch.randn(1, 4, D), torch.randn(1, G, D), torch.randn(1, G, D)
+    cache = torch.zeros(G, max_len, D)
+    refused = [
+        (q.to(torch.bfloat16), k, v, cache, cache.clone(), 0),  # a bf16 query
+        (torch.randn(2, 4, D), torch.randn(2, G, D), torch.randn(2, G, D), cache, cache.clone(), 0),  # two tokens
+        (q, k, v, cache.half(), cache.half(), 0),  # another cache dtype
+        (q, k, v, cache, cache.clone(), max_len),  # past the cache
+        (torch.randn(1, 3, D), k, v, cache, cache.clone(), 0),  # heads not a multiple of kv heads
+        (q, k, v, torch.zeros(G, D, max_len).transpose(1, 2), cache.clone(), 0),  # not contiguous
+    ]
+    for args in refused:
+        assert attend_token(*args, 1.0) is None
+        assert not args[3].any()
