@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pagelm.errors import PagelmError
 from pagelm.models.decoder import nbytes
 from pagelm.models.qwen35 import apply_rope_, rms_norm
-from pagelm.models.token_ops import attend_token
+from pagelm.models.token_ops import attend_token, cache_views
 
 __all__ = ["KVCheckpoint", "KVState", "apply_rope_", "attention", "inv_freq", "rms_norm", "rope_tables"]
 
@@ -48,6 +48,7 @@ class KVState:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(n_layers)
         ]
+        self.views = [cache_views(k, v) for k, v in self.layers]  # the one-token attention kernel's
 
     @property
     def nbytes(self) -> int:
@@ -101,12 +102,13 @@ def rope_tables(inv: torch.Tensor, pos: int, T: int, scale: float = 1.0) -> tupl
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
-              pos: int, scale: float, window: int | None = None) -> torch.Tensor:
+              pos: int, scale: float, window: int | None = None, views=None) -> torch.Tensor:
     """GQA attention of T new queries over the cache after writing the new keys and values.
 
     q (T, H, D), k and v (T, G, D) with rope already applied (any float dtype; stored in the
     cache's dtype). Query t (absolute position pos + t) sees keys j ≤ pos + t, and with `window`
-    only those with pos + t − j < window (transformers' and llama.cpp's sliding window).
+    only those with pos + t − j < window (transformers' and llama.cpp's sliding window). One token
+    takes the kernel over the cache's `views` (KVState.views) when given.
     Returns (T, H·D) in the cache dtype, or float32 from the one-token kernel (token_ops.attend_token).
     """
     ck, cv = cache
@@ -115,7 +117,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[to
     end = pos + T
     # the first key any query can see
     lo = 0 if window is None else max(0, pos + 1 - window)
-    o = attend_token(q, k, v, ck, cv, pos, scale, lo) if T == 1 else None
+    o = attend_token(q, k, v, views, pos, scale, lo) if T == 1 else None
     if o is not None:
         return o
     ck[:, pos:end] = k.transpose(0, 1)

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, rms_norm, rope_tables
 from pagelm.models.decoder import Decoder
-from pagelm.models.token_ops import gated_product
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, layer_period,
                                rope_scaling, shift_norms, tensor_maps)
 from pagelm.weights.linear import Linear
@@ -226,7 +226,7 @@ class Gemma3Model(Decoder):
         h = x.to(device=self.device, dtype=torch.float32, copy=True).mul_(c.embedding_scale)
         rope_global = rope_tables(self.inv_freq_global, pos, T, c.rope_scale)
         rope_local = rope_tables(self.inv_freq_local, pos, T)
-        for i, (w, cache) in enumerate(zip(self.layers, state.layers)):
+        for i, (w, cache, views) in enumerate(zip(self.layers, state.layers, state.views)):
             is_global = c.is_global_layer(i)
             cos, sin = rope_global if is_global else rope_local
             y = rms_norm(h, w.attn_norm, c.rms_eps)
@@ -236,11 +236,11 @@ class Gemma3Model(Decoder):
             v = proj[:, (H + G) * D :].view(T, G, D)
             apply_rope_(q, cos, sin)
             apply_rope_(k, cos, sin)
-            o = attention(q, k, v, cache, pos, c.query_scale, None if is_global else c.sliding_window)
+            o = attention(q, k, v, cache, pos, c.query_scale, None if is_global else c.sliding_window, views)
             h += rms_norm(w.out(o).float(), w.post_attn_norm, c.rms_eps)
             y = rms_norm(h, w.ffn_norm, c.rms_eps)
             gate, up = w.gate_up(y).chunk(2, -1)
-            m = w.down(gated_product("gelu_tanh", gate, up))
+            m = w.down(F.gelu(gate, approximate="tanh").mul_(up))
             h += rms_norm(m.float(), w.post_ffn_norm, c.rms_eps)
         state.pos = pos + T
         return rms_norm(h, self.output_norm, c.rms_eps)

@@ -19,13 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 import numpy as np
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, rms_norm, rope_tables
 from pagelm.models.decoder import Decoder
-from pagelm.models.token_ops import gated_product
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, rope_scaling,
                                tensor_maps)
 from pagelm.weights.linear import Linear
@@ -169,7 +169,7 @@ class LlamaModel(Decoder):
         h = x.to(device=self.device, dtype=torch.float32, copy=True)
         cos, sin = rope_tables(self.inv_freq, pos, T, c.rope_scale)
         scale = D**-0.5
-        for w, cache in zip(self.layers, state.layers):
+        for w, cache, views in zip(self.layers, state.layers, state.views):
             y = rms_norm(h, w.attn_norm, c.rms_eps)
             proj = w.qkv(y).float()
             q = proj[:, : H * D].view(T, H, D)
@@ -177,10 +177,10 @@ class LlamaModel(Decoder):
             v = proj[:, (H + G) * D :].view(T, G, D)
             apply_rope_(q, cos, sin)
             apply_rope_(k, cos, sin)
-            h += w.out(attention(q, k, v, cache, pos, scale))
+            h += w.out(attention(q, k, v, cache, pos, scale, views=views))
             y = rms_norm(h, w.ffn_norm, c.rms_eps)
             gate, up = w.gate_up(y).chunk(2, -1)
-            h += w.down(gated_product("silu", gate, up))
+            h += w.down(F.silu(gate).mul_(up))
         state.pos = pos + T
         return rms_norm(h, self.output_norm, c.rms_eps)
 

@@ -20,7 +20,7 @@ from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.models.decoder import Decoder, nbytes
 from pagelm.models.delta_rule import delta_rule_step, deltanet_token
 from pagelm.models.norms import rms_norm_rows
-from pagelm.models.token_ops import attend_token, gated_product, rope_rows_
+from pagelm.models.token_ops import attend_token, cache_views, rope_rows_
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, heads_tiled, hf_rope,
                                layer_period, rope_scaling, shift_norms, tensor_maps)
 from pagelm.weights.linear import Linear
@@ -142,6 +142,9 @@ class Qwen35Config:
 class KVCache:
     k: torch.Tensor  # (n_kv_heads, max_len, head_dim), model dtype, rope applied
     v: torch.Tensor
+
+    def __post_init__(self):
+        self.views = cache_views(self.k, self.v)  # the one-token attention kernel's
 
 
 @dataclass
@@ -509,7 +512,7 @@ class Qwen35Model(Decoder):
     def _mlp(self, w: MLPWeights, y: torch.Tensor) -> torch.Tensor:
         gu = w.gate_up(y)
         gate, up = gu.chunk(2, -1)
-        return w.down(gated_product("silu", gate, up))
+        return w.down(F.silu(gate).mul_(up))
 
     def _attention(self, w: AttentionWeights, y, cache: KVCache, pos: int, cos, sin) -> torch.Tensor:
         c, T = self.config, y.shape[0]
@@ -522,7 +525,7 @@ class Qwen35Model(Decoder):
         v = proj[:, (2 * H + G) * D :].view(T, G, D)
         apply_rope_(q, cos, sin)
         apply_rope_(k, cos, sin)
-        o = attend_token(q, k, v, cache.k, cache.v, pos, D**-0.5) if T == 1 else None
+        o = attend_token(q, k, v, cache.views, pos, D**-0.5) if T == 1 else None
         if o is not None:
             return w.out(o * torch.sigmoid(gate))
         cache.k[:, pos : pos + T] = k.transpose(0, 1)

@@ -1,19 +1,17 @@
-"""One decode token's elementwise ops and attention as compiled kernels: rope, the gated
-activations of the MLPs, and one query's GQA attention over the KV cache.
+"""One decode token's rope and attention as compiled kernels.
 
-A decode step of SmolLM2's 30 layers spent ~12 ms per token outside the matmuls, most of it in
-the dispatch of small torch ops (rope alone is six of them per call, ~50 µs; attention's cache
-writes, casts and SDPA ~170 µs); one kernel call with its wrapper costs a few µs. Inputs the
-kernels do not take (a prefill's rows, other devices and dtypes) keep torch's path.
+A decode step of SmolLM2's 30 layers spent ~12 ms per token outside the matmuls, much of it in
+the dispatch of small torch ops: rope is six of them (~40 µs a call here, the kernel with its
+wrapper ~15), one token's attention (cache writes, casts, SDPA) ~180 µs (the kernel ~20, its
+wrapper a few more, given the cache's numpy views made once). Inputs the kernels do not take
+(a prefill's rows, other devices and dtypes) keep torch's path. (The gated activations stay
+torch's: one vectorized op, ~5 µs.)
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
-import torch.nn.functional as F
 from numba import njit, prange, types
 from numba.extending import overload
 
@@ -51,43 +49,6 @@ def rope_rows_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         return False
     _rope(x.numpy(), cos.numpy(), sin.numpy())
     return True
-
-
-# --- gated activations --------------------------------------------------------------
-
-_GELU_C = np.float32(math.sqrt(2.0 / math.pi))
-
-
-@njit(cache=True)
-def _silu_mul(g, u, out):
-    for r in range(g.shape[0]):
-        for i in range(g.shape[1]):
-            v = g[r, i]
-            out[r, i] = v / (np.float32(1) + np.exp(-v)) * u[r, i]
-
-
-@njit(cache=True)
-def _gelu_tanh_mul(g, u, out):
-    for r in range(g.shape[0]):
-        for i in range(g.shape[1]):
-            v = g[r, i]
-            inner = _GELU_C * (v + np.float32(0.044715) * v * v * v)
-            out[r, i] = np.float32(0.5) * v * (np.float32(1) + np.tanh(inner)) * u[r, i]
-
-
-_GATES = {"silu": (_silu_mul, lambda g: F.silu(g)), "gelu_tanh": (_gelu_tanh_mul, lambda g: F.gelu(g, approximate="tanh"))}
-
-
-def gated_product(kind: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """act(gate) · up, act "silu" or "gelu_tanh" as torch defines them: one kernel for a few
-    float32 CPU rows (T ≤ MAX_ROWS, unit stride in the last axis), torch's ops otherwise."""
-    kernel, act = _GATES[kind]
-    if not (_cpu_f32(gate, up) and gate.dim() == 2 and gate.shape == up.shape and gate.shape[0] <= MAX_ROWS
-            and gate.stride(-1) == 1 and up.stride(-1) == 1):
-        return act(gate).mul_(up)
-    out = torch.empty(gate.shape, dtype=torch.float32)
-    kernel(gate.numpy(), up.numpy(), out.numpy())
-    return out
 
 
 # --- one query's attention over the KV cache ----------------------------------------
@@ -160,30 +121,37 @@ def _attend(q, k, v, ck, cv, pos, lo, scale, out):
 
 
 def _kernel_view(cache: torch.Tensor) -> np.ndarray | None:
-    if cache.device.type != "cpu" or not cache.is_contiguous():
+    if cache.device.type != "cpu" or not cache.is_contiguous() or cache.dim() != 3:
         return None
     if cache.dtype == torch.bfloat16:
         return cache.view(torch.int16).numpy().view(np.uint16)
     return cache.numpy() if cache.dtype == torch.float32 else None
 
 
-def attend_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                 pos: int, scale: float, lo: int = 0) -> torch.Tensor | None:
-    """One token's GQA attention: writes k and v (1, G, D) at `pos` of the caches (G, max_len, D;
-    bfloat16 or float32, rounded as torch's cast rounds), then softmax(q·Kᵀ·scale)·V over keys
-    lo..pos for q (1, H, D), in float32 from the cache's exact values. Returns (1, H·D) float32,
-    or None (nothing written) for inputs the kernel does not take: not one float32 CPU token,
-    another cache dtype or layout."""
-    if not (_cpu_f32(q, k, v) and q.dim() == k.dim() == v.dim() == 3 and q.shape[0] == k.shape[0] == v.shape[0] == 1
-            and k.shape == v.shape and cache_k.shape == cache_v.shape and cache_k.dtype == cache_v.dtype
-            and q.shape[1] % k.shape[1] == 0 and 0 <= lo <= pos < cache_k.shape[1]
-            and cache_k.shape[0] == k.shape[1] and cache_k.shape[2] == k.shape[2] == q.shape[2]):
-        return None
+def cache_views(cache_k: torch.Tensor, cache_v: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+    """The numpy views attend_token works on of a K/V cache pair (G, max_len, D) (bf16 as its
+    uint16 bits), made once per cache: None when the kernel does not take this cache."""
     ck, cv = _kernel_view(cache_k), _kernel_view(cache_v)
-    if ck is None or cv is None:
+    if ck is None or cv is None or ck.shape != cv.shape or ck.dtype != cv.dtype:
         return None
-    H, D = q.shape[1], q.shape[2]
-    out = torch.empty(1, H * D, dtype=torch.float32)
-    _attend(q[0].contiguous().numpy(), k[0].contiguous().numpy(), v[0].contiguous().numpy(), ck, cv, pos, lo,
-            np.float32(scale), out.numpy())
-    return out
+    return ck, cv
+
+
+def attend_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, views: tuple[np.ndarray, np.ndarray] | None,
+                 pos: int, scale: float, lo: int = 0) -> torch.Tensor | None:
+    """One token's GQA attention: writes k and v (1, G, D) at `pos` of the caches behind `views`
+    (cache_views; bf16 rounded as torch's cast rounds), then softmax(q·Kᵀ·scale)·V over keys
+    lo..pos for q (1, H, D), in float32 from the cache's exact values. Returns (1, H·D) float32,
+    or None (nothing written) for inputs the kernel does not take: no views, not one float32
+    CPU token, shapes that do not fit the cache."""
+    if views is None or not (q.dtype == k.dtype == v.dtype == torch.float32 and q.is_cpu and k.is_cpu and v.is_cpu):
+        return None
+    ck, cv = views
+    qn, kn, vn = q.numpy(), k.numpy(), v.numpy()
+    G, max_len, D = ck.shape
+    if not (qn.ndim == 3 and qn.shape[0] == 1 and qn.shape[2] == D and qn.shape[1] % G == 0
+            and kn.shape == vn.shape == (1, G, D) and 0 <= lo <= pos < max_len):
+        return None
+    out = np.empty((1, qn.shape[1] * D), np.float32)
+    _attend(qn[0], kn[0], vn[0], ck, cv, pos, lo, np.float32(scale), out)
+    return torch.from_numpy(out)

@@ -1,13 +1,10 @@
 """The decode token's compiled kernels (pagelm.models.token_ops) against float64 references on odd
-shapes, and torch's path for the inputs they do not take."""
-
-import math
+shapes, and the inputs they refuse."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from pagelm.models.token_ops import MAX_ROWS, attend_token, gated_product, rope_rows_
+from pagelm.models.token_ops import MAX_ROWS, attend_token, cache_views, rope_rows_
 
 
 def _rope_f64(x, cos, sin):
@@ -42,30 +39,6 @@ def test_rope_refuses_what_it_does_not_take():
     assert not rope_rows_(torch.ones(2, 2, 8), cos, sin)  # cos for another number of tokens
 
 
-def _act_f64(kind, g):
-    g = g.double()
-    if kind == "silu":
-        return g / (1 + torch.exp(-g))
-    return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
-
-
-@pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("rows, width", [(1, 37), (3, 130)])
-def test_gated_product_matches_f64(kind, rows, width):
-    g = torch.Generator().manual_seed(rows * width)
-    gate_up = torch.randn(rows, 2 * width, generator=g) * 4
-    gate, up = gate_up.chunk(2, -1)
-    got = gated_product(kind, gate, up)
-    torch.testing.assert_close(got.double(), _act_f64(kind, gate) * up.double(), rtol=2e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("kind, act", [("silu", F.silu), ("gelu_tanh", lambda g: F.gelu(g, approximate="tanh"))])
-def test_gated_product_falls_back_to_torch(kind, act):
-    for gate in (torch.randn(MAX_ROWS + 1, 5), torch.randn(2, 5, dtype=torch.bfloat16)):
-        up = torch.randn_like(gate)
-        assert torch.equal(gated_product(kind, gate, up), act(gate) * up)
-
-
 def _attend_f64(q, keys, values, scale):
     """q (H, D), keys/values (G, S, D) float64: softmax(q·kᵀ·scale)·v per head, GQA."""
     H, G = q.shape[0], keys.shape[0]
@@ -88,7 +61,7 @@ def test_attend_token_matches_f64_and_writes_the_cache(dtype, H, G, D, pos, lo):
     k, v = torch.randn(1, G, D, generator=g), torch.randn(1, G, D, generator=g)
     untouched = ck[:, pos + 1 :].clone()
     scale = D**-0.5
-    got = attend_token(q, k, v, ck, cv, pos, scale, lo)
+    got = attend_token(q, k, v, cache_views(ck, cv), pos, scale, lo)
     assert torch.equal(ck[:, pos], k[0].to(dtype)) and torch.equal(cv[:, pos], v[0].to(dtype))
     assert torch.equal(ck[:, pos + 1 :], untouched)
     want = _attend_f64(q[0].double(), ck[:, lo : pos + 1].double(), cv[:, lo : pos + 1].double(), scale)
@@ -99,15 +72,25 @@ def test_attend_token_matches_f64_and_writes_the_cache(dtype, H, G, D, pos, lo):
 def test_attend_token_refuses_without_writing():
     G, D, max_len = 2, 8, 6
     q, k, v = torch.randn(1, 4, D), torch.randn(1, G, D), torch.randn(1, G, D)
-    cache = torch.zeros(G, max_len, D)
+    cache = torch.zeros(G, max_len, D), torch.zeros(G, max_len, D)
+    views = cache_views(*cache)
     refused = [
-        (q.to(torch.bfloat16), k, v, cache, cache.clone(), 0),  # a bf16 query
-        (torch.randn(2, 4, D), torch.randn(2, G, D), torch.randn(2, G, D), cache, cache.clone(), 0),  # two tokens
-        (q, k, v, cache.half(), cache.half(), 0),  # another cache dtype
-        (q, k, v, cache, cache.clone(), max_len),  # past the cache
-        (torch.randn(1, 3, D), k, v, cache, cache.clone(), 0),  # heads not a multiple of kv heads
-        (q, k, v, torch.zeros(G, D, max_len).transpose(1, 2), cache.clone(), 0),  # not contiguous
+        (q.to(torch.bfloat16), k, v, views, 0),  # a bf16 query
+        (torch.randn(2, 4, D), torch.randn(2, G, D), torch.randn(2, G, D), views, 0),  # two tokens
+        (q, k, v, views, max_len),  # past the cache
+        (torch.randn(1, 3, D), k, v, views, 0),  # heads not a multiple of kv heads
+        (q, torch.randn(1, G, D + 1), v, views, 0),  # another head dim
+        (q, k, v, None, 0),  # a cache the kernel does not take
     ]
     for args in refused:
         assert attend_token(*args, 1.0) is None
-        assert not args[3].any()
+        assert not cache[0].any() and not cache[1].any()
+
+
+def test_cache_views_only_of_caches_the_kernel_takes():
+    G, L, D = 2, 5, 4
+    assert cache_views(torch.zeros(G, L, D, dtype=torch.float16), torch.zeros(G, L, D, dtype=torch.float16)) is None
+    assert cache_views(torch.zeros(G, D, L).transpose(1, 2), torch.zeros(G, L, D)) is None  # not contiguous
+    assert cache_views(torch.zeros(G, L, D), torch.zeros(G, L, D, dtype=torch.bfloat16)) is None  # mixed dtypes
+    ck, cv = cache_views(torch.zeros(G, L, D, dtype=torch.bfloat16), torch.zeros(G, L, D, dtype=torch.bfloat16))
+    assert ck.dtype.name == "uint16" and ck.shape == (G, L, D)
