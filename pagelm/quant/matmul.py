@@ -437,36 +437,40 @@ def _mm_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb)
             out[i, lo + r] = total
 
 
-def _matmul_kernel(kind: int, vb: int, bb: int):
-    """out[:, lo + r] = x @ dequant(row r) for a block type of vb values in bb bytes (32 in 32 x size for floats)."""
+def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
+    """(mv, mm): out[:, lo + r] = x @ dequant(row r) for one activation row (mv) or a few (mm), for a
+    block type of vb values in bb bytes (32 in 32 x size for floats)."""
     # Rows of float types end in a partial "block" of width % 32 values, each of bb // 32 bytes.
     value_bytes = bb // 32 if kind in (_F32, _F16, _BF16) else 0
-
-    # Each prange body is a function of its own, with its own attributes. A bool, not a function, in
-    # the closure: numba's cache key pickles closure values, and a dispatcher pickles differently
-    # in every process (the cache would never hit); the constant branch is pruned before lowering.
+    # A bool, not a function, in the closure: numba's cache key pickles closure values, and a
+    # dispatcher pickles differently in every process (the cache would never hit); the constant
+    # branch is pruned before lowering.
     mv_keeps_loops = kind in (_F32, _F16, _BF16)
 
+    # Two functions, not two branches of one: a second parfor in the same function made the
+    # one-row loop 5-13 % slower (measured side by side).
     @njit(parallel=True, cache=True, fastmath={"contract"})
-    def matmul(data, offs, x, f16, out, lo, width, nch):
-        rows, n = len(offs), x.shape[0]
+    def mv(data, offs, x, f16, out, lo, width, nch):
         nblk, tail = width // vb, width % vb
         rnb = max(nblk * bb + tail * value_bytes, 1)
-        if n == 1:
-            for c in prange(nch):
-                _wide_vectors()
-                if mv_keeps_loops:
-                    _keep_loops()
-                r0, r1 = _chunk(c, nch, rows)
-                _mv_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb)
-        else:
-            for c in prange(nch):
-                _wide_vectors()
+        for c in prange(nch):
+            _wide_vectors()
+            if mv_keeps_loops:
                 _keep_loops()
-                r0, r1 = _chunk(c, nch, rows)
-                _mm_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb)
+            r0, r1 = _chunk(c, nch, len(offs))
+            _mv_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb)
 
-    return matmul
+    @njit(parallel=True, cache=True, fastmath={"contract"})
+    def mm(data, offs, x, f16, out, lo, width, nch):
+        nblk, tail = width // vb, width % vb
+        rnb = max(nblk * bb + tail * value_bytes, 1)
+        for c in prange(nch):
+            _wide_vectors()
+            _keep_loops()
+            r0, r1 = _chunk(c, nch, len(offs))
+            _mm_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb)
+
+    return mv, mm
 
 
 def _put(kind, out, r, k, v):
@@ -556,7 +560,7 @@ def _kernels(t: GGMLType) -> tuple:
     if vb == 1:  # float types: 32 values at a time
         vb, bb = 32, 32 * bb
     dequant = _dequant_kq_kernel(int(t), bb) if t in (_T.Q4_K, _T.Q5_K) else _dequant_kernel(int(t), vb, bb)
-    return _matmul_kernel(int(t), vb, bb), dequant, BLOCK_LAYOUT[t][0]
+    return _matmul_kernels(int(t), vb, bb), dequant, BLOCK_LAYOUT[t][0]
 
 
 _KERNELS = {t: _kernels(t) for t in sorted(DECODABLE)}
@@ -621,11 +625,11 @@ def bound_rows_matmul(data: np.ndarray, ggml_type, row_offsets: np.ndarray, widt
     """rows_matmul over these rows (validated by check_rows) as a function (x, out, out_lo) that
     checks nothing per call, for an operator that makes x and out itself: a decode step makes ~100
     such calls, and rows_matmul's checks cost ~7 us each."""
-    matmul, offs, data = _block(ggml_type)[0], _readonly(row_offsets), _readonly(data)
+    (mv, mm), offs, data = _block(ggml_type)[0], _readonly(row_offsets), _readonly(data)
     rows = len(offs)
 
     def run(x: np.ndarray, out: np.ndarray, out_lo: int) -> None:
-        matmul(data, offs, _readonly(x), _F16_TO_F32, out, out_lo, width, _chunks(rows))
+        (mv if x.shape[0] == 1 else mm)(data, offs, _readonly(x), _F16_TO_F32, out, out_lo, width, _chunks(rows))
 
     return run
 
@@ -673,6 +677,7 @@ def warmup(types=None) -> None:
         width = max(vb, 32)
         data = np.zeros(BLOCK_LAYOUT[t][1] * width // vb, np.uint8)
         offs = np.zeros(1, np.int64)
-        rows_matmul(data, t, offs, width, np.zeros((1, width), np.float32), np.empty((1, 1), np.float32))
+        for n in (1, 2):  # the one-row and the few-row GEMV
+            rows_matmul(data, t, offs, width, np.zeros((n, width), np.float32), np.empty((n, 1), np.float32))
         for dtype in (np.float32, np.uint16):
             rows_dequantize(data, t, offs, width, np.empty((1, width), dtype))
