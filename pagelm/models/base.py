@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -102,7 +103,8 @@ def rope_tables(inv: torch.Tensor, pos: int, T: int, scale: float = 1.0) -> tupl
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
-              pos: int, scale: float, window: int | None = None, views=None) -> torch.Tensor:
+              pos: int, scale: float, window: int | None = None,
+              views: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor:
     """GQA attention of T new queries over the cache after writing the new keys and values.
 
     q (T, H, D), k and v (T, G, D) with rope already applied (any float dtype; stored in the
