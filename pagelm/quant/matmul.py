@@ -314,7 +314,9 @@ def _mac_block(kind, acc, data, o, x, xo, f16):
     One loop per type over the bytes that hold several values (both nibbles of a byte, a Q6_K
     byte's four 2-bit tops), each value into its own lane: compiled without optsize, LLVM
     vectorizes each into straight-line 8-lane code (for Q4_1: widen, convert, two FMAs per 8
-    weights). Side by side with the 8-lane _mac8 loops they were level to ~10 % faster here.
+    weights). Side by side with the previous kernels (8-lane _mac8 loops, one function for one and
+    a few rows) at 3584x1024 and 1024x3584: Q8_0 level, Q4_1 and Q5_0 0.85-0.98 of their time,
+    Q4_K ~0.8, Q6_K ~0.6.
     """
     if kind == _Q8_0:
         d = _half(f16, data, o)
