@@ -1,6 +1,6 @@
 """One decode token's rope and attention as compiled kernels.
 
-A decode step of SmolLM2's 30 layers spent ~12 ms per token outside the matmuls, much of it in
+A decode step of SmolLM2's 30 layers spent 14–15 ms per token outside the matmuls on this stop's host, much of it in
 the dispatch of small torch ops: rope is six of them (~40 µs a call here, the kernel with its
 wrapper ~15), one token's attention (cache writes, casts, SDPA) ~180 µs (the kernel ~20, its
 wrapper a few more, given the cache's numpy views made once). Inputs the kernels do not take
@@ -15,9 +15,8 @@ import torch
 from numba import njit, prange, types
 from numba.extending import overload
 
+from pagelm.models.norms import MAX_ROWS  # rows (tokens × heads) of one decode step take the kernels
 from pagelm.quant.matmul import _bf16_bits, _u32_as_f32
-
-MAX_ROWS = 64  # rows (tokens × heads) of one decode step take the kernels; a prefill's keep torch's
 
 
 def _cpu_f32(*tensors: torch.Tensor) -> bool:
