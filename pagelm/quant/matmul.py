@@ -130,11 +130,18 @@ def _half(f16, data, at):
 #
 # A block holds 1 (32-value types) or 8 (K-quants) groups of 32 values; each group is two halves
 # of 16 lanes, value 16 h + j, whose bytes are consecutive in j so that loops over j vectorize.
-# The float ops follow codecs.py (gguf-py's order), so a kernel compiled without contraction
-# gives decode_f32's values bit for bit; the matmul kernels allow contraction.
+# The float ops follow codecs.py (gguf-py's order); _lane and _prep are compiled on their own,
+# without contraction, so they give decode_f32's values bit for bit in every kernel. The matmul
+# kernels contract their own products (and _mac_block's, which they inline).
+#
+# The helpers that branch on `kind` are functions of their own, which LLVM inlines with `kind` a
+# constant, not inline="always": numba's inliner copies every branch of every kind into each call site,
+# again for each nested call, and that made one type's kernels take ~75 s to compile (now ~25 s).
+# _mac_block stays inlined: as a call of its own its accumulators left the registers (1.5-4x the
+# time). Measured side by side with the inlined helpers: the same time and the same bits.
 
 
-@njit(inline="always")
+@njit
 def _scale_min_k4(data, at, g):
     """6-bit scale and min of sub-block g from the 12 scale bytes at `at` (Q4_K, Q5_K)."""
     if g < 4:
@@ -143,7 +150,7 @@ def _scale_min_k4(data, at, g):
     return (lo & 15) | (_u8(data, at + g - 4) >> 6) << 4, (lo >> 4) | (_u8(data, at + g) >> 6) << 4
 
 
-@njit(inline="always")
+@njit
 def _prep(kind, data, o, g, f16):
     """(scale, offset) of halves 0 and 1 of group g of the block at byte o."""
     zero = np.float32(0)
@@ -164,7 +171,7 @@ def _prep(kind, data, o, g, f16):
     return zero, zero, zero, zero
 
 
-@njit(inline="always")
+@njit
 def _q5(data, qh, qs, h, j0, jj):
     """Value 16 h + j0 + jj of a Q5_0/Q5_1 block: nibble from bytes `qs`, fifth bit from the 32 bits at `qh`."""
     top = _shr8(_u8(data, qh + 2 * h + (j0 >> 3)), jj) & 1
@@ -183,7 +190,7 @@ def _plus(exact, a, b):
     return a + b
 
 
-@njit(inline="always")
+@njit
 def _val(kind, data, o, k, f16):
     """Value k of a float-typed row whose values start at byte o."""
     if kind == _F32:
@@ -193,7 +200,7 @@ def _val(kind, data, o, k, f16):
     return _u32_as_f32(np.uint32(_load(data, o + 2 * k, np.uint16)) << 16)
 
 
-@njit(inline="always")
+@njit
 def _lane(kind, exact, data, o, g, h, j0, jj, s, m, f16):
     """Value 16 h + j0 + jj (j0: 0 or 8, jj < 8) of group g of the block at byte o, given that half's scale s and offset m.
 
@@ -226,7 +233,7 @@ def _lane(kind, exact, data, o, g, h, j0, jj, s, m, f16):
     return _val(kind, data, o, 16 * h + j, f16)
 
 
-@njit(inline="always")
+@njit
 def _kq_pair(kind, data, o, p, j):
     """Values j of groups 2p and 2p + 1 of a Q4_K / Q5_K block (the low and high nibbles of one byte)."""
     if kind == _Q4_K:
