@@ -7,6 +7,20 @@ import pytest
 
 from pagelm import store
 
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # Two workers share the cores: OpenMP threads (torch's, numba's) that spin after each parallel
+    # region would take them from the other worker; set before either library loads its runtime.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def pytest_configure(config):
+    """Compile every kernel once, on two processes, before any test (or xdist worker) needs one:
+    otherwise each worker and each server process compiles what it needs first, one at a time."""
+    if not hasattr(config, "workerinput"):
+        from pagelm.quant.precompile import precompile
+
+        precompile()
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:

@@ -678,16 +678,23 @@ def check_rows(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width: int)
         )
 
 
-def warmup(types=None) -> None:
+KERNEL_PARTS = ("one-row", "few-row", "dequantize")
+
+
+def warmup(types=None, parts=KERNEL_PARTS) -> None:
     """Compiles the kernels of `types` (default: every type), or loads them from numba's cache, on
-    tiny inputs. Each type's compiled code costs ~1 MiB of anonymous memory once loaded."""
+    tiny inputs: of `parts`, the one-row GEMVs, the few-row GEMVs and the dequantizers (each part is
+    one compiled function per type, with one numba cache index). Each type's compiled code costs
+    ~1 MiB of anonymous memory once loaded."""
     for t, (_, _, vb) in _KERNELS.items():
         if types is not None and t not in types:
             continue
         width = max(vb, 32)
         data = np.zeros(BLOCK_LAYOUT[t][1] * width // vb, np.uint8)
         offs = np.zeros(1, np.int64)
-        for n in (1, 2):  # the one-row and the few-row GEMV
-            rows_matmul(data, t, offs, width, np.zeros((n, width), np.float32), np.empty((n, 1), np.float32))
-        for dtype in (np.float32, np.uint16):
-            rows_dequantize(data, t, offs, width, np.empty((1, width), dtype))
+        for n, part in ((1, "one-row"), (2, "few-row")):
+            if part in parts:
+                rows_matmul(data, t, offs, width, np.zeros((n, width), np.float32), np.empty((n, 1), np.float32))
+        if "dequantize" in parts:
+            for dtype in (np.float32, np.uint16):
+                rows_dequantize(data, t, offs, width, np.empty((1, width), dtype))

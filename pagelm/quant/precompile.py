@@ -1,0 +1,40 @@
+"""Every kernel of pagelm.quant compiled into numba's on-disk cache ahead of use, on two processes.
+
+Without it, a fresh install (or CI's fresh clone) compiles each kernel inside the first call that
+needs it, one at a time, in each process that needs it first (a server, a subprocess). numba keeps
+one cache index per kernel function, holding all its specializations, and two processes adding to
+one index at once lose one of the entries; so each process here compiles whole functions: one the
+one-row GEMVs, the tile and the head kernels, the other the few-row GEMVs and the dequantizers
+(cold, ~150 s and ~190 s of compiling on this project's 2-core machine).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+
+
+def _one_row() -> None:
+    from pagelm.quant import kernels, matmul, tiles
+
+    kernels.warmup()
+    tiles.warmup(tiles.TILE_BYTES)
+    matmul.warmup(parts=("one-row",))
+
+
+def _the_rest() -> None:
+    from pagelm.quant import matmul
+
+    matmul.warmup(parts=("few-row", "dequantize"))
+
+
+def precompile(processes: int = 2) -> None:
+    """Compiles (or finds in the cache) every kernel, on up to `processes` fresh processes at once."""
+    jobs = (_one_row, _the_rest)
+    if processes < 2:
+        for job in jobs:
+            job()
+        return
+    with concurrent.futures.ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+        for done in [pool.submit(job) for job in jobs]:
+            done.result()
