@@ -28,13 +28,8 @@ def _the_rest() -> None:
     matmul.warmup(parts=("few-row", "dequantize"))
 
 
-def precompile(processes: int = 2) -> None:
-    """Compiles (or finds in the cache) every kernel, on up to `processes` fresh processes at once."""
-    jobs = (_one_row, _the_rest)
-    if processes < 2:
-        for job in jobs:
-            job()
-        return
-    with concurrent.futures.ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
-        for done in [pool.submit(job) for job in jobs]:
+def precompile() -> None:
+    """Compiles (or finds in numba's cache) every kernel, the two halves on two fresh processes at once."""
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for done in [pool.submit(job) for job in (_one_row, _the_rest)]:
             done.result()
