@@ -137,8 +137,8 @@ def _half(f16, data, at):
 # The helpers that branch on `kind` are functions of their own, which LLVM inlines with `kind` a
 # constant, not inline="always": numba's inliner copies every branch of every kind into each call site,
 # again for each nested call, and that made one type's kernels take ~75 s to compile (now ~25 s).
-# _mac_block stays inlined: as a call of its own its accumulators left the registers (1.5-4x the
-# time). Measured side by side with the inlined helpers: the same time and the same bits.
+# _mac_block stays inlined: as a function of its own the one-row GEMV took 1.5-5x the time (why
+# was not looked into). Measured side by side with the inlined helpers: the same time and bits.
 
 
 @njit

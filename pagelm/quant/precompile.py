@@ -18,7 +18,7 @@ def _one_row() -> None:
     from pagelm.quant import kernels, matmul, tiles
 
     kernels.warmup()
-    tiles.warmup(tiles.TILE_BYTES)
+    tiles.warmup(tiles.TileKind)
     matmul.warmup(parts=("one-row",))
 
 
