@@ -1,8 +1,9 @@
 """Benchmark: pagelm.quant.matmul over GGML block bytes vs torch.mv over unpacked bf16 / float32 copies.
 
 Per block type and shape (rows x width): median ms of rows_matmul with one activation row, of
-torch.mv on the bf16 and float32 copies (2 threads each, calls alternating), the GB/s of the block
-bytes read, and rows_dequantize to bf16 in G weights/s. Random blocks: pagelm.quant.encode for the
+the opt-in int8-activation GEMV (weights "mapped-int8": quantizing the row included), of torch.mv
+on the bf16 and float32 copies (2 threads each, calls alternating), the GB/s of the block bytes
+read by rows_matmul, and rows_dequantize to bf16 in G weights/s. Random blocks: pagelm.quant.encode for the
 types it encodes, random bytes with finite fp16 scales for the others. Prints one markdown table.
 
     .venv/bin/python bench/matmul.py [--calls 30] [--types Q8_0 Q4_K ...] [--shapes 3584x1024 ...]
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from pagelm.quant import BLOCK_LAYOUT, ENCODABLE, GGMLType, decode_bf16, encode
+from pagelm.quant import int8dot
 from pagelm.quant.matmul import check_rows, rows_dequantize, rows_matmul, warmup
 from pagelm.quant.types import SCALE_FIELDS
 
@@ -54,9 +56,11 @@ def bench(t: GGMLType, rows: int, width: int, calls: int) -> str:
     dense = torch.from_numpy(decode_bf16(table, t).view(np.int16)).view(torch.bfloat16)
     dense32 = dense.float()
     xb, x32 = torch.from_numpy(x[0]).to(torch.bfloat16), torch.from_numpy(x[0])
-    ms, bf16_ms, f32_ms = median_ms(
+    int8 = int8dot.bound_rows_matmul_int8(data, t, offs, width) if t in int8dot.INT8_TYPES else None
+    ms, int8_ms, bf16_ms, f32_ms = median_ms(
         [
             lambda: rows_matmul(data, t, offs, width, x, out),
+            (lambda: int8(int8dot.Int8Row(x[0]), out, 0)) if int8 else (lambda: None),
             lambda: torch.mv(dense, xb),
             lambda: torch.mv(dense32, x32),
         ],
@@ -67,7 +71,8 @@ def bench(t: GGMLType, rows: int, width: int, calls: int) -> str:
     scratch = np.empty((tile, width), np.uint16)
     (dq_ms,) = median_ms([lambda: rows_dequantize(data, t, offs[:tile], width, scratch)], calls)
     return (
-        f"| {t.name} | {rows}x{width} | {ms:.3f} | {bf16_ms:.3f} | {ms / bf16_ms:.2f} | {f32_ms:.3f} "
+        f"| {t.name} | {rows}x{width} | {ms:.3f} | {f'{int8_ms:.3f}' if int8 else '-'} | {bf16_ms:.3f} "
+        f"| {ms / bf16_ms:.2f} | {f32_ms:.3f} "
         f"| {data.size / ms / 1e6:.1f} | {tile * width / dq_ms / 1e6:.2f} |"
     )
 
@@ -82,9 +87,10 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     numba.set_num_threads(a.threads)
     warmup()
+    int8dot.warmup()
     print(f"threads {a.threads}, numba {numba.__version__}, torch {torch.__version__}, median of {a.calls} calls")
-    print("| type | rows x width | matmul ms | torch bf16 mv ms | ratio | torch f32 mv ms | GB/s | dequant bf16 Gw/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| type | rows x width | matmul ms | int8 ms | torch bf16 mv ms | ratio | torch f32 mv ms | GB/s | dequant bf16 Gw/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in a.types:
         for shape in a.shapes:
             if shape == HEAD and name != "Q8_0":

@@ -244,9 +244,11 @@ def _add_compute_options(parser: argparse.ArgumentParser) -> None:
                         help="and down to at most this many (default 1024)")
     parser.add_argument("--embedding", choices=["mapped", "dense"], default="mapped",
                         help="token embedding rows decoded from the file map (mapped, default) or an unpacked table (dense)")
-    parser.add_argument("--weights", choices=["mapped", "dense"], default="mapped",
-                        help="layer matrices computed straight from the file's quantized bytes (mapped, default) "
-                             "or unpacked to --dtype at load (dense: the reference, and needed off the CPU)")
+    parser.add_argument("--weights", choices=["mapped", "mapped-int8", "dense"], default="mapped",
+                        help="layer matrices computed straight from the file's quantized bytes (mapped, default), "
+                             "the same with decode's products over int8-quantized activations as llama.cpp does "
+                             "(mapped-int8: faster, not exact), or unpacked to --dtype at load (dense: the "
+                             "reference, and needed off the CPU)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="compute type of prefill matmuls, activations and caches (default bfloat16)")
     parser.add_argument("--threads", type=int, default=None,

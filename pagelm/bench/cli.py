@@ -235,7 +235,7 @@ def register(commands) -> None:
                     "Prints a table per scenario and 'differing scenarios: D of S in N runs'; exit 1 if D > 0.")
     scenarios.add_argument("model", metavar="MODEL", help=model_help)
     scenarios.add_argument("--runs", type=int, default=2, help="runs of every configuration (default 2)")
-    scenarios.add_argument("--weights", choices=["mapped", "dense"], default="mapped",
+    scenarios.add_argument("--weights", choices=["mapped", "mapped-int8", "dense"], default="mapped",
                            help="layer weights of every configuration (default mapped)")
     _models_dir(scenarios)
     scenarios.set_defaults(run=_scenarios)
@@ -318,7 +318,7 @@ def register(commands) -> None:
     perplexity.add_argument("--text", metavar="FILE", help="a UTF-8 text file instead of Python's documentation")
     perplexity.add_argument("--tokens", type=int, default=2048, help="tokens of the text to score (default 2048)")
     perplexity.add_argument("--weights", default="mapped,dense", metavar="MODES",
-                            help="comma-separated weights modes (default mapped,dense)")
+                            help="comma-separated weights modes: mapped, mapped-int8, dense (default mapped,dense)")
     perplexity.add_argument("--dtype", default="bfloat16,float32", metavar="DTYPES",
                             help="comma-separated compute dtypes (default bfloat16,float32)")
     _models_dir(perplexity)

@@ -1,4 +1,4 @@
-"""Perplexity of a model on a fixed English text, per weights mode (mapped, dense) and compute dtype,
+"""Perplexity of a model on a fixed English text, per weights mode (mapped, mapped-int8, dense) and compute dtype,
 computed twice: through one prefill over the whole text, and teacher-forced through decode steps.
 
 Owns the text, the two negative log-likelihood paths and their table; it never starts servers.
@@ -18,7 +18,8 @@ from pagelm.bench.report import markdown_table
 from pagelm.errors import PagelmError
 
 DEFAULT_TOKENS = 2048
-WEIGHTS = ("mapped", "dense")
+WEIGHTS = ("mapped", "mapped-int8", "dense")
+DEFAULT_WEIGHTS = ("mapped", "dense")
 DTYPES = ("bfloat16", "float32")
 TEXT_SOURCE = "Python's bundled documentation (pydoc_data.topics, topics in sorted key order)"
 
@@ -142,7 +143,7 @@ class PerplexityReport:
 
 
 def run_perplexity(name: str, path: str, text: str | None = None, tokens: int = DEFAULT_TOKENS,
-                   weights: Sequence[str] = WEIGHTS, dtypes: Sequence[str] = DTYPES, progress: bool = True,
+                   weights: Sequence[str] = DEFAULT_WEIGHTS, dtypes: Sequence[str] = DTYPES, progress: bool = True,
                    command: str = "") -> PerplexityReport:
     """Perplexity of the model at `path` on the first `tokens` tokens of `text` (default: default_text())
     for every weights mode × dtype, through prefill and through decode steps."""

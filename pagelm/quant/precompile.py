@@ -4,7 +4,7 @@ Without it, a fresh install (or CI's fresh clone) compiles each kernel inside th
 needs it, one at a time, in each process that needs it first (a server, a subprocess). numba keeps
 one cache index per kernel function, holding all its specializations, and two processes adding to
 one index at once lose one of the entries; so each process here compiles whole functions: one the
-one-row GEMVs, the tile and the head kernels, the other the few-row GEMVs and the dequantizers
+one-row GEMVs (exact and int8), the tile and the head kernels, the other the few-row GEMVs and the dequantizers
 (cold, ~150 s and ~190 s of compiling on this project's 2-core machine).
 """
 
@@ -15,11 +15,12 @@ import multiprocessing
 
 
 def _one_row() -> None:
-    from pagelm.quant import kernels, matmul, tiles
+    from pagelm.quant import int8dot, kernels, matmul, tiles
 
     kernels.warmup()
     tiles.warmup(tiles.TileKind)
     matmul.warmup(parts=("one-row",))
+    int8dot.warmup()
 
 
 def _the_rest() -> None:

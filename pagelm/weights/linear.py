@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagelm.quant.int8dot import INT8_TYPES, Int8Row, bound_rows_matmul_int8
 from pagelm.quant.matmul import MAX_GEMV_ROWS, bound_rows_matmul, rows_dequantize
 from pagelm.quant.tiles import ROWS, tile_dequantize, tile_matmul
 
@@ -136,19 +137,31 @@ class Scratch:
 
 class RowGroup:
     """Consecutive output rows of one GGML type in one file: W[out_lo + r] is the row of `width`
-    values at data[offsets[r]:], rows the loader validated (matmul.check_rows)."""
+    values at data[offsets[r]:], rows the loader validated (matmul.check_rows). With `int8`, a
+    quantized type multiplies one activation row in its int8 form (int8dot) when it is given one."""
 
-    def __init__(self, ggml_type: int, offsets: np.ndarray, out_lo: int, data: np.ndarray, width: int):
+    def __init__(self, ggml_type: int, offsets: np.ndarray, out_lo: int, data: np.ndarray, width: int,
+                 int8: bool = False):
         self.ggml_type, self.offsets, self.out_lo, self.data, self.width = ggml_type, offsets, out_lo, data, width
         self._matmul = bound_rows_matmul(data, ggml_type, offsets, width)
+        self._int8 = bound_rows_matmul_int8(data, ggml_type, offsets, width) if int8 and ggml_type in INT8_TYPES \
+            else None
 
     @property
     def rows(self) -> int:
         return len(self.offsets)
 
-    def matmul(self, xs: np.ndarray, out: np.ndarray) -> None:
-        """xs: C-contiguous float32 (n <= MAX_GEMV_ROWS, width); out: float32 (n, operator's rows), fresh."""
-        self._matmul(xs, out, self.out_lo)
+    @property
+    def takes_int8(self) -> bool:
+        return self._int8 is not None
+
+    def matmul(self, xs: np.ndarray, out: np.ndarray, row: Int8Row | None = None) -> None:
+        """xs: C-contiguous float32 (n <= MAX_GEMV_ROWS, width); out: float32 (n, operator's rows), fresh;
+        row: xs[0] quantized, or None."""
+        if row is not None and self._int8 is not None:
+            self._int8(row, out, self.out_lo)
+        else:
+            self._matmul(xs, out, self.out_lo)
 
     def dequantize(self, lo: int, hi: int, out: np.ndarray) -> None:
         rows_dequantize(self.data, self.ggml_type, self.offsets[lo:hi], self.width, out)
@@ -163,12 +176,13 @@ class TiledPart:
     matrix: object
     order: np.ndarray  # int64
     out_lo: int
+    takes_int8 = False
 
     @property
     def rows(self) -> int:
         return len(self.order)
 
-    def matmul(self, xs: np.ndarray, out: np.ndarray) -> None:
+    def matmul(self, xs: np.ndarray, out: np.ndarray, row: Int8Row | None = None) -> None:
         m = self.matrix
         groups = np.empty((xs.shape[0], m.groups * ROWS), np.float32)
         tile_matmul(m.data, m.kind, m.offset, m.groups, m.col_tiles, xs, groups)
@@ -182,10 +196,12 @@ class TiledPart:
 class MappedLinear(Linear):
     """W read in place from the file maps: its rows may come from several tensors (a fused
     projection) of different types and layouts (GGML rows, FastFlowLM tiles), in any order (a row
-    permutation), with no copy. Each part (RowGroup, TiledPart) multiplies and dequantizes its rows."""
+    permutation), with no copy. Each part (RowGroup, TiledPart) multiplies and dequantizes its rows;
+    one activation row is quantized once for the parts that take it in int8."""
 
     def __init__(self, parts: list, in_features: int, dtype: torch.dtype, scratch: Scratch):
         self.parts, self.scratch = parts, scratch
+        self._int8 = any(p.takes_int8 for p in parts)
         self.in_features = in_features
         self.out_features = parts[-1].out_lo + parts[-1].rows
         self.dtype = dtype
@@ -198,8 +214,9 @@ class MappedLinear(Linear):
         else:
             xs = x.to(torch.float32).contiguous().numpy()
         out = np.empty((x.shape[0], self.out_features), np.float32)
+        row = Int8Row(xs[0]) if self._int8 and x.shape[0] == 1 else None
         for p in self.parts:
-            p.matmul(xs, out)
+            p.matmul(xs, out, row)
         return torch.from_numpy(out)
 
     def _gemm_tile(self, lo: int, hi: int, gemm: torch.dtype) -> torch.Tensor:

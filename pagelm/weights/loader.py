@@ -7,7 +7,9 @@ GGUF's names and says how its tensors differ: row and column orders the operator
 value conversions for small tensors) or a FastFlowLM directory (`weights.flm.FLMCheckpoint`, the
 same plus tiled matrices). The weights mode is a switch here: "dense" unpacks every
 matrix at load (the reference, and the way to other devices), "mapped" computes from the
-(quantized) bytes in the file maps.
+(quantized) bytes in the file maps, and "mapped-int8" (opt-in) is "mapped" with decode's one-row
+products of quantized matrices taken over int8-quantized activations (`quant.int8dot`: faster,
+not fp32-exact; prefill is unchanged).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.formats.gguf import GGUFArray, GGUFFile, GGUFValueType, TensorInfo
 from pagelm.quant import DECODABLE, decode_f32
-from pagelm.quant import kernels, matmul, tiles
+from pagelm.quant import int8dot, kernels, matmul, tiles
 from pagelm.weights.embedding import EmbeddingMode, OutputHead, RowFormat, TokenEmbedding, load_output_head, load_token_embedding
 from pagelm.weights.flm import FLMCheckpoint, TiledMatrix, is_flm_directory
 from pagelm.weights.hf import HFCheckpoint, is_hf_directory
@@ -32,8 +34,8 @@ from pagelm.weights.mapped import MappedTensor, tiled_matrices
 
 Checkpoint = GGUFFile | HFCheckpoint | FLMCheckpoint
 
-WeightsMode = Literal["mapped", "dense"]
-WEIGHTS_MODES: tuple[str, ...] = ("mapped", "dense")
+WeightsMode = Literal["mapped", "mapped-int8", "dense"]
+WEIGHTS_MODES: tuple[str, ...] = ("mapped", "mapped-int8", "dense")
 # The float32 temporaries of one decode step hold about this many values (4 MiB).
 DECODE_CHUNK_VALUES = 1 << 20
 
@@ -123,8 +125,10 @@ class WeightLoader:
         if weights not in WEIGHTS_MODES:
             raise PagelmError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {weights!r}")
         self.device = torch.device(device)
-        if weights == "mapped" and self.device.type != "cpu":
-            raise PagelmError(f"weights='mapped' computes on the CPU; use weights='dense' for device {self.device}")
+        if weights != "dense" and self.device.type != "cpu":
+            raise PagelmError(f"weights={weights!r} computes on the CPU; use weights='dense' for device {self.device}")
+        if weights == "mapped-int8" and not int8dot.available():
+            raise UnsupportedError("weights='mapped-int8' needs a CPU with AVX2; use weights='mapped'")
         self.file, self.weights, self.dtype = file, weights, dtype
         self.name = file.name
         self.scratch = Scratch(dtype)
@@ -244,7 +248,7 @@ class WeightLoader:
 
     def _mapped(self, sources, in_features: int) -> MappedLinear:
         parts: list[RowGroup | TiledPart] = []
-        lo = 0
+        lo, int8 = 0, self.weights == "mapped-int8"
         for source, order in sources:
             if isinstance(source, TiledMatrix):
                 tiles.check_tiles(source.data, source.kind, source.offset, source.groups, source.col_tiles)
@@ -258,9 +262,9 @@ class WeightLoader:
                 if isinstance(last, RowGroup) and last.ggml_type == source.ggml_type \
                         and last.data.ctypes.data == data.ctypes.data:
                     parts[-1] = RowGroup(last.ggml_type, np.concatenate((last.offsets, offsets)), last.out_lo, data,
-                                         in_features)
+                                         in_features, int8)
                 else:
-                    parts.append(RowGroup(source.ggml_type, offsets, lo, data, in_features))
+                    parts.append(RowGroup(source.ggml_type, offsets, lo, data, in_features, int8))
                 MappedTensor(self.file, source.name).advise(mmap.MADV_WILLNEED)
             lo += len(order)
         return MappedLinear(parts, in_features, self.dtype, self.scratch)
@@ -274,9 +278,11 @@ class WeightLoader:
     def warmup(self) -> None:
         """Load the compiled kernels this model uses now rather than inside the first request."""
         kernels.warmup()
-        if self.weights == "mapped":
+        if self.weights != "dense":
             matmul.warmup({p.ggml_type for op in self._operators if isinstance(op, MappedLinear)
                            for p in op.parts if isinstance(p, RowGroup)})
+        if self.weights == "mapped-int8":
+            int8dot.warmup()
         tiles.warmup({m.kind for m in self.tiles.values()})
 
     @property

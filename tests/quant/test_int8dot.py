@@ -1,0 +1,73 @@
+"""The opt-in int8-activation GEMV: against a float64 product of gguf-dequantized weights and of the
+activations it quantized, and its distance from the exact product bounded by the rounding of x."""
+
+import numpy as np
+import pytest
+
+from pagelm.errors import UnsupportedError
+from pagelm.quant import GGMLType
+from pagelm.quant.int8dot import GROUP, INT8_TYPES, Int8Row, available, bound_rows_matmul_int8
+from pagelm.quant.matmul import check_rows
+
+from test_matmul import oracle, two_tensors, widths
+
+TYPES = sorted(INT8_TYPES)
+pytestmark = pytest.mark.skipif(not available(), reason="the int8 kernels need AVX2")
+
+
+def product(t, rows, width, seed, x):
+    data, offsets, table = two_tensors(t, rows, width, seed)
+    check_rows(data, t, offsets, width)
+    row = Int8Row(x)
+    out = np.full((1, rows + 5), np.nan, np.float32)
+    bound_rows_matmul_int8(data, t, offsets, width)(row, out, 2)
+    assert np.isnan(out[0, :2]).all() and np.isnan(out[0, 2 + rows :]).all()  # only its columns
+    return out[0, 2 : 2 + rows], oracle(table, t).astype(np.float64), row
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_int8_matmul_matches_f64_product_of_its_operands(t):
+    for rows in (1, 7, 33):  # fewer rows than threads, and not a multiple of any step
+        for width in widths(t):
+            seed = 10 * rows + width
+            x = np.random.default_rng(seed).standard_normal(width).astype(np.float32)
+            got, w, row = product(t, rows, width, seed, x)
+            xq = row.dequantized().astype(np.float64)
+            ref = w @ xq
+            bound = 1e-5 * (np.abs(w) @ np.abs(xq))
+            err = np.abs(got - ref)
+            assert (err <= bound).all(), f"rows {rows} width {width}: worst err {err.max()}"
+
+
+@pytest.mark.parametrize("t", [GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_int8_matmul_is_within_the_rounding_of_its_activations(t):
+    width = widths(t)[1]
+    x = (np.random.default_rng(4).standard_normal(width) * np.linspace(0.01, 10, width)).astype(np.float32)
+    got, w, row = product(t, 33, width, 4, x)
+    exact = w @ x.astype(np.float64)
+    # each activation moved by at most half its group's step
+    half_step = np.repeat(row.xd.astype(np.float64), GROUP) / 2
+    bound = np.abs(w) @ half_step * (1 + 1e-5) + 1e-5 * (np.abs(w) @ np.abs(x.astype(np.float64)))
+    assert (np.abs(got - exact) <= bound).all()
+
+
+def test_activation_rows_quantize_to_the_nearest_step():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(7 * GROUP) * rng.uniform(0.001, 100, 7 * GROUP)).astype(np.float32)
+    x[GROUP : 2 * GROUP] = 0  # a group of zeros: scale 0, values 0
+    x[2 * GROUP + 5] = -1e4  # a group whose maximum is negative
+    row = Int8Row(x)
+    groups = x.reshape(-1, GROUP).astype(np.float64)
+    amax = np.abs(groups).max(axis=1)
+    assert np.allclose(row.xd, amax / 127, rtol=1e-6) and row.xd[1] == 0
+    q = row.xq.reshape(-1, GROUP).astype(np.int64)
+    assert np.abs(q).max() <= 127 and (q[1] == 0).all() and q[2, 5] == -127
+    assert (np.abs(q * row.xd[:, None] - groups) <= row.xd[:, None] * (0.5 + 1e-4)).all()
+    assert np.array_equal(row.xs, q.reshape(-1, 16).sum(axis=1))
+
+
+def test_int8_rows_are_whole_groups_and_types_quantized():
+    with pytest.raises(ValueError, match="whole number of 32-value groups"):
+        Int8Row(np.zeros(48, np.float32))
+    with pytest.raises(UnsupportedError, match="no int8-activation kernel for GGML type F16"):
+        bound_rows_matmul_int8(np.zeros(64, np.uint8), GGMLType.F16, np.zeros(1, np.int64), 32)
