@@ -218,7 +218,7 @@ def _dot_q6(typingctx, data, ql_at, shift, qh_at, qshift, xq, xat, acc, scale, s
 
 
 @njit(cache=True)
-def _quantize(x, xq, xd, xs):
+def _quantize(x, xq, xd, xs, xm):
     for g in range(len(xd)):
         amax = np.float32(0)
         for j in range(GROUP):
@@ -233,13 +233,14 @@ def _quantize(x, xq, xd, xs):
                 xq[GROUP * g + 16 * h + j] = q
                 s = np.int32(s + np.int32(q))
             xs[2 * g + h] = s
+        xm[g] = d * np.float32(xs[2 * g] + xs[2 * g + 1])
 
 
 class Int8Row:
-    """One activation row quantized for the int8 kernels: values (int8), a float32 scale per 32
-    and the int32 sum of the quantized values per 16."""
+    """One activation row quantized for the int8 kernels: values (int8), a float32 scale per 32,
+    the int32 sum of the quantized values per 16, and per 32 the sum of the values they stand for."""
 
-    __slots__ = ("xq", "xd", "xs")
+    __slots__ = ("xq", "xd", "xs", "xm")
 
     def __init__(self, x: np.ndarray):
         width = x.shape[0]
@@ -248,7 +249,8 @@ class Int8Row:
         self.xq = np.empty(width, np.int8)
         self.xd = np.empty(width // GROUP, np.float32)
         self.xs = np.empty(width // 16, np.int32)
-        _quantize(x, self.xq, self.xd, self.xs)
+        self.xm = np.empty(width // GROUP, np.float32)
+        _quantize(x, self.xq, self.xd, self.xs, self.xm)
 
     def dequantized(self) -> np.ndarray:
         """The values the kernels multiply, as float32 (for tests and error measurements)."""
@@ -262,18 +264,13 @@ _F32 = np.float32
 
 
 @njit(inline="always")
-def _sum32(xs, g):
-    return _F32(xs[2 * g] + xs[2 * g + 1])
-
-
-@njit(inline="always")
-def _kq_group(kind, acc, data, o, b, g, d, dmin, xq, xd, xs):
+def _kq_group(kind, acc, data, o, b, g, d, dmin, xq, xd, xm):
     """Group g (a constant, so shifts and scale bytes fold) of a Q4_K / Q5_K block; what it adds outside acc."""
     qs, qh = (o + 16, -1) if kind == _Q4_K else (o + 48, o + 16)
     sc, mn = _scale_min_k4(data, o + 4, g)
     at = 8 * b + g
     _dot_kq(data, qs + 32 * (g >> 1), 4 * (g & 1), qh, g, xq, 32 * at, acc, d * _F32(sc) * xd[at])
-    return -dmin * _F32(mn) * xd[at] * _sum32(xs, at)
+    return -dmin * _F32(mn) * xm[at]
 
 
 @njit(inline="always")
@@ -288,7 +285,7 @@ def _q6_group(acc, data, o, b, g, d, xq, xd, xs):
 
 
 @njit(inline="always")
-def _block(kind, acc, data, o, b, xq, xd, xs, f16):
+def _block(kind, acc, data, o, b, xq, xd, xs, xm, f16):
     """acc += block b (at byte o) · the activations; returns what the block adds outside acc."""
     if kind == _Q8_0:
         _dot_q8(data, o + 2, xq, 32 * b, acc, _half(f16, data, o) * xd[b])
@@ -297,26 +294,26 @@ def _block(kind, acc, data, o, b, xq, xd, xs, f16):
         s = _half(f16, data, o) * xd[b]
         if kind == _Q4_0:
             _dot_q4(data, o + 2, xq, 32 * b, acc, s)
-            return _F32(-8) * s * _sum32(xs, b)
+            return _F32(-8) * _half(f16, data, o) * xm[b]
         _dot_q4(data, o + 4, xq, 32 * b, acc, s)
-        return _half(f16, data, o + 2) * xd[b] * _sum32(xs, b)
+        return _half(f16, data, o + 2) * xm[b]
     if kind == _Q5_0 or kind == _Q5_1:
         s = _half(f16, data, o) * xd[b]
         if kind == _Q5_0:
             _dot_q5(data, o + 6, _load(data, o + 2, np.uint32), xq, 32 * b, acc, s)
-            return _F32(-16) * s * _sum32(xs, b)
+            return _F32(-16) * _half(f16, data, o) * xm[b]
         _dot_q5(data, o + 8, _load(data, o + 4, np.uint32), xq, 32 * b, acc, s)
-        return _half(f16, data, o + 2) * xd[b] * _sum32(xs, b)
+        return _half(f16, data, o + 2) * xm[b]
     if kind == _Q4_K or kind == _Q5_K:
         d, dmin = _half(f16, data, o), _half(f16, data, o + 2)
-        return (_kq_group(kind, acc, data, o, b, 0, d, dmin, xq, xd, xs)
-                + _kq_group(kind, acc, data, o, b, 1, d, dmin, xq, xd, xs)
-                + _kq_group(kind, acc, data, o, b, 2, d, dmin, xq, xd, xs)
-                + _kq_group(kind, acc, data, o, b, 3, d, dmin, xq, xd, xs)
-                + _kq_group(kind, acc, data, o, b, 4, d, dmin, xq, xd, xs)
-                + _kq_group(kind, acc, data, o, b, 5, d, dmin, xq, xd, xs)
-                + _kq_group(kind, acc, data, o, b, 6, d, dmin, xq, xd, xs)
-                + _kq_group(kind, acc, data, o, b, 7, d, dmin, xq, xd, xs))
+        return (_kq_group(kind, acc, data, o, b, 0, d, dmin, xq, xd, xm)
+                + _kq_group(kind, acc, data, o, b, 1, d, dmin, xq, xd, xm)
+                + _kq_group(kind, acc, data, o, b, 2, d, dmin, xq, xd, xm)
+                + _kq_group(kind, acc, data, o, b, 3, d, dmin, xq, xd, xm)
+                + _kq_group(kind, acc, data, o, b, 4, d, dmin, xq, xd, xm)
+                + _kq_group(kind, acc, data, o, b, 5, d, dmin, xq, xd, xm)
+                + _kq_group(kind, acc, data, o, b, 6, d, dmin, xq, xd, xm)
+                + _kq_group(kind, acc, data, o, b, 7, d, dmin, xq, xd, xm))
     d = _half(f16, data, o + 208)  # Q6_K
     return (_q6_group(acc, data, o, b, 0, d, xq, xd, xs) + _q6_group(acc, data, o, b, 1, d, xq, xd, xs)
             + _q6_group(acc, data, o, b, 2, d, xq, xd, xs) + _q6_group(acc, data, o, b, 3, d, xq, xd, xs)
@@ -326,7 +323,7 @@ def _block(kind, acc, data, o, b, xq, xd, xs, f16):
 
 def _kernel(kind: int, vb: int, bb: int):
     @njit(parallel=True, cache=True, fastmath={"contract"})
-    def mv(data, offs, xq, xd, xs, f16, out, lo, width, nch):
+    def mv(data, offs, xq, xd, xs, xm, f16, out, lo, width, nch):
         nblk = width // vb
         rnb = max(nblk * bb, 1)
         for c in prange(nch):
@@ -335,11 +332,12 @@ def _kernel(kind: int, vb: int, bb: int):
             acc = _acc8()
             ahead = _ahead_rows(rnb)
             for r in range(r0, r1):
-                row, arow, pa = offs[r], _ahead_row(offs, r, ahead), 0
+                row, arow = offs[r], _ahead_row(offs, r, ahead)
+                # the whole row `ahead` rows on, hinted here: a check per block cost more than the hints
+                _hint_to(data, arow, 0, rnb)
                 extra = _F32(0)
                 for b in range(nblk):
-                    pa = _hint_to(data, arow, pa, (b + 1) * bb)
-                    extra += _block(kind, acc, data, row + b * bb, b, xq, xd, xs, f16)
+                    extra += _block(kind, acc, data, row + b * bb, b, xq, xd, xs, xm, f16)
                 out[0, lo + r] = _acc8_take(acc) + extra
 
     return mv
@@ -367,7 +365,8 @@ def bound_rows_matmul_int8(data: np.ndarray, ggml_type, row_offsets: np.ndarray,
     rows = len(offs)
 
     def run(row: Int8Row, out: np.ndarray, out_lo: int) -> None:
-        mv(data, offs, row.xq, row.xd, row.xs, _F16_TO_F32, out, out_lo, width, max(min(rows, numba.get_num_threads()), 1))
+        mv(data, offs, row.xq, row.xd, row.xs, row.xm, _F16_TO_F32, out, out_lo, width,
+           max(min(rows, numba.get_num_threads()), 1))
 
     return run
 

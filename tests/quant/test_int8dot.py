@@ -64,6 +64,7 @@ def test_activation_rows_quantize_to_the_nearest_step():
     assert np.abs(q).max() <= 127 and (q[1] == 0).all() and q[2, 5] == -127
     assert (np.abs(q * row.xd[:, None] - groups) <= row.xd[:, None] * (0.5 + 1e-4)).all()
     assert np.array_equal(row.xs, q.reshape(-1, 16).sum(axis=1))
+    assert np.allclose(row.xm, row.xd * q.sum(axis=1), rtol=1e-6)
 
 
 def test_int8_rows_are_whole_groups_and_types_quantized():
