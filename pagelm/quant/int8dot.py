@@ -18,8 +18,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from pagelm.errors import UnsupportedError
-from pagelm.quant.kernels import _F16_TO_F32, _wide_vectors
-from pagelm.quant.matmul import _ahead_row, _ahead_rows, _chunk, _half, _hint_to, _load, _scale_min_k4
+from pagelm.quant.kernels import _F16_TO_F32, _check_table, _prefetch, _wide_vectors
+from pagelm.quant.matmul import _ahead_rows, _chunk, _half, _load, _scale_min_k4
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
 
 GROUP = 32  # activation values per float32 scale
@@ -321,20 +321,28 @@ def _block(kind, acc, data, o, b, xq, xd, xs, xm, f16):
             + _q6_group(acc, data, o, b, 6, d, xq, xd, xs) + _q6_group(acc, data, o, b, 7, d, xq, xd, xs))
 
 
+@njit(inline="always")
+def _row_at(offs, stride, r):
+    """Byte offset of row r: offs[r], or r * stride in a table (stride > 0)."""
+    return r * stride if stride > 0 else offs[r]
+
+
 def _kernel(kind: int, vb: int, bb: int):
     @njit(parallel=True, cache=True, fastmath={"contract"})
-    def mv(data, offs, xq, xd, xs, xm, f16, out, lo, width, nch):
+    def mv(data, offs, stride, rows, xq, xd, xs, xm, f16, out, lo, width, nch):
         nblk = width // vb
         rnb = max(nblk * bb, 1)
         for c in prange(nch):
             _wide_vectors()
-            r0, r1 = _chunk(c, nch, len(offs))
+            r0, r1 = _chunk(c, nch, rows)
             acc = _acc8()
             ahead = _ahead_rows(rnb)
             for r in range(r0, r1):
-                row, arow = offs[r], _ahead_row(offs, r, ahead)
-                # the whole row `ahead` rows on, hinted here: a check per block cost more than the hints
-                _hint_to(data, arow, 0, rnb)
+                row = _row_at(offs, stride, r)
+                if r + ahead < rows:  # the row `ahead` on, hinted all at once (as matmul._hint_row)
+                    arow = _row_at(offs, stride, r + ahead)
+                    for pa in range(0, rnb, 64):
+                        _prefetch(data, arow + pa)
                 extra = _F32(0)
                 for b in range(nblk):
                     extra += _block(kind, acc, data, row + b * bb, b, xq, xd, xs, xm, f16)
@@ -353,22 +361,36 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def bound_rows_matmul_int8(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width: int):
-    """As matmul.bound_rows_matmul for one activation row already quantized (an Int8Row): a
-    function (row, out, out_lo) writing out[0, out_lo + r] over rows validated by matmul.check_rows."""
-    t = as_ggml_type(ggml_type)
+def _bound(data, t, offs, stride: int, rows: int, width: int):
+    t = as_ggml_type(t)
     if t not in _KERNELS:
         raise UnsupportedError(f"no int8-activation kernel for GGML type {t.name}")
     if not available():
         raise UnsupportedError("int8-activation kernels need a CPU with AVX2")
-    mv, offs, data = _KERNELS[t], _readonly(row_offsets), _readonly(data)
-    rows = len(offs)
+    mv, offs, data = _KERNELS[t], _readonly(offs), _readonly(data)
 
     def run(row: Int8Row, out: np.ndarray, out_lo: int) -> None:
-        mv(data, offs, row.xq, row.xd, row.xs, row.xm, _F16_TO_F32, out, out_lo, width,
+        mv(data, offs, stride, rows, row.xq, row.xd, row.xs, row.xm, _F16_TO_F32, out, out_lo, width,
            max(min(rows, numba.get_num_threads()), 1))
 
     return run
+
+
+_NO_OFFSETS = np.zeros(0, np.int64)
+
+
+def bound_rows_matmul_int8(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width: int):
+    """As matmul.bound_rows_matmul for one activation row already quantized (an Int8Row): a
+    function (row, out, out_lo) writing out[0, out_lo + r] over rows validated by matmul.check_rows."""
+    return _bound(data, ggml_type, row_offsets, 0, len(row_offsets), width)
+
+
+def bound_table_matmul_int8(table: np.ndarray, ggml_type):
+    """The same over every row of a C-contiguous (rows, row_nbytes) uint8 table (an output head),
+    checked as kernels.head_logits checks it; rows are addressed by stride, with no offset array
+    (it would be 8 bytes of anonymous memory a row)."""
+    _, width = _check_table(table, ggml_type)
+    return _bound(table.reshape(-1), ggml_type, _NO_OFFSETS, table.shape[1], table.shape[0], width)
 
 
 def warmup() -> None:

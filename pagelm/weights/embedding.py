@@ -12,7 +12,8 @@ from typing import Callable, Literal
 import numpy as np
 
 from pagelm.errors import PagelmError
-from pagelm.weights.mapped import DECODE_CHUNK_ROWS, table_tensor, tiled_matrices
+from pagelm.quant.int8dot import INT8_TYPES, Int8Row, bound_table_matmul_int8
+from pagelm.weights.mapped import DECODE_CHUNK_ROWS, MappedTensor, table_tensor, tiled_matrices
 
 EmbeddingMode = Literal["mapped", "dense"]
 EMBEDDING_MODES: tuple[str, ...] = ("mapped", "dense")
@@ -110,12 +111,17 @@ def load_token_embedding(
 
 class OutputHead:
     """Logits computed straight from the mapped output table (tied token_embd or output.weight):
-    fp32 accumulation over the quantized bytes, no vocab × dim float copy anywhere."""
+    fp32 accumulation over the quantized bytes, no vocab × dim float copy anywhere. With `int8`
+    (weights "mapped-int8"), a GGML table of a quantized type multiplies the hidden state quantized
+    to int8 (quant.int8dot)."""
 
-    def __init__(self, tensor):
+    def __init__(self, tensor, int8: bool = False):
         self.tensor = tensor
         self.vocab_size = tensor.rows
         self.dim = tensor.row_values
+        self._int8 = None
+        if int8 and isinstance(tensor, MappedTensor) and tensor.ggml_type in INT8_TYPES:
+            self._int8 = bound_table_matmul_int8(tensor.raw, tensor.ggml_type)
         # every token reads the whole table: normal readahead (a tied table got MADV_RANDOM from
         # MappedRows, which would bring it back from disk 4 KiB per fault after eviction), and
         # all of it asked for now, in the background
@@ -123,10 +129,18 @@ class OutputHead:
         tensor.advise(mmap.MADV_WILLNEED)
 
     def logits(self, hidden: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        return self.tensor.logits(hidden, out)
+        if self._int8 is None:
+            return self.tensor.logits(hidden, out)
+        hidden = np.ascontiguousarray(hidden, np.float32)
+        if hidden.shape != (self.dim,):
+            raise ValueError(f"hidden must have shape ({self.dim},), got {hidden.shape}")
+        if out is None:
+            out = np.empty(self.vocab_size, np.float32)
+        self._int8(Int8Row(hidden), out.reshape(1, -1), 0)
+        return out
 
 
-def load_output_head(model) -> OutputHead:
+def load_output_head(model, int8: bool = False) -> OutputHead:
     """The untied `output.weight` when the file has one, else the tied token embedding table."""
     untied = OUTPUT_HEAD in model.tensors or OUTPUT_HEAD in tiled_matrices(model)
-    return OutputHead(table_tensor(model, OUTPUT_HEAD if untied else TOKEN_EMBEDDING))
+    return OutputHead(table_tensor(model, OUTPUT_HEAD if untied else TOKEN_EMBEDDING), int8)

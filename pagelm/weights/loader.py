@@ -8,8 +8,8 @@ value conversions for small tensors) or a FastFlowLM directory (`weights.flm.FLM
 same plus tiled matrices). The weights mode is a switch here: "dense" unpacks every
 matrix at load (the reference, and the way to other devices), "mapped" computes from the
 (quantized) bytes in the file maps, and "mapped-int8" (opt-in) is "mapped" with decode's one-row
-products of quantized matrices taken over int8-quantized activations (`quant.int8dot`: faster,
-not fp32-exact; prefill is unchanged).
+products of quantized matrices (and the output head's, after prefill too) taken over
+int8-quantized activations (`quant.int8dot`: faster, not fp32-exact; prefill's layers are unchanged).
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ class WeightLoader:
         return load_token_embedding(self.file, mode, rows)
 
     def output_head(self) -> OutputHead:
-        return load_output_head(self.file)
+        return load_output_head(self.file, int8=self.weights == "mapped-int8")
 
     def warmup(self) -> None:
         """Load the compiled kernels this model uses now rather than inside the first request."""

@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 
 from pagelm.errors import UnsupportedError
-from pagelm.quant import GGMLType
-from pagelm.quant.int8dot import GROUP, INT8_TYPES, Int8Row, available, bound_rows_matmul_int8
+from pagelm.quant import BLOCK_LAYOUT, GGMLType
+from pagelm.quant.int8dot import GROUP, INT8_TYPES, Int8Row, available, bound_rows_matmul_int8, bound_table_matmul_int8
 from pagelm.quant.matmul import check_rows
 
+from test_kernels import random_table
 from test_matmul import oracle, two_tensors, widths
 
 TYPES = sorted(INT8_TYPES)
@@ -72,3 +73,16 @@ def test_int8_rows_are_whole_groups_and_types_quantized():
         Int8Row(np.zeros(48, np.float32))
     with pytest.raises(UnsupportedError, match="no int8-activation kernel for GGML type F16"):
         bound_rows_matmul_int8(np.zeros(64, np.uint8), GGMLType.F16, np.zeros(1, np.int64), 32)
+
+
+@pytest.mark.parametrize("t", [GGMLType.Q8_0, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_int8_table_matmul_covers_every_row(t):
+    rows, width = 1001, 768  # rows: no multiple of the threads' chunks or of the hints' distance
+    table = random_table(t, rows, width // BLOCK_LAYOUT[t][0], seed=9)
+    x = np.random.default_rng(9).standard_normal(width).astype(np.float32)
+    row = Int8Row(x)
+    out = np.full((1, rows), np.nan, np.float32)
+    bound_table_matmul_int8(table, t)(row, out, 0)
+    w = oracle(table, t).astype(np.float64)
+    xq = row.dequantized().astype(np.float64)
+    assert (np.abs(out[0] - w @ xq) <= 1e-5 * (np.abs(w) @ np.abs(xq))).all()
