@@ -255,6 +255,13 @@ def main(doc: str = __doc__, default_shapes=("qwen3.5-0.8b",), default_models=()
             notes.append(f"{shape}: pagelm (all mapped) / llama.cpp: decode {ours['decode_tok_s'] / theirs['decode_tok_s']:.2f}x, "
                          f"TTFT {ours['ttft_s'] / theirs['ttft_s']:.2f}x, anonymous memory after {ours['anon_mib']:.0f} "
                          f"vs {theirs['anon_mib']:.0f} MiB; greedy tokens agree on {agree} of {args.new_tokens}")
+        if ("pagelm", "mapped/mapped-int8") in med and ("pagelm", "mapped/mapped") in med:
+            exact, int8 = med[("pagelm", "mapped/mapped")], med[("pagelm", "mapped/mapped-int8")]
+            same = sum(a == b for a, b in zip(tokens[("pagelm", "mapped/mapped")], tokens[("pagelm", "mapped/mapped-int8")]))
+            vs = (f", {int8['decode_tok_s'] / med[('llama.cpp', '-')]['decode_tok_s']:.2f}x llama.cpp's"
+                  if have_llama_cpp else "")
+            notes.append(f"{shape}: weights mapped-int8 (opt-in): decode {int8['decode_tok_s'] / exact['decode_tok_s']:.2f}x "
+                         f"mapped's{vs}; greedy tokens agree with mapped's on {same} of {args.new_tokens}")
         head_rows.append((shape, _run_worker("head", path)))
     print()
     for note in notes:
