@@ -18,6 +18,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from pagelm.errors import UnsupportedError
+from pagelm.quant.blockir import _I8, _I32, _V32I8, _bytes_at, _nibbles16, _q5_group
 from pagelm.quant.kernels import _F16_TO_F32, _check_table, _prefetch, _wide_vectors
 from pagelm.quant.matmul import _ahead_rows, _chunk, _half, _load, _scale_min_k4
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
@@ -37,21 +38,13 @@ def available() -> bool:
 
 # --- IR pieces ----------------------------------------------------------------------
 
-_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-_V32I8, _V16I16, _V8I32, _V8F32 = (ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8),
-                                   ir.VectorType(ir.FloatType(), 8))
+_I16 = ir.IntType(16)
+_V16I16, _V8I32, _V8F32 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8), ir.VectorType(ir.FloatType(), 8)
 
 
 def _call(builder, name, ret, *args):
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
     return builder.call(fn, args)
-
-
-def _bytes_at(context, builder, arrty, arr, offset, n=32):
-    """n bytes of a uint8/int8 array from byte `offset`, as an <n x i8> vector (unaligned load)."""
-    base = context.make_array(arrty)(context, builder, arr).data
-    ptr = builder.gep(builder.bitcast(base, _I8.as_pointer()), [offset])
-    return builder.load(builder.bitcast(ptr, ir.VectorType(_I8, n).as_pointer()), align=1)
 
 
 def _splat(builder, value, vtype):
@@ -134,23 +127,6 @@ def _dot_q8(typingctx, data, at, xq, xat, acc, scale):
     return types.void(data, at, xq, xat, acc, scale), codegen
 
 
-def _nibbles16(context, builder, arrty, arr, at):
-    """32 values from the 16 bytes at `at`: the low nibbles, then the high nibbles."""
-    b = _bytes_at(context, builder, arrty, arr, at, 16)
-    both = builder.shuffle_vector(b, b, ir.Constant(ir.VectorType(_I32, 32), list(range(16)) * 2))
-    shifts = ir.Constant(_V32I8, [0] * 16 + [4] * 16)
-    return builder.and_(builder.lshr(both, shifts), ir.Constant(_V32I8, 15))
-
-
-def _bits32(builder, word):
-    """Bit j of uint32 `word` as 16 or 0 in byte j (the fifth bit of a Q5_0/Q5_1 value)."""
-    b = builder.bitcast(word, ir.VectorType(_I8, 4))
-    spread = builder.shuffle_vector(b, b, ir.Constant(ir.VectorType(_I32, 32), [j // 8 for j in range(32)]))
-    mask = ir.Constant(_V32I8, [1 << (j % 8) for j in range(32)])
-    isset = builder.icmp_unsigned("!=", builder.and_(spread, mask), ir.Constant(_V32I8, 0))
-    return builder.select(isset, ir.Constant(_V32I8, 16), ir.Constant(_V32I8, 0))
-
-
 @intrinsic
 def _dot_q4(typingctx, data, at, xq, xat, acc, scale):
     """acc += scale * q·x, q the 32 nibbles of the 16 bytes at data[at] (Q4_0, Q4_1 order)."""
@@ -169,7 +145,7 @@ def _dot_q5(typingctx, data, at, qh, xq, xat, acc, scale):
     """As _dot_q4, each value's fifth bit from bit j of uint32 qh (Q5_0, Q5_1)."""
 
     def codegen(context, builder, signature, args):
-        w = builder.or_(_nibbles16(context, builder, signature.args[0], args[0], args[1]), _bits32(builder, args[2]))
+        w = _q5_group(context, builder, signature.args[0], args[0], args[1], args[2])
         x = _bytes_at(context, builder, signature.args[3], args[3], args[4])
         _accumulate(builder, args[5], w, x, _ones(), args[6])
         return context.get_dummy_value()

@@ -11,6 +11,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from pagelm.errors import ModelFormatError, UnsupportedError
+from pagelm.quant.blockir import _q5_values, _stack_u8x32
 from pagelm.quant.codecs import DECODABLE
 from pagelm.quant.kernels import _F16_TO_F32, _f32_bits, _prefetch, _q6, _stack_f32x32, _sum32, _wide_vectors
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
@@ -66,18 +67,6 @@ def _shr8(typingctx, byte, shift):
         return builder.lshr(builder.trunc(args[0], i8), builder.trunc(args[1], i8))
 
     return types.uint8(types.uint8, types.intp), codegen
-
-
-@intrinsic
-def _bit32(typingctx, word, shift):
-    """(word >> shift) & 1 of a uint32 in 32-bit ops, so that a loop over `shift` vectorizes (vpsrlvd)."""
-
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        bit = builder.and_(builder.lshr(args[0], builder.trunc(args[1], i32)), i32(1))
-        return builder.trunc(bit, ir.IntType(8))
-
-    return types.uint8(types.uint32, types.intp), codegen
 
 
 @intrinsic
@@ -315,7 +304,7 @@ def _mac_block(kind, acc, data, o, x, xo, f16):
     One loop per type over the bytes that hold several values (both nibbles of a byte, a Q6_K
     byte's four 2-bit tops), each value into its own lane: compiled without optsize, LLVM
     vectorizes each into straight-line 8-lane code (for Q4_1: widen, convert, two FMAs per 8
-    weights). Side by side with the previous kernels (8-lane _mac8 loops, one function for one and
+    weights); Q5's 32 values are first unpacked as one byte vector (blockir._q5_values). Side by side with the previous kernels (8-lane _mac8 loops, one function for one and
     a few rows) at 3584x1024 and 1024x3584: Q8_0 level, Q4_1 and Q5_0 0.85-0.98 of their time,
     Q4_K ~0.8, Q6_K ~0.6.
     """
@@ -338,17 +327,14 @@ def _mac_block(kind, acc, data, o, x, xo, f16):
     elif kind == _Q5_0 or kind == _Q5_1:
         qh_at = o + 2 if kind == _Q5_0 else o + 4
         d, m = _half(f16, data, o), (np.float32(0) if kind == _Q5_0 else _half(f16, data, o + 2))
-        qh = _load(data, qh_at, np.uint32)
-        for j in range(16):
-            b = _u8(data, qh_at + 4 + j)
-            lo = np.uint8((b & 15) | _bit32(qh, j) << 4)
-            hi = np.uint8((b >> 4) | _bit32(qh, j + 16) << 4)
+        values = _stack_u8x32()
+        _q5_values(data, qh_at + 4, _load(data, qh_at, np.uint32), values)
+        q = carray(values, 32)
+        for j in range(32):
             if kind == _Q5_0:
-                acc[j] += np.float32(np.int8(lo - 16)) * d * _xv(x, xo + j)
-                acc[16 + j] += np.float32(np.int8(hi - 16)) * d * _xv(x, xo + 16 + j)
+                acc[j] += np.float32(np.int8(q[j] - 16)) * d * _xv(x, xo + j)
             else:
-                acc[j] += (np.float32(lo) * d + m) * _xv(x, xo + j)
-                acc[16 + j] += (np.float32(hi) * d + m) * _xv(x, xo + 16 + j)
+                acc[j] += (np.float32(q[j]) * d + m) * _xv(x, xo + j)
     elif kind == _Q4_K or kind == _Q5_K:
         for p in range(4):  # groups 2p and 2p + 1: the low and high nibbles of the same 32 bytes
             s0, m0, _, _ = _prep(kind, data, o, 2 * p, f16)
