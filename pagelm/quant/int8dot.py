@@ -5,7 +5,8 @@ scale each, round to nearest), and every 32 weights of a block are multiplied by
 activations in integer arithmetic (AVX2 `vpmaddubsw` of unsigned weight values by signed
 activations, then `vpmaddwd`), the block's scales applied to the eight int32 lanes in float.
 Weights whose values are stored with an offset (Q4_0's q - 8, Q6_K's q - 32) or a minimum
-(Q4_1, Q5_1, the K-quants) take it through the sums of the quantized activations, per 16 values.
+(Q4_1, Q5_1, the K-quants) take it through the sums of the quantized activations (per 32 values;
+per 16 under Q6_K's scales). Layers' rows are addressed by offset, an output head's by stride.
 Kernels read the uint8 array they are handed (normally the read-only file map), never copy it.
 """
 
