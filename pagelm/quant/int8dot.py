@@ -11,7 +11,6 @@ Kernels read the uint8 array they are handed (normally the read-only file map), 
 """
 
 import llvmlite.binding as llvm
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -20,8 +19,8 @@ from numba.extending import intrinsic
 
 from pagelm.errors import UnsupportedError
 from pagelm.quant.blockir import _I8, _I32, _V32I8, _bytes_at, _nibbles16, _q5_group
-from pagelm.quant.kernels import _F16_TO_F32, _check_table, _prefetch, _wide_vectors
-from pagelm.quant.matmul import _ahead_rows, _chunk, _half, _load, _scale_min_k4
+from pagelm.quant.kernels import _F16_TO_F32, _check_table, _wide_vectors
+from pagelm.quant.matmul import _ahead_rows, _chunk, _chunks, _half, _hint_lines, _load, _readonly, _scale_min_k4
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
 
 GROUP = 32  # activation values per float32 scale
@@ -316,10 +315,8 @@ def _kernel(kind: int, vb: int, bb: int):
             ahead = _ahead_rows(rnb)
             for r in range(r0, r1):
                 row = _row_at(offs, stride, r)
-                if r + ahead < rows:  # the row `ahead` on, hinted all at once (as matmul._hint_row)
-                    arow = _row_at(offs, stride, r + ahead)
-                    for pa in range(0, rnb, 64):
-                        _prefetch(data, arow + pa)
+                if r + ahead < rows:  # the row `ahead` on, all at once (as matmul._hint_row)
+                    _hint_lines(data, _row_at(offs, stride, r + ahead), rnb)
                 extra = _F32(0)
                 for b in range(nblk):
                     extra += _block(kind, acc, data, row + b * bb, b, xq, xd, xs, xm, f16)
@@ -331,13 +328,6 @@ def _kernel(kind: int, vb: int, bb: int):
 _KERNELS = {t: _kernel(int(t), *BLOCK_LAYOUT[t]) for t in sorted(INT8_TYPES)}
 
 
-def _readonly(a: np.ndarray) -> np.ndarray:
-    if a.flags.writeable:
-        a = a.view()
-        a.flags.writeable = False
-    return a
-
-
 def _bound(data, t, offs, stride: int, rows: int, width: int):
     t = as_ggml_type(t)
     if t not in _KERNELS:
@@ -347,8 +337,7 @@ def _bound(data, t, offs, stride: int, rows: int, width: int):
     mv, offs, data = _KERNELS[t], _readonly(offs), _readonly(data)
 
     def run(row: Int8Row, out: np.ndarray, out_lo: int) -> None:
-        mv(data, offs, stride, rows, row.xq, row.xd, row.xs, row.xm, _F16_TO_F32, out, out_lo, width,
-           max(min(rows, numba.get_num_threads()), 1))
+        mv(data, offs, stride, rows, row.xq, row.xd, row.xs, row.xm, _F16_TO_F32, out, out_lo, width, _chunks(rows))
 
     return run
 
@@ -370,12 +359,14 @@ def bound_table_matmul_int8(table: np.ndarray, ggml_type):
     return _bound(table.reshape(-1), ggml_type, _NO_OFFSETS, table.shape[1], table.shape[0], width)
 
 
-def warmup() -> None:
-    """Compiles every type's kernel (or loads it from numba's cache) on tiny inputs."""
+def warmup(types=None) -> None:
+    """Compiles the kernels of `types` (default: every type), or loads them from numba's cache, on tiny inputs."""
     if not available():
         return
     row = Int8Row(np.zeros(256, np.float32))
     for t in _KERNELS:
+        if types is not None and t not in types:
+            continue
         vb, bb = BLOCK_LAYOUT[t]
         data = np.zeros(256 // vb * bb, np.uint8)
         bound_rows_matmul_int8(data, t, np.zeros(1, np.int64), 256)(row, np.empty((1, 1), np.float32), 0)

@@ -253,16 +253,21 @@ def _ahead_rows(rnb):
 
 
 @njit(inline="always")
+def _hint_lines(data, at, nbytes):
+    """Hints the cache lines of data[at : at + nbytes]."""
+    for pa in range(0, nbytes, 64):
+        _prefetch(data, at + pa)
+
+
+@njit(inline="always")
 def _hint_row(data, offs, r, ahead, rnb):
-    """Hints the lines of the row `ahead` rows after row r (none past the last), as row r starts:
-    all at once, since a check per block cost more than the hints (Q8_0 GEMV 0.7x the time).
+    """Hints the row `ahead` rows after row r (none past the last) as row r starts: all of it at
+    once, since a check in every block cost more than the hints.
 
     Rows need not be contiguous (a row order, a fused projection): the hints follow the rows read.
     """
     if r + ahead < len(offs):
-        arow = offs[r + ahead]
-        for pa in range(0, rnb, 64):
-            _prefetch(data, arow + pa)
+        _hint_lines(data, offs[r + ahead], rnb)
 
 
 # --- kernels ------------------------------------------------------------------------
@@ -304,9 +309,10 @@ def _mac_block(kind, acc, data, o, x, xo, f16):
     One loop per type over the bytes that hold several values (both nibbles of a byte, a Q6_K
     byte's four 2-bit tops), each value into its own lane: compiled without optsize, LLVM
     vectorizes each into straight-line 8-lane code (for Q4_1: widen, convert, two FMAs per 8
-    weights); Q5's 32 values are first unpacked as one byte vector (blockir._q5_values). Side by side with the previous kernels (8-lane _mac8 loops, one function for one and
-    a few rows) at 3584x1024 and 1024x3584: Q8_0 level, Q4_1 and Q5_0 0.85-0.98 of their time,
-    Q4_K ~0.8, Q6_K ~0.6.
+    weights); Q5's 32 values are first unpacked as one byte vector (blockir._q5_values). Side by
+    side with the previous kernels (8-lane _mac8 loops, one function for one and a few rows) at
+    3584x1024 and 1024x3584: Q8_0 level, Q4_1 and Q5_0 0.85-0.98 of their time, Q4_K ~0.8, Q6_K
+    ~0.6 (before the Q5 unpack, which took Q5 to ~0.6 of that again).
     """
     if kind == _Q8_0:
         d = _half(f16, data, o)

@@ -133,6 +133,7 @@ class WeightLoader:
         self.name = file.name
         self.scratch = Scratch(dtype)
         self._operators: list[Linear] = []
+        self._head: OutputHead | None = None
         self._small_nbytes = 0
 
     @classmethod
@@ -273,16 +274,19 @@ class WeightLoader:
         return load_token_embedding(self.file, mode, rows)
 
     def output_head(self) -> OutputHead:
-        return load_output_head(self.file, int8=self.weights == "mapped-int8")
+        self._head = load_output_head(self.file, int8=self.weights == "mapped-int8")
+        return self._head
 
     def warmup(self) -> None:
         """Load the compiled kernels this model uses now rather than inside the first request."""
         kernels.warmup()
         if self.weights != "dense":
-            matmul.warmup({p.ggml_type for op in self._operators if isinstance(op, MappedLinear)
-                           for p in op.parts if isinstance(p, RowGroup)})
-        if self.weights == "mapped-int8":
-            int8dot.warmup()
+            types = {p.ggml_type for op in self._operators if isinstance(op, MappedLinear)
+                     for p in op.parts if isinstance(p, RowGroup)}
+            matmul.warmup(types)
+            if self.weights == "mapped-int8":
+                head = getattr(self._head, "tensor", None)
+                int8dot.warmup(types | {getattr(head, "ggml_type", None)})  # a tiled head has none
         tiles.warmup({m.kind for m in self.tiles.values()})
 
     @property
