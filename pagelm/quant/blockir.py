@@ -108,4 +108,3 @@ def _k4_scales(typingctx, data, at, d, dmin, buf):
         return context.get_dummy_value()
 
     return types.void(data, at, d, dmin, buf), codegen
-
