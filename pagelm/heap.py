@@ -1,8 +1,8 @@
 """How freed memory goes back to the OS (glibc's mallopt and malloc_trim); a no-op elsewhere.
 
-Large temporaries (a prefill's or a tower pass's activations, JSON parsed at load) leave free
-but resident heap behind; large blocks get their own mappings and trimming after the rest keeps
-anonymous memory to what is really held.
+Large temporaries (a prefill's or a tower pass's activations, JSON parsed at load) are reused from
+the heap while the work runs and leave free but resident heap behind; trimming after the work
+keeps anonymous memory to what is really held.
 """
 
 from __future__ import annotations
@@ -13,13 +13,18 @@ from functools import lru_cache
 
 # Prefills shorter than this leave too little behind to be worth a trim.
 TRIM_AFTER_TOKENS = 64
-# Blocks at least this large are mapped on their own and unmapped when freed. glibc's default
-# starts here too but raises itself to each large block freed (up to 32 MiB), after which a
-# prefill's activations come from the heap, where frees in one thread's arena cannot serve
-# another's and the peak grows by what lies free (measured: a 640×480 image through the 0.8B
-# tower peaked 184 MiB above its start with the moving threshold, 104 MiB with this one).
-MMAP_THRESHOLD = 128 << 10
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
+# Blocks at least this large are mapped on their own and unmapped when freed; smaller ones come from
+# the heap, which keeps what is freed until `trim`. A prefill allocates and frees tens of GB of
+# temporaries: given fresh mappings (glibc's default threshold starts at 128 KiB) every one of
+# their pages is faulted in and zeroed again, 6.3 million faults and half the TTFT of 2,600 tokens
+# on the 0.8B geometry; reused from the heap, 50 thousand. 32 MiB is the most glibc accepts, and a
+# fixed threshold stops glibc's own moving one (which follows each large block freed).
+MMAP_THRESHOLD = 32 << 20
+# Free heap is given back only by `trim` (after a prefill, when a server goes idle), never
+# between one temporary and the next.
+TRIM_THRESHOLD = 1 << 30
+_M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers in glibc's malloc.h
+_M_MMAP_THRESHOLD = -3
 
 
 @lru_cache(maxsize=1)
@@ -40,6 +45,8 @@ def trim() -> None:
 
 @lru_cache(maxsize=1)
 def map_large_blocks() -> bool:
-    """Fix the size from which blocks get their own mappings (once per process); False without glibc."""
+    """Fix the size from which blocks get their own mappings and keep freed heap until `trim`
+    (once per process); False without glibc."""
     libc = _libc()
-    return libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    return libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 \
+        and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1

@@ -475,7 +475,7 @@ class Qwen35Model(Decoder):
     KV[:pos+T]), processed in segments of at most `segment` tokens to bound the temporaries.
     """
 
-    segment = 384
+    segment = 1024
     image_positions = staticmethod(mrope_positions)
 
     def __init__(self, config: Qwen35Config, model: WeightLoader):
