@@ -264,17 +264,20 @@ class Session:
         if logits is None:
             raise PagelmError("generate needs a prompt or a prefilled session")
         seen = Counter(self.tokens)
-        for _ in range(params.max_tokens):
-            if cancel is not None and cancel.is_set():
-                return
-            if constraint is not None:
-                # a copy: self.logits stays the model's own (checkpoints keep it)
-                logits = constraint.mask(logits.copy())
-            token = sampler.sample(logits, seen)
-            if constraint is not None:
-                constraint.accept(token)
-            yield token
-            if token in stops or len(self.tokens) >= self.max_len:
-                return
-            seen[token] += 1
-            logits = self.decode(token)
+        try:
+            for _ in range(params.max_tokens):
+                if cancel is not None and cancel.is_set():
+                    return
+                if constraint is not None:
+                    # a copy: self.logits stays the model's own (checkpoints keep it)
+                    logits = constraint.mask(logits.copy())
+                token = sampler.sample(logits, seen)
+                if constraint is not None:
+                    constraint.accept(token)
+                yield token
+                if token in stops or len(self.tokens) >= self.max_len:
+                    return
+                seen[token] += 1
+                logits = self.decode(token)
+        finally:
+            heap.trim()  # what the decode steps' temporaries left free on the heap
