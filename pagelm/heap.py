@@ -20,8 +20,8 @@ TRIM_AFTER_TOKENS = 64
 # on the 0.8B geometry; reused from the heap, 50 thousand. 32 MiB is the most glibc accepts, and a
 # fixed threshold stops glibc's own moving one (which follows each large block freed).
 MMAP_THRESHOLD = 32 << 20
-# Free heap is given back only by `trim` (after a prefill, when a server goes idle), never
-# between one temporary and the next.
+# Free heap is given back only by `trim` (after a prefill, when a generation ends, when a server
+# goes idle), never between one temporary and the next.
 TRIM_THRESHOLD = 1 << 30
 _M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers in glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
