@@ -24,19 +24,18 @@ of the file's tokenizer metadata bytes (see `_cache_key`): `<key>.bpe` (the merg
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import heapq
 import os
 import re
 import struct
-import sys
 import tempfile
 from array import array
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
+from pagelm import heap
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.formats.gguf import _U64, GGUFArray, GGUFFile, GGUFValueType, _skip_strings
 
@@ -167,7 +166,7 @@ class Tokenizer:
                 else:
                     backend = _build_spm(model, tokens.tolist(), types)
                 _save_atomic(backend.to_str(), json_path)
-        _malloc_trim()  # hand back the heap the build (or the JSON parse) left free
+        heap.trim()  # hand back the heap the build (or the JSON parse) left free
 
         tok = cls(backend, bos_id=None, eos_ids=(), add_bos=False, add_eos=False, vocab_size=n)
         bos = md.get(_PREFIX + "bos_token_id")
@@ -208,7 +207,7 @@ class Tokenizer:
             backend = HFTokenizer.from_file(path)
         except Exception as e:  # tokenizers raises plain Exceptions for every kind of bad file
             raise ModelFormatError(f"{path}: not a tokenizer file pagelm can read ({str(e)[:200]})") from None
-        _malloc_trim()
+        heap.trim()
         n = backend.get_vocab_size(with_added_tokens=True)
         md = checkpoint.metadata
         bos = md.get(_PREFIX + "bos_token_id")
@@ -604,18 +603,6 @@ class _ByteBPE:
             return None
         text = self._added_by_id.get(token_id)
         return text if text is not None else self._key(token_id).decode()
-
-
-def _malloc_trim() -> None:
-    """Return free heap to the system (glibc's malloc_trim; elsewhere nothing)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # musl and others have no malloc_trim
-        return
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    trim(0)
 
 
 class StreamDecoder:
