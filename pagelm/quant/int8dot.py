@@ -20,7 +20,7 @@ from numba.extending import intrinsic
 from pagelm.errors import UnsupportedError
 from pagelm.quant.blockir import _I8, _I32, _V32I8, _bytes_at, _nibbles16, _q5_group
 from pagelm.quant.kernels import _F16_TO_F32, _check_table, _wide_vectors
-from pagelm.quant.matmul import _ahead_rows, _chunk, _chunks, _half, _hint_lines, _load, _readonly, _scale_min_k4
+from pagelm.quant.matmul import _ahead_rows, _chunk, _chunks, _half, _hint_block, _load, _readonly, _scale_min_k4
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
 
 GROUP = 32  # activation values per float32 scale
@@ -315,10 +315,10 @@ def _kernel(kind: int, vb: int, bb: int):
             ahead = _ahead_rows(rnb)
             for r in range(r0, r1):
                 row = _row_at(offs, stride, r)
-                if r + ahead < rows:  # the row `ahead` on, all at once (as matmul._hint_row)
-                    _hint_lines(data, _row_at(offs, stride, r + ahead), rnb)
+                hint = _row_at(offs, stride, r + ahead) if r + ahead < rows else row
                 extra = _F32(0)
                 for b in range(nblk):
+                    _hint_block(data, hint, b, bb)
                     extra += _block(kind, acc, data, row + b * bb, b, xq, xd, xs, xm, f16)
                 out[0, lo + r] = _acc8_take(acc) + extra
 
