@@ -290,6 +290,11 @@ class WeightLoader:
         tiles.warmup({m.kind for m in self.tiles.values()})
 
     @property
+    def operators(self) -> tuple[Linear, ...]:
+        """The linear operators made so far, in the order the model asked for them (its layers' order)."""
+        return tuple(self._operators)
+
+    @property
     def nbytes(self) -> int:
         """Anonymous bytes the weights hold: dense matrices (or the mapped mode's scratch) and small tensors."""
         return sum(op.nbytes for op in self._operators) + self.scratch.nbytes + self._small_nbytes
