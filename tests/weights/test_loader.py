@@ -136,7 +136,11 @@ def check_prefill_identical(path: str, dtype: str, vocab_limit: int = 4096):
     assert np.array_equal(dense_logits, mapped_logits)
     assert all(torch.equal(a, b) for a, b in zip(dense_state, mapped_state, strict=True))
     # what the layer matrices cost in anonymous memory: all of them dense, a scratch tile mapped
-    matrices = sum(op.nbytes for op in dense.loader._operators)
+    shapes = [(op.out_features, op.in_features) for op in dense.loader.operators]
+    assert shapes == [(op.out_features, op.in_features) for op in mapped.loader.operators]
+    assert all(isinstance(op, linear.DenseLinear) for op in dense.loader.operators)
+    assert all(isinstance(op, linear.MappedLinear) for op in mapped.loader.operators)
+    matrices = sum(op.nbytes for op in dense.loader.operators)
     assert dense.weights_nbytes >= matrices > 0
     assert mapped.weights_nbytes <= min(matrices, 32 * MIB)
 
