@@ -500,6 +500,43 @@ def _put_impl(kind, out, r, k, v):
     return put
 
 
+@njit(inline="always")
+def _put_q5(kind, out, r, at, data, o, f16):
+    """out[r, at : at + 32] = the Q5_0/Q5_1 block at byte o, unpacked as one byte vector (as
+    _mac_block's): 1.6-1.7x the rate of _lane's per-value fifth bits, the same values."""
+    qh_at = o + 2 if kind == _Q5_0 else o + 4
+    d, m = _half(f16, data, o), (np.float32(0) if kind == _Q5_0 else _half(f16, data, o + 2))
+    values = _stack_u8x32()
+    _q5_values(data, qh_at + 4, _load(data, qh_at, np.uint32), values)
+    q = carray(values, 32)
+    for j in range(32):
+        if kind == _Q5_0:
+            _put(kind, out, r, np.uint64(at + j), np.float32(np.int8(q[j] - 16)) * d)
+        else:
+            _put(kind, out, r, np.uint64(at + j), _plus(True, np.float32(q[j]) * d, m))
+
+
+@njit(inline="always")
+def _put_q6k(kind, out, r, at, data, o, f16):
+    """out[r, at : at + 256] = the Q6_K block at byte o, four values per step from one byte of
+    each of ql, ql + 32 and qh (as _mac_block's): the same values as _lane's."""
+    d = _half(f16, data, o + 208)
+    for h in range(2):
+        ql, qh, sc, base = o + 64 * h, o + 128 + 32 * h, o + 192 + 8 * h, at + 128 * h
+        for p in range(2):
+            s0 = d * np.float32(_load(data, sc + p, np.int8))
+            s1 = d * np.float32(_load(data, sc + 2 + p, np.int8))
+            s2 = d * np.float32(_load(data, sc + 4 + p, np.int8))
+            s3 = d * np.float32(_load(data, sc + 6 + p, np.int8))
+            for j in range(16):
+                l = 16 * p + j
+                q0, q1, q2, q3 = _q6(_u8(data, ql + l), _u8(data, ql + 32 + l), _u8(data, qh + l))
+                _put(kind, out, r, np.uint64(base + l), np.float32(q0) * s0)
+                _put(kind, out, r, np.uint64(base + 32 + l), np.float32(q1) * s1)
+                _put(kind, out, r, np.uint64(base + 64 + l), np.float32(q2) * s2)
+                _put(kind, out, r, np.uint64(base + 96 + l), np.float32(q3) * s3)
+
+
 def _dequant_kernel(kind: int, vb: int, bb: int):
     """out[r] = dequant(row r) as float32, or as bf16 bits into uint16; compiled without contraction."""
     groups = vb // 32
@@ -520,6 +557,12 @@ def _dequant_kernel(kind: int, vb: int, bb: int):
                 for b in range(nblk):
                     o = row + b * bb
                     _hint_block(data, hint, b, bb)
+                    if kind == _Q5_0 or kind == _Q5_1:
+                        _put_q5(kind, out, r, b * 32, data, o, f16)
+                        continue
+                    if kind == _Q6_K:
+                        _put_q6k(kind, out, r, b * 256, data, o, f16)
+                        continue
                     for g in range(groups):
                         xo = b * vb + 32 * g
                         s0, m0, s1, m1 = _prep(kind, data, o, g, f16)
