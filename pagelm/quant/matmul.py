@@ -311,6 +311,25 @@ def _xv(x, k):
 
 
 @njit(inline="always")
+def _q5_block(kind, data, o, f16):
+    """(values, d, m) of the Q5_0/Q5_1 block at byte o: its 32 values (0..31) unpacked as one byte
+    vector (blockir._q5_values), its scale, and its offset (0 for Q5_0)."""
+    qh_at = o + 2 if kind == _Q5_0 else o + 4
+    d, m = _half(f16, data, o), (np.float32(0) if kind == _Q5_0 else _half(f16, data, o + 2))
+    values = _stack_u8x32()
+    _q5_values(data, qh_at + 4, _load(data, qh_at, np.uint32), values)
+    return carray(values, 32), d, m
+
+
+@njit(inline="always")
+def _q6k_scales(data, sc, p, d):
+    """The scales of values 16p..16p+15 of the four 32-value runs of a Q6_K half-block whose int8
+    scales start at byte sc (d: the block's fp16 scale)."""
+    return (d * np.float32(_load(data, sc + p, np.int8)), d * np.float32(_load(data, sc + 2 + p, np.int8)),
+            d * np.float32(_load(data, sc + 4 + p, np.int8)), d * np.float32(_load(data, sc + 6 + p, np.int8)))
+
+
+@njit(inline="always")
 def _mac_block(kind, acc, data, o, x, xo, f16):
     """acc[:64] += one whole block at byte o times x[0, xo:], for the quantized types.
 
@@ -342,11 +361,7 @@ def _mac_block(kind, acc, data, o, x, xo, f16):
             acc[j] += (np.float32(np.uint8(b & 15)) * d + m) * _xv(x, xo + j)
             acc[16 + j] += (np.float32(np.uint8(b >> 4)) * d + m) * _xv(x, xo + 16 + j)
     elif kind == _Q5_0 or kind == _Q5_1:
-        qh_at = o + 2 if kind == _Q5_0 else o + 4
-        d, m = _half(f16, data, o), (np.float32(0) if kind == _Q5_0 else _half(f16, data, o + 2))
-        values = _stack_u8x32()
-        _q5_values(data, qh_at + 4, _load(data, qh_at, np.uint32), values)
-        q = carray(values, 32)
+        q, d, m = _q5_block(kind, data, o, f16)
         for j in range(32):
             if kind == _Q5_0:
                 acc[j] += np.float32(np.int8(q[j] - 16)) * d * _xv(x, xo + j)
@@ -366,10 +381,7 @@ def _mac_block(kind, acc, data, o, x, xo, f16):
         for h in range(2):  # 128 values each: value l, l + 32, l + 64, l + 96 share byte l of qh
             ql, qh, sc, at = o + 64 * h, o + 128 + 32 * h, o + 192 + 8 * h, xo + 128 * h
             for p in range(2):  # a scale per 16 values
-                s0 = d * np.float32(_load(data, sc + p, np.int8))
-                s1 = d * np.float32(_load(data, sc + 2 + p, np.int8))
-                s2 = d * np.float32(_load(data, sc + 4 + p, np.int8))
-                s3 = d * np.float32(_load(data, sc + 6 + p, np.int8))
+                s0, s1, s2, s3 = _q6k_scales(data, sc, p, d)
                 for j in range(16):
                     l = 16 * p + j
                     q0, q1, q2, q3 = _q6(_u8(data, ql + l), _u8(data, ql + 32 + l), _u8(data, qh + l))
@@ -519,11 +531,7 @@ def _put_q4(kind, out, r, at, data, o, f16):
 def _put_q5(kind, out, r, at, data, o, f16):
     """out[r, at : at + 32] = the Q5_0/Q5_1 block at byte o, unpacked as one byte vector (as
     _mac_block's): 1.6-1.7x the rate of _lane's per-value fifth bits, the same values."""
-    qh_at = o + 2 if kind == _Q5_0 else o + 4
-    d, m = _half(f16, data, o), (np.float32(0) if kind == _Q5_0 else _half(f16, data, o + 2))
-    values = _stack_u8x32()
-    _q5_values(data, qh_at + 4, _load(data, qh_at, np.uint32), values)
-    q = carray(values, 32)
+    q, d, m = _q5_block(kind, data, o, f16)
     for j in range(32):
         if kind == _Q5_0:
             _put(kind, out, r, np.uint64(at + j), np.float32(np.int8(q[j] - 16)) * d)
@@ -539,10 +547,7 @@ def _put_q6k(kind, out, r, at, data, o, f16):
     for h in range(2):
         ql, qh, sc, base = o + 64 * h, o + 128 + 32 * h, o + 192 + 8 * h, at + 128 * h
         for p in range(2):
-            s0 = d * np.float32(_load(data, sc + p, np.int8))
-            s1 = d * np.float32(_load(data, sc + 2 + p, np.int8))
-            s2 = d * np.float32(_load(data, sc + 4 + p, np.int8))
-            s3 = d * np.float32(_load(data, sc + 6 + p, np.int8))
+            s0, s1, s2, s3 = _q6k_scales(data, sc, p, d)
             for j in range(16):
                 l = 16 * p + j
                 q0, q1, q2, q3 = _q6(_u8(data, ql + l), _u8(data, ql + 32 + l), _u8(data, qh + l))
