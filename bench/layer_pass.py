@@ -17,33 +17,26 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
+import sys
 
 import numpy as np
 import torch
 
 import pagelm
 from pagelm import store
-from pagelm.quant.types import BLOCK_LAYOUT, as_ggml_type
+from pagelm.quant.types import as_ggml_type, row_nbytes
 from pagelm.weights.linear import MappedLinear, RowGroup, tile_rows
+
+sys.path.insert(0, os.path.dirname(__file__))
+from head import median_ms  # noqa: E402
 
 MIB = 1024 * 1024
 
 
-def _row_bytes(part: RowGroup) -> int:
-    values, nbytes = BLOCK_LAYOUT[as_ggml_type(part.ggml_type)]
-    return part.width // values * nbytes
-
-
 def _passes(fn, passes: int) -> float:
-    fn()  # warm-up: page faults on the map, first calls
-    times = []
-    for _ in range(passes):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median seconds of `passes` calls after a warm-up (page faults on the map, first calls)."""
+    fn()
+    return median_ms([fn], passes)[0] / 1e3
 
 
 def bench(name: str, passes: int, threads: int) -> str:
@@ -53,7 +46,7 @@ def bench(name: str, passes: int, threads: int) -> str:
     parts = [p for op in ops for p in op.parts]
     if not all(isinstance(p, RowGroup) for p in parts):
         raise SystemExit(f"{name}: only GGML row matrices are measured here")
-    nbytes = sum(p.rows * _row_bytes(p) for p in parts)
+    nbytes = sum(p.rows * row_nbytes(p.ggml_type, p.width) for p in parts)
     values = sum(p.rows * p.width for p in parts)
     rng = np.random.default_rng(0)
     rows = [torch.from_numpy(rng.standard_normal((1, op.in_features), np.float32)) for op in ops]
