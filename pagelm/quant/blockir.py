@@ -1,6 +1,6 @@
-"""LLVM IR for the values of a 32-value group as one <32 x i8> vector, shared by the numba intrinsics
-of the matmul kernels (matmul, int8dot): byte loads, nibble pairs, Q5's fifth bits, and a
-Q4_K/Q5_K block's packed 6-bit scales (matmul).
+"""LLVM IR for a block's values as byte vectors, shared by the numba intrinsics of the kernels
+(matmul, int8dot, the head): byte loads, nibble pairs, Q5's fifth bits, a Q4_K/Q5_K block's packed
+6-bit scales (matmul), and a Q6_K block's 256 values and 16 scales (head, matmul).
 
 Builds IR only (no numba functions), so each kernel module's cache stays keyed by its own source.
 """
@@ -45,13 +45,15 @@ def _q5_group(context, builder, arrty, arr, qs, qh_word):
 
 
 @intrinsic
-def _stack_u8x32(typingctx):
-    """32 bytes on the stack (uninitialised)."""
+def _stack_bytes(typingctx, n):
+    """n (a constant) bytes on the stack, uninitialised."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(cgutils.alloca_once(builder, _V32I8), _I8.as_pointer())
+        return builder.bitcast(cgutils.alloca_once(builder, ir.VectorType(_I8, n.literal_value)), _I8.as_pointer())
 
-    return types.CPointer(types.uint8)(), codegen
+    return types.CPointer(types.uint8)(n), codegen
 
 
 @intrinsic
@@ -108,3 +110,55 @@ def _k4_scales(typingctx, data, at, d, dmin, buf):
         return context.get_dummy_value()
 
     return types.void(data, at, d, dmin, buf), codegen
+
+
+_V64I8 = ir.VectorType(_I8, 64)
+
+
+def _splat8(n, value):
+    return ir.Constant(ir.VectorType(_I8, n), [value] * n)
+
+
+@intrinsic
+def _q6k_values(typingctx, data, at, buf):
+    """buf[n] = value n (-32..31, as int8 bits) of the Q6_K block at data[at], n < 256, in 64-byte vector ops.
+
+    Half h (values 128h..128h+127) has low bytes L = ql[64h : 64h + 64] and 32 top bytes T = qh[32h : 32h + 32].
+    With T2 = T, then T >> 2 (64 bytes): value 128h + i is L[i] & 15 | (T2[i] & 3) << 4, and value
+    128h + 64 + i is L[i] >> 4 | (T2[i] >> 4 & 3) << 4, each minus 32 (i < 64).
+    """
+
+    def codegen(context, builder, signature, args):
+        arrty, data, at = signature.args[0], args[0], args[1]
+        out = builder.bitcast(args[2], _V64I8.as_pointer())
+        for h in range(2):
+            low = _bytes_at(context, builder, arrty, data, builder.add(at, at.type(64 * h)), 64)
+            top = _bytes_at(context, builder, arrty, data, builder.add(at, at.type(128 + 32 * h)), 32)
+            tops = builder.shuffle_vector(
+                top, builder.lshr(top, _splat8(32, 2)), ir.Constant(ir.VectorType(_I32, 64), list(range(64)))
+            )
+            first = builder.or_(
+                builder.and_(low, _splat8(64, 15)), builder.and_(builder.shl(tops, _splat8(64, 4)), _splat8(64, 48))
+            )
+            second = builder.or_(builder.lshr(low, _splat8(64, 4)), builder.and_(tops, _splat8(64, 48)))
+            for i, half in enumerate((first, second)):
+                builder.store(builder.sub(half, _splat8(64, 32)), builder.gep(out, [_I32(2 * h + i)]), align=1)
+        return context.get_dummy_value()
+
+    return types.void(data, at, buf), codegen
+
+
+@intrinsic
+def _q6k_scales16(typingctx, data, at, d, buf):
+    """buf[g] = d · int8 scale g for the 16 scale bytes at data[at] (a Q6_K block's, 16 values each)."""
+
+    def codegen(context, builder, signature, args):
+        v16f = ir.VectorType(ir.FloatType(), 16)
+        codes = _bytes_at(context, builder, signature.args[0], args[0], args[1], 16)
+        splat = builder.insert_element(ir.Constant(v16f, ir.Undefined), args[2], _I32(0))
+        splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+        values = builder.fmul(splat, builder.sitofp(codes, v16f))
+        builder.store(values, builder.bitcast(args[3], v16f.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(data, at, d, buf), codegen

@@ -11,9 +11,20 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from pagelm.errors import ModelFormatError, UnsupportedError
-from pagelm.quant.blockir import _k4_scales, _q5_values, _stack_u8x32
+from pagelm.quant.blockir import _k4_scales, _q5_values, _q6k_scales16, _q6k_values, _stack_bytes
 from pagelm.quant.codecs import DECODABLE
-from pagelm.quant.kernels import _F16_TO_F32, _f32_bits, _prefetch, _q6, _stack_f32x32, _sum32, _wide_vectors
+from pagelm.quant.kernels import (
+    _F16_TO_F32,
+    _f32_bits,
+    _keep_loops,
+    _mac64,
+    _opaque,
+    _prefetch,
+    _q6,
+    _stack_f32,
+    _vsum,
+    _wide_vectors,
+)
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
 
 MAX_GEMV_ROWS = 8
@@ -46,18 +57,6 @@ def _load(typingctx, data, offset, ty):
 
 
 @intrinsic
-def _keep_loops(typingctx):
-    """Marks the calling function optsize, so LLVM does not fully unroll its small fixed loops
-    before the loop vectorizer sees them (numba runs no SLP vectorizer). Call it in each prange body."""
-
-    def codegen(context, builder, signature, args):
-        builder.function.attributes.add("optsize")
-        return context.get_dummy_value()
-
-    return types.void(), codegen
-
-
-@intrinsic
 def _shr8(typingctx, byte, shift):
     """uint8 byte >> shift (< 8) as an 8-bit op: numba widens shifts to 64 bits, and LLVM then
     vectorizes a shift whose amount varies in 64-bit lanes."""
@@ -67,16 +66,6 @@ def _shr8(typingctx, byte, shift):
         return builder.lshr(builder.trunc(args[0], i8), builder.trunc(args[1], i8))
 
     return types.uint8(types.uint8, types.intp), codegen
-
-
-@intrinsic
-def _stack_f32x64(typingctx):
-    """64 float32 on the stack (see kernels._stack_f32x32)."""
-
-    def codegen(context, builder, signature, args):
-        return cgutils.alloca_once(builder, ir.FloatType(), size=64)
-
-    return types.CPointer(types.float32)(), codegen
 
 
 @intrinsic
@@ -163,9 +152,9 @@ def _prep(kind, data, o, g, f16):
 @njit(inline="always")
 def _k4_block_scales(data, o, f16):
     """The 8 groups' scales, then their mins, of the Q4_K / Q5_K block at byte o (_prep's values)."""
-    buf = _stack_f32x32()
+    buf = _stack_f32(16)
     _k4_scales(data, o + 4, _half(f16, data, o), _half(f16, data, o + 2), buf)
-    return carray(buf, 16)
+    return carray(_opaque(buf), 16)
 
 
 @njit
@@ -316,7 +305,7 @@ def _q5_block(kind, data, o, f16):
     vector (blockir._q5_values), its scale, and its offset (0 for Q5_0)."""
     qh_at = o + 2 if kind == _Q5_0 else o + 4
     d, m = _half(f16, data, o), (np.float32(0) if kind == _Q5_0 else _half(f16, data, o + 2))
-    values = _stack_u8x32()
+    values = _stack_bytes(32)
     _q5_values(data, qh_at + 4, _load(data, qh_at, np.uint32), values)
     return carray(values, 32), d, m
 
@@ -342,7 +331,8 @@ def _mac_block(kind, acc, data, o, x, xo, f16):
     ~0.6 (before the Q5 unpack, which took Q5 to ~0.6 of that again). A Q4_K/Q5_K block's 16
     scales and mins come from one byte-vector decode (blockir._k4_scales) instead of ~12 scalar
     ops a group: on an AVX-512 Xeon, side by side, Q4_K 0.77-0.85 and Q5_K 0.55-0.59 of the time,
-    same bits.
+    same bits. Q6_K is the head's loop (kernels._mac64 over blockir._q6k_values), which needs
+    optsize (mv_keeps_loops): 0.74 of the time of the byte-triple loop it replaced.
     """
     if kind == _Q8_0:
         d = _half(f16, data, o)
@@ -377,23 +367,19 @@ def _mac_block(kind, acc, data, o, x, xo, f16):
                 acc[j] += (np.float32(lo) * s0 - m0) * _xv(x, at + j)
                 acc[32 + j] += (np.float32(hi) * s1 - m1) * _xv(x, at + 32 + j)
     elif kind == _Q6_K:
-        d = _half(f16, data, o + 208)
-        for h in range(2):  # 128 values each: value l, l + 32, l + 64, l + 96 share byte l of qh
-            ql, qh, sc, at = o + 64 * h, o + 128 + 32 * h, o + 192 + 8 * h, xo + 128 * h
-            for p in range(2):  # a scale per 16 values
-                s0, s1, s2, s3 = _q6k_scales(data, sc, p, d)
-                for j in range(16):
-                    l = 16 * p + j
-                    q0, q1, q2, q3 = _q6(_u8(data, ql + l), _u8(data, ql + 32 + l), _u8(data, qh + l))
-                    acc[l] += np.float32(q0) * s0 * _xv(x, at + l)
-                    acc[32 + l] += np.float32(q1) * s1 * _xv(x, at + 32 + l)
-                    acc[l] += np.float32(q2) * s2 * _xv(x, at + 64 + l)
-                    acc[32 + l] += np.float32(q3) * s3 * _xv(x, at + 96 + l)
+        values, scales = _stack_bytes(256), _stack_f32(16)
+        _q6k_values(data, o, values)
+        _q6k_scales16(data, o + 192, _half(f16, data, o + 208), scales)
+        q, s, x0 = carray(values, 256), carray(_opaque(scales), 16), x[0]
+        _mac64(acc, 0, s, q, 0, x0, xo)
+        _mac64(acc, 0, s, q, 64, x0, xo)
+        _mac64(acc, 0, s, q, 128, x0, xo)
+        _mac64(acc, 0, s, q, 192, x0, xo)
 
 
 @njit(inline="always")
 def _mv_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb):
-    acc = carray(_stack_f32x64(), 64)
+    acc = carray(_stack_f32(64), 64)
     ahead = _ahead_rows(rnb)
     for r in range(r0, r1):
         row = offs[r]
@@ -409,9 +395,7 @@ def _mv_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb)
                 _mac8(acc, 24, kind, data, o, 0, 1, 8, np.float32(0), np.float32(0), f16, x, xo + 24)
             else:
                 _mac_block(kind, acc, data, o, x, xo, f16)
-        for j in range(32):
-            acc[j] += acc[32 + j]
-        total = _sum32(acc)
+        total = _vsum(acc, 64)
         for k in range(tail):
             total += _val(kind, data, row + nblk * bb, k, f16) * x[0, nblk * vb + k]
         out[0, lo + r] = total
@@ -427,7 +411,7 @@ def _fma8(acc, at, w, x, i, k):
 def _mm_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb):
     """As _mv_rows for n > 1 activation rows: each row is dequantized once, into w, for all of them."""
     n, width = x.shape
-    acc = carray(_stack_f32x32(), 32)
+    acc = carray(_stack_f32(32), 32)
     w = np.empty(width, np.float32)
     ahead = _ahead_rows(rnb)
     for r in range(r0, r1):
@@ -451,7 +435,7 @@ def _mm_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb)
                 _fma8(acc, 8, w, x, i, k + 8)
                 _fma8(acc, 16, w, x, i, k + 16)
                 _fma8(acc, 24, w, x, i, k + 24)
-            total = _sum32(acc)
+            total = _vsum(acc, 32)
             for k in range(nblk * vb, width):
                 total += w[k] * x[i, k]
             out[i, lo + r] = total
@@ -464,8 +448,8 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
     value_bytes = bb // 32 if kind in (_F32, _F16, _BF16) else 0
     # A bool, not a function, in the closure: numba's cache key pickles closure values, and a
     # dispatcher pickles differently in every process (the cache would never hit); the constant
-    # branch is pruned before lowering.
-    mv_keeps_loops = kind in (_F32, _F16, _BF16)
+    # branch is pruned before lowering. Q6_K's 16-lane loops must stay loops until vectorized (_mac64).
+    mv_keeps_loops = kind in (_F32, _F16, _BF16, _Q6_K)
 
     # Two functions, not two branches of one: a second parfor in the same function made the
     # one-row loop 5-13 % slower (measured side by side).

@@ -24,7 +24,7 @@ from numba import carray, njit, prange
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.quant.codecs import bf16_to_f32, f32_to_bf16, k_scale_codes
-from pagelm.quant.kernels import _prefetch, _stack_f32x32
+from pagelm.quant.kernels import _prefetch, _stack_f32
 from pagelm.quant.matmul import MAX_GEMV_ROWS, _bf16_bits, _load, _u32_as_f32
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType
 
@@ -260,9 +260,9 @@ def _matmul_kernel(kind: int):
     @njit(parallel=True, cache=True, fastmath={"contract"})
     def matmul(data, base, col_tiles, tile_bytes, groups, x, out):
         for p in prange(groups):
-            acc = carray(_stack_f32x32(), ROWS)
-            w_scale = carray(_stack_f32x32(), ROWS)
-            w_offset = carray(_stack_f32x32(), ROWS)
+            acc = carray(_stack_f32(ROWS), ROWS)
+            w_scale = carray(_stack_f32(ROWS), ROWS)
+            w_offset = carray(_stack_f32(ROWS), ROWS)
             group = base + p * col_tiles * tile_bytes
             for i in range(x.shape[0]):
                 xi = x[i]
