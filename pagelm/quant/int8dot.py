@@ -312,7 +312,7 @@ def _kernel(kind: int, vb: int, bb: int):
             _wide_vectors()
             r0, r1 = _chunk(c, nch, rows)
             acc = _acc8()
-            ahead = _ahead_rows(rnb)
+            ahead = _ahead_rows(kind, rnb)
             for r in range(r0, r1):
                 row = _row_at(offs, stride, r)
                 hint = _row_at(offs, stride, r + ahead) if r + ahead < rows else row
