@@ -16,10 +16,11 @@ FLOATS = (T.F32, T.F16, T.BF16)
 
 
 def widths(t: GGMLType) -> tuple[int, ...]:
-    """Widths that are no multiple of any kernel step: 32-blocks not filling 256, partial 32s for floats."""
+    """Widths that are no multiple of any kernel step: 32-blocks not filling 256, partial 32s for floats,
+    K-quant rows of 1, 2, 5 and 7 blocks."""
     if t in FLOATS:
         return 45, 577
-    return (256, 512) if BLOCK_LAYOUT[t][0] == 256 else (96, 576)
+    return (256, 512, 1280, 1792) if BLOCK_LAYOUT[t][0] == 256 else (96, 576)
 
 
 def oracle(raw: np.ndarray, t: GGMLType) -> np.ndarray:
@@ -72,7 +73,7 @@ def test_matmul_matches_f64_product_of_gguf_weights(t, n):
 
 @pytest.mark.parametrize("t", [t for t in TYPES if t not in FLOATS], ids=lambda t: t.name)
 def test_matmul_propagates_special_scales(t):
-    width = widths(t)[1]
+    width = widths(t)[-1]
     data, offsets, table = two_tensors(t, 33, width, seed=int(t), specials=True)
     w = oracle(table, t).astype(np.float64)
     x = np.random.default_rng(1).standard_normal((2, width)).astype(np.float32)
