@@ -20,7 +20,6 @@ from pagelm.quant.kernels import (
     _mac64,
     _opaque,
     _prefetch,
-    _q6,
     _stack_f32,
     _vsum,
     _wide_vectors,
@@ -314,14 +313,6 @@ def _q5_block(kind, data, o, f16):
 
 
 @njit(inline="always")
-def _q6k_scales(data, sc, p, d):
-    """The scales of values 16p..16p+15 of the four 32-value runs of a Q6_K half-block whose int8
-    scales start at byte sc (d: the block's fp16 scale)."""
-    return (d * np.float32(_load(data, sc + p, np.int8)), d * np.float32(_load(data, sc + 2 + p, np.int8)),
-            d * np.float32(_load(data, sc + 4 + p, np.int8)), d * np.float32(_load(data, sc + 6 + p, np.int8)))
-
-
-@njit(inline="always")
 def _mac_block(kind, acc, data, o, x, xo, f16):
     """acc[:64] += one whole block at byte o times x[0, xo:], for the quantized types.
 
@@ -528,20 +519,16 @@ def _put_q5(kind, out, r, at, data, o, f16):
 
 @njit(inline="always")
 def _put_q6k(kind, out, r, at, data, o, f16):
-    """out[r, at : at + 256] = the Q6_K block at byte o, four values per step from one byte of
-    each of ql, ql + 32 and qh (as _mac_block's): the same values as _lane's."""
-    d = _half(f16, data, o + 208)
-    for h in range(2):
-        ql, qh, sc, base = o + 64 * h, o + 128 + 32 * h, o + 192 + 8 * h, at + 128 * h
-        for p in range(2):
-            s0, s1, s2, s3 = _q6k_scales(data, sc, p, d)
-            for j in range(16):
-                l = 16 * p + j
-                q0, q1, q2, q3 = _q6(_u8(data, ql + l), _u8(data, ql + 32 + l), _u8(data, qh + l))
-                _put(kind, out, r, np.uint64(base + l), np.float32(q0) * s0)
-                _put(kind, out, r, np.uint64(base + 32 + l), np.float32(q1) * s1)
-                _put(kind, out, r, np.uint64(base + 64 + l), np.float32(q2) * s2)
-                _put(kind, out, r, np.uint64(base + 96 + l), np.float32(q3) * s3)
+    """out[r, at : at + 256] = the Q6_K block at byte o, unpacked as the GEMVs unpack it
+    (blockir._q6k_values, _q6k_scales16): the same values as _lane's."""
+    values, scales = _stack_bytes(256), _stack_f32(16)
+    _q6k_values(data, o, values)
+    _q6k_scales16(data, o + 192, _half(f16, data, o + 208), scales)
+    q, s = carray(values, 256), carray(scales, 16)
+    for g in range(16):
+        sg = s[g]
+        for j in range(16):
+            _put(kind, out, r, np.uint64(at + 16 * g + j), np.float32(np.int8(q[16 * g + j])) * sg)
 
 
 def _dequant_kernel(kind: int, vb: int, bb: int):
