@@ -36,8 +36,9 @@ _Q4_K, _Q5_K, _Q6_K = int(_T.Q4_K), int(_T.Q5_K), int(_T.Q6_K)
 
 # Hint the rows about this many bytes ahead of the one being read: the hardware prefetcher stops at each
 # 4 KiB page, hints do not (see kernels._AHEAD). The K-quants, whose GEMVs spend the most
-# instructions per byte, hint twice as far: over every matrix of the q4_k_m mix, cold, their GEMVs
-# took 0.90-0.95 of the time with 16 KiB, where Q8_0's took 1.05 (an AVX-512 Xeon, 2 threads).
+# instructions per byte, hint twice as far: over every matrix of the q4_k_m mix, cold, most of their
+# GEMVs took 0.90-0.95 of the time with 16 KiB, where the Q8_0 file's took 1.05-1.08 (an AVX-512 Xeon,
+# 2 threads). The int8 GEMVs and the dequantizers follow, unmeasured apart (their passes level).
 _AHEAD = 8192
 _AHEAD_K = 16384
 
@@ -313,6 +314,17 @@ def _q5_block(kind, data, o, f16):
 
 
 @njit(inline="always")
+def _q6k_block(data, o, f16):
+    """(values, scales) of the Q6_K block at byte o: its 256 values (-32..31, as int8 bits) and the 16
+    scales (d · int8 scale, one per 16 values), each in one set of vector ops (blockir._q6k_values,
+    _q6k_scales16); the scales read back from memory (kernels._opaque)."""
+    values, scales = _stack_bytes(256), _stack_f32(16)
+    _q6k_values(data, o, values)
+    _q6k_scales16(data, o + 192, _half(f16, data, o + 208), scales)
+    return carray(values, 256), carray(_opaque(scales), 16)
+
+
+@njit(inline="always")
 def _mac_block(kind, acc, data, o, x, xo, f16):
     """acc[:64] += one whole block at byte o times x[0, xo:], for the quantized types.
 
@@ -325,8 +337,8 @@ def _mac_block(kind, acc, data, o, x, xo, f16):
     ~0.6 (before the Q5 unpack, which took Q5 to ~0.6 of that again). A Q4_K/Q5_K block's 16
     scales and mins come from one byte-vector decode (blockir._k4_scales) instead of ~12 scalar
     ops a group: on an AVX-512 Xeon, side by side, Q4_K 0.77-0.85 and Q5_K 0.55-0.59 of the time,
-    same bits. Q6_K is the head's loop (kernels._mac64 over blockir._q6k_values), which needs
-    optsize (mv_keeps_loops): 0.74 of the time of the byte-triple loop it replaced.
+    same bits. Q6_K is the head's loop (kernels._mac64 over _q6k_block), which needs optsize
+    (mv_keeps_loops): 0.68-0.75 of the time of the byte-triple loop it replaced.
     """
     if kind == _Q8_0:
         d = _half(f16, data, o)
@@ -361,10 +373,8 @@ def _mac_block(kind, acc, data, o, x, xo, f16):
                 acc[j] += (np.float32(lo) * s0 - m0) * _xv(x, at + j)
                 acc[32 + j] += (np.float32(hi) * s1 - m1) * _xv(x, at + 32 + j)
     elif kind == _Q6_K:
-        values, scales = _stack_bytes(256), _stack_f32(16)
-        _q6k_values(data, o, values)
-        _q6k_scales16(data, o + 192, _half(f16, data, o + 208), scales)
-        q, s, x0 = carray(values, 256), carray(_opaque(scales), 16), x[0]
+        q, s = _q6k_block(data, o, f16)
+        x0 = x[0]
         _mac64(acc, 0, s, q, 0, x0, xo)
         _mac64(acc, 0, s, q, 64, x0, xo)
         _mac64(acc, 0, s, q, 128, x0, xo)
@@ -519,12 +529,9 @@ def _put_q5(kind, out, r, at, data, o, f16):
 
 @njit(inline="always")
 def _put_q6k(kind, out, r, at, data, o, f16):
-    """out[r, at : at + 256] = the Q6_K block at byte o, unpacked as the GEMVs unpack it
-    (blockir._q6k_values, _q6k_scales16): the same values as _lane's."""
-    values, scales = _stack_bytes(256), _stack_f32(16)
-    _q6k_values(data, o, values)
-    _q6k_scales16(data, o + 192, _half(f16, data, o + 208), scales)
-    q, s = carray(values, 256), carray(scales, 16)
+    """out[r, at : at + 256] = the Q6_K block at byte o, unpacked as the GEMV unpacks it (_q6k_block):
+    the same values as _lane's."""
+    q, s = _q6k_block(data, o, f16)
     for g in range(16):
         sg = s[g]
         for j in range(16):
