@@ -312,7 +312,9 @@ def register(commands) -> None:
                     "--tokens tokens, and for each weights mode × dtype load the model in process and compute the "
                     "perplexity twice: through one prefill over the whole text (the head on every position) and "
                     "teacher-forced through decode steps. Prints a markdown table, per dtype the ratio mapped/dense "
-                    "− 1 in %, and the command line. The default text is the English documentation bundled with "
+                    "− 1 in % with its standard error (from the per-token differences: a ratio within about two "
+                    "standard errors of 0 is one this text is too short to tell from noise; raise --tokens), and "
+                    "the command line. The default text is the English documentation bundled with "
                     "Python (pydoc_data.topics, topics in sorted key order).")
     perplexity.add_argument("model", metavar="MODEL", help=model_help)
     perplexity.add_argument("--text", metavar="FILE", help="a UTF-8 text file instead of Python's documentation")

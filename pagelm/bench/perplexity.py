@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -109,8 +109,27 @@ class PerplexityRow:
     weights: str
     dtype: str
     tokens: int
-    prefill: float  # perplexity through prefill
-    decode: float  # perplexity through decode steps
+    prefill_nll: np.ndarray = field(repr=False, compare=False)  # per predicted token, through prefill
+    decode_nll: np.ndarray = field(repr=False, compare=False)  # per predicted token, through decode steps
+
+    @property
+    def prefill(self) -> float:
+        """Perplexity through prefill."""
+        return math.exp(self.prefill_nll.mean())
+
+    @property
+    def decode(self) -> float:
+        """Perplexity through decode steps."""
+        return math.exp(self.decode_nll.mean())
+
+
+def paired_ratio(nll: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
+    """Perplexity ratio − 1 of two runs over the same tokens, in %, and the standard error of that
+    figure from the spread of their per-token NLL differences (tokens taken as independent): a
+    difference a few standard errors wide is one the text is long enough to resolve."""
+    d = nll - reference
+    se = d.std(ddof=1) / math.sqrt(len(d)) if len(d) > 1 else math.nan
+    return (math.exp(d.mean()) - 1) * 100, se * 100
 
 
 @dataclass
@@ -131,12 +150,14 @@ class PerplexityReport:
         for dtype in dict.fromkeys(r.dtype for r in self.rows):
             mapped, dense = self.row("mapped", dtype), self.row("dense", dtype)
             if mapped and dense:
-                ratios.append([dtype, f"{(mapped.prefill / dense.prefill - 1) * 100:+.3f}%",
-                               f"{(mapped.decode / dense.decode - 1) * 100:+.3f}%"])
+                prefill = paired_ratio(mapped.prefill_nll, dense.prefill_nll)
+                decode = paired_ratio(mapped.decode_nll, dense.decode_nll)
+                ratios.append([dtype, f"{prefill[0]:+.3f}%", f"{decode[0]:+.3f}%", f"{prefill[1]:.3f}%",
+                               f"{decode[1]:.3f}%"])
         parts = [table]
         if ratios:
-            parts.append(markdown_table(["dtype", "mapped/dense − 1, prefill", "mapped/dense − 1, decode"],
-                                        ratios, "lrr"))
+            parts.append(markdown_table(["dtype", "mapped/dense − 1, prefill", "mapped/dense − 1, decode",
+                                         "standard error, prefill", "standard error, decode"], ratios, "lrrrr"))
         if self.command:
             parts.append(f"Command: `{self.command}`")
         return "\n\n".join(parts)
@@ -173,11 +194,11 @@ def run_perplexity(name: str, path: str, text: str | None = None, tokens: int = 
             model = pagelm.load(path, weights=mode, dtype=dtype)
             via_prefill = prefill_nll(model, ids, progress)
             via_decode = decode_nll(model, ids, progress)
-            rows.append(PerplexityRow(mode, dtype, len(ids), math.exp(via_prefill.mean()), math.exp(via_decode.mean())))
+            rows.append(PerplexityRow(mode, dtype, len(ids), via_prefill, via_decode))
             del model
             gc.collect()
     return PerplexityReport(name, rows, command)
 
 
-__all__ = ["DEFAULT_TOKENS", "PerplexityReport", "PerplexityRow", "decode_nll", "default_text", "prefill_nll",
-           "run_perplexity", "text_tokens"]
+__all__ = ["DEFAULT_TOKENS", "PerplexityReport", "PerplexityRow", "decode_nll", "default_text", "paired_ratio",
+           "prefill_nll", "run_perplexity", "text_tokens"]

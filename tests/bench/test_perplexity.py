@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from pagelm.bench.perplexity import default_text, next_token_nll, run_perplexity, text_tokens
+from pagelm.bench.perplexity import default_text, next_token_nll, paired_ratio, run_perplexity, text_tokens
 
 
 def test_default_text_is_pythons_documentation_in_topic_order():
@@ -53,9 +53,23 @@ def test_perplexity_on_a_tiny_qwen35(qwen35_chat_gguf):
     lines = text.splitlines()
     assert lines[0] == "| model | weights | dtype | tokens | ppl prefill | ppl decode |"
     assert sum(line.startswith("| qwen3.5-tiny-chat | ") for line in lines) == 4
-    assert "| dtype | mapped/dense − 1, prefill | mapped/dense − 1, decode |" in lines
-    assert any(line.startswith("| float32 | ") and line.endswith("% |") for line in lines)
+    assert ("| dtype | mapped/dense − 1, prefill | mapped/dense − 1, decode | standard error, prefill | "
+            "standard error, decode |") in lines
+    float32 = next(line for line in lines if line.startswith("| float32 | ")).strip("| ").split(" | ")
+    mapped, dense = report.row("mapped", "float32"), report.row("dense", "float32")
+    assert float32[2] == f"{(mapped.decode / dense.decode - 1) * 100:+.3f}%"
+    assert float32[4].endswith("%") and float(float32[4][:-1]) >= 0
     assert lines[-1] == "Command: `pagelm bench perplexity x`"
+
+
+def test_paired_ratio_is_the_perplexity_ratio_with_the_standard_error_of_its_log():
+    rng = np.random.default_rng(1)
+    reference = rng.exponential(2.5, 4001)
+    nll = reference + rng.normal(0.002, 0.05, reference.size)
+    ratio, se = paired_ratio(nll, reference)
+    assert ratio == pytest.approx((math.exp(nll.mean()) / math.exp(reference.mean()) - 1) * 100, rel=1e-9)
+    assert se == pytest.approx(0.05 / math.sqrt(reference.size) * 100, rel=0.05)
+    assert paired_ratio(reference + 0.01, reference) == pytest.approx(((math.exp(0.01) - 1) * 100, 0.0), abs=1e-9)
 
 
 def test_cli_rejects_unknown_modes(tmp_path):
