@@ -108,9 +108,13 @@ def decode_nll(model, ids: Sequence[int], progress: bool = True) -> np.ndarray:
 class PerplexityRow:
     weights: str
     dtype: str
-    tokens: int
     prefill_nll: np.ndarray = field(repr=False, compare=False)  # per predicted token, through prefill
     decode_nll: np.ndarray = field(repr=False, compare=False)  # per predicted token, through decode steps
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the text scored: each but the first is predicted once."""
+        return len(self.prefill_nll) + 1
 
     @property
     def prefill(self) -> float:
@@ -194,7 +198,7 @@ def run_perplexity(name: str, path: str, text: str | None = None, tokens: int = 
             model = pagelm.load(path, weights=mode, dtype=dtype)
             via_prefill = prefill_nll(model, ids, progress)
             via_decode = decode_nll(model, ids, progress)
-            rows.append(PerplexityRow(mode, dtype, len(ids), via_prefill, via_decode))
+            rows.append(PerplexityRow(mode, dtype, via_prefill, via_decode))
             del model
             gc.collect()
     return PerplexityReport(name, rows, command)
