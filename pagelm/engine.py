@@ -6,6 +6,7 @@ knows which embedding or weights mode is active.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from pagelm.grammar import Matcher
     from pagelm.vision.inputs import ImageInput
 
+log = logging.getLogger("pagelm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 VISION_ARCHITECTURES = ("qwen35",)  # the models whose image tokens a vision tower (mmproj) makes
 DEFAULT_IMAGE_CACHE_MIB = 256
@@ -84,11 +86,8 @@ class Model:
         self.embedding = self.loader.token_embedding(embedding, rows="f32" if dtype == "float32" else "bf16")
         self.head = self.loader.output_head()
         self.network = model_class(self.config, self.loader)
-        self.mmproj = self._mmproj(path, mmproj)
-        self.tower_loader, self.tower = None, None
-        if self.mmproj is not None:
-            self.tower_loader = WeightLoader.open(self.mmproj, weights, DTYPES[dtype], device)
-            self.tower = self._open_tower(path)
+        self.mmproj, self.tower_loader, self.tower = None, None, None
+        self._attach_tower(path, mmproj, weights, dtype, device)
         self.image_cache = EmbeddingCache(image_cache_mib << 20)
         for loader in (self.loader, self.tower_loader):
             if loader is not None:
@@ -97,25 +96,35 @@ class Model:
         eos = self.file.metadata.get("tokenizer.ggml.eos_token_id")
         self.eos_tokens: tuple[int, ...] = () if eos is None else (int(eos),)
 
-    def _mmproj(self, path: str, given: str | None) -> str | None:
-        """The vision tower's file: the one given, else one beside a model that can read images."""
+    def _attach_tower(self, path: str, given: str | None, weights: WeightsMode, dtype: str, device: str) -> None:
+        """Open the vision tower: the one given (which must fit), else one found beside a model that
+        can read images; a found one that does not fit is skipped with a warning (text only)."""
         can_see = self.loader.architecture in VISION_ARCHITECTURES
-        if given is None:
-            return find_mmproj(path) if can_see else None
-        if not can_see:
+        if given is not None and not can_see:
             raise UnsupportedError(f"{given}: pagelm reads images with {', '.join(VISION_ARCHITECTURES)} models; "
                                    f"{path} is {self.loader.architecture}")
-        if not os.path.isfile(given):
+        if given is not None and not os.path.isfile(given):
             raise PagelmError(f"{given}: no such mmproj file")
-        return given
+        try:
+            mmproj = given if given is not None else find_mmproj(path) if can_see else None
+            if mmproj is None:
+                return
+            loader = WeightLoader.open(mmproj, weights, DTYPES[dtype], device)
+            self.tower = self._open_tower(path, mmproj, loader)
+        except PagelmError as e:
+            if given is not None:
+                raise
+            log.warning("pagelm: %s: text only, the vision tower found beside it was skipped: %s", path, e)
+            return
+        self.mmproj, self.tower_loader = mmproj, loader
 
-    def _open_tower(self, path: str):
+    def _open_tower(self, path: str, mmproj: str, loader: WeightLoader):
         from pagelm.vision import VisionTower
         from pagelm.vision.inputs import IMAGE_PAD
 
-        tower = VisionTower.load(self.tower_loader)
+        tower = VisionTower.load(loader)
         if tower.config.out_hidden != self.config.hidden:
-            raise PagelmError(f"{self.mmproj}: the vision tower's output width (clip.vision.projection_dim) is "
+            raise PagelmError(f"{mmproj}: the vision tower's output width (clip.vision.projection_dim) is "
                               f"{tower.config.out_hidden}, but {path} has width {self.config.hidden}: not its tower")
         if self.config.vocab <= IMAGE_PAD:
             raise PagelmError(f"{path}: a vocabulary of {self.config.vocab} tokens has no image tokens "

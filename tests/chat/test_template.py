@@ -11,7 +11,7 @@ Fixtures:
 
 from __future__ import annotations
 
-import time
+import math
 
 import pytest
 
@@ -358,22 +358,21 @@ HOSTILE = {
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_hostile_template_refused(case):
+    # the time limit is lifted: each case names the limit that must refuse it, whatever the
+    # machine's speed (test_time_limit tests the time limit on its own)
     source, kind, match = HOSTILE[case]
-    t0 = time.monotonic()
     with pytest.raises(kind, match=match) as info:
-        ChatTemplate(source, name="evil-model").render([{"role": "user", "content": "hi"}])
-    assert time.monotonic() - t0 < 10
+        ChatTemplate(source, name="evil-model", timeout_s=math.inf).render([{"role": "user", "content": "hi"}])
     assert isinstance(info.value, PagelmError) and isinstance(info.value, TemplateError)
     assert "evil-model" in str(info.value)
 
 
 def test_time_limit():
+    # the step limit is lifted: only the clock can stop this loop of 10^10 steps
     tpl = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
                        name="slow", max_steps=10**12, timeout_s=0.2)
-    t0 = time.monotonic()
     with pytest.raises(TemplateLimitError, match="time limit"):
         tpl.render([{"role": "user", "content": "hi"}])
-    assert time.monotonic() - t0 < 2
 
 
 def test_source_too_large_and_not_text():

@@ -7,6 +7,7 @@ carrying the position offset, and text through the M-RoPE path bit for bit today
 from __future__ import annotations
 
 import io
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -250,6 +251,22 @@ def test_a_tower_must_fit_its_model(tmp_path, twins):
     write_mmproj(wide, TOWERS["qwen3.5-tiny-k"])
     with pytest.raises(PagelmError, match="not its tower"):
         pagelm.load(os.path.dirname(twins.model.mmproj) + "/model.gguf", mmproj=wide)
+
+
+def test_a_tower_found_beside_a_model_it_does_not_fit_is_skipped(tmp_path, twins, caplog):
+    from pagelm.vision import SHAPES as TOWERS
+
+    (tmp_path / "model.gguf").symlink_to(os.path.dirname(twins.model.mmproj) + "/model.gguf")
+    write_mmproj(str(tmp_path / "mmproj-other-model.gguf"), TOWERS["qwen3.5-tiny-k"])
+    with caplog.at_level(logging.WARNING, logger="pagelm"):
+        model = pagelm.load(str(tmp_path / "model.gguf"))
+    assert model.tower is None and model.mmproj is None
+    assert "text only" in caplog.text and "mmproj-other-model.gguf" in caplog.text and "not its tower" in caplog.text
+    (tmp_path / "mmproj-another.gguf").write_bytes(b"")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pagelm"):
+        assert pagelm.load(str(tmp_path / "model.gguf")).tower is None
+    assert "several vision towers" in caplog.text
 
 
 def test_only_qwen35_models_take_a_tower(tmp_path, smollm2_gguf):
