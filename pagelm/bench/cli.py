@@ -30,7 +30,7 @@ def _scenarios(args: argparse.Namespace) -> int:
 
     _positive("--runs", args.runs)
     report = run_scenarios(args.model, model_path(args.model, args.models_dir), args.runs, args.weights,
-                           mmproj=tower_path(args.model, args.models_dir))
+                           mmproj=args.mmproj or tower_path(args.model, args.models_dir))
     print(report.markdown())
     return 1 if report.differing else 0
 
@@ -41,7 +41,7 @@ def _memory_report(args: argparse.Namespace, models: list[str]):
     for flag in ("runs", "prompt_tokens", "new_tokens"):
         _positive(f"--{flag.replace('_', '-')}", getattr(args, flag))
     paths = [(name, model_path(name, args.models_dir)) for name in models]
-    return run_memory(paths, args.runs, args.prompt_tokens, args.new_tokens)
+    return run_memory(paths, args.runs, args.prompt_tokens, args.new_tokens, getattr(args, "mmproj", None))
 
 
 def _memory(args: argparse.Namespace) -> int:
@@ -69,7 +69,7 @@ def _shared(args: argparse.Namespace) -> int:
     from pagelm.bench.shared import run_shared
 
     _positive("--runs", args.runs)
-    report = run_shared(args.model, model_path(args.model, args.models_dir), args.runs)
+    report = run_shared(args.model, model_path(args.model, args.models_dir), args.runs, args.mmproj)
     print(report.markdown())
     if args.png:
         print(f"chart: {report.chart(args.png)}")
@@ -202,6 +202,12 @@ def _all(args: argparse.Namespace) -> int:
     return 1 if differing else 0
 
 
+def _mmproj(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mmproj", metavar="FILE",
+                        help="the vision tower (mmproj GGUF) for every Qwen3.5 server this starts, as "
+                             "`pagelm serve --mmproj`; default: one found beside the model")
+
+
 def _models_dir(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models-dir", default=DEFAULT_MODELS_DIR,
                         help=f"where synthetic models are found or written (default {DEFAULT_MODELS_DIR})")
@@ -234,6 +240,7 @@ def register(commands) -> None:
                     "configurations; prefix-cache lookups/hits only among those with the same cache setting. "
                     "Prints a table per scenario and 'differing scenarios: D of S in N runs'; exit 1 if D > 0.")
     scenarios.add_argument("model", metavar="MODEL", help=model_help)
+    _mmproj(scenarios)
     scenarios.add_argument("--runs", type=int, default=2, help="runs of every configuration (default 2)")
     scenarios.add_argument("--weights", choices=["mapped", "mapped-int8", "dense"], default="mapped",
                            help="layer weights of every configuration (default mapped)")
@@ -254,6 +261,7 @@ def register(commands) -> None:
     memory.add_argument("--prompt-tokens", type=int, default=2600, help="long prompt length (default 2600)")
     memory.add_argument("--new-tokens", type=int, default=128, help="greedy tokens after it (default 128)")
     memory.add_argument("--png", metavar="PATH", help="also write a bar chart of anonymous memory and peak RSS")
+    _mmproj(memory)
     _models_dir(memory)
     memory.set_defaults(run=_memory)
 
@@ -282,6 +290,7 @@ def register(commands) -> None:
                         help="default qwen3.5-0.8b; " + model_help)
     shared.add_argument("--runs", type=int, default=1, help="runs per mode (default 1)")
     shared.add_argument("--png", metavar="PATH", help="also write a bar chart")
+    _mmproj(shared)
     _models_dir(shared)
     shared.set_defaults(run=_shared)
 

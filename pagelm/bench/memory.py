@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pagelm.bench.inputs import MIB, display_name, embedding_table_mib, text_of_tokens
 from pagelm.bench.report import Panel, bar_chart, markdown_table
-from pagelm.bench.server import ServerConfig, ServerProcess, progress
+from pagelm.bench.server import ServerConfig, ServerProcess, mmproj_flags, progress
 from pagelm.errors import PagelmError
 
 # label -> (embedding, weights)
@@ -24,11 +24,14 @@ DEFAULT_MODELS = ("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "smollm2-135m", "g
 FIRST_CHAT = [{"role": "user", "content": "Hello! In one sentence, what can you do?"}]
 
 
-def measure_once(model_path: str, mode: str, long_text: str, prompt_tokens: int, new_tokens: int) -> dict:
-    """One fresh server: a short chat, memory, then the long prompt (server-side timings)."""
+def measure_once(model_path: str, mode: str, long_text: str, prompt_tokens: int, new_tokens: int,
+                 mmproj: str | None = None) -> dict:
+    """One fresh server (with the vision tower `mmproj`, if given): a short chat, memory, then the
+    long prompt (server-side timings)."""
     ctx_len = max(4096, prompt_tokens + new_tokens + 256)  # 256: the chat template's own tokens, with room
     embedding, weights = MODES[mode]
-    with ServerProcess(model_path, ServerConfig(embedding=embedding, ctx_len=ctx_len, weights=weights)) as server:
+    config = ServerConfig(embedding=embedding, ctx_len=ctx_len, weights=weights)
+    with ServerProcess(model_path, config, mmproj_flags(mmproj)) as server:
         name = Path(model_path).stem  # the name `pagelm serve` gives a file
         options = {"temperature": 0, "num_predict": 32}
         chat = server.post("/api/chat", {"model": name, "messages": FIRST_CHAT, "stream": False, "think": False,
@@ -131,8 +134,9 @@ class MemoryReport:
         return bar_chart(path, panels, "pagelm serve: embedding and layer weights, dense vs mapped")
 
 
-def run_memory(models: list[tuple[str, str]], n_runs: int, prompt_tokens: int, new_tokens: int) -> MemoryReport:
-    """`models` are (name, path) pairs."""
+def run_memory(models: list[tuple[str, str]], n_runs: int, prompt_tokens: int, new_tokens: int,
+               mmproj: str | None = None) -> MemoryReport:
+    """`models` are (name, path) pairs; `mmproj`, a vision tower for every server."""
     report = MemoryReport([], n_runs, prompt_tokens, new_tokens)
     for name, path in models:
         result = ModelMemory(display_name(name), embedding_table_mib(path))
@@ -140,7 +144,8 @@ def run_memory(models: list[tuple[str, str]], n_runs: int, prompt_tokens: int, n
         for run in range(1, n_runs + 1):
             for mode in MODES:  # interleaved, so drift in the machine's load hits both modes alike
                 progress(f"memory {result.model}: run {run}/{n_runs}, {mode}")
-                result.runs[mode].append(measure_once(path, mode, long_text, prompt_tokens, new_tokens))
+                result.runs[mode].append(measure_once(path, mode, long_text, prompt_tokens, new_tokens,
+                                                            mmproj))
         report.models.append(result)
         progress(result.saving_line())
     return report

@@ -16,7 +16,7 @@ from typing import Callable
 
 from pagelm.bench.inputs import display_name, text_of_tokens
 from pagelm.bench.report import markdown_table
-from pagelm.bench.server import ServerConfig, ServerProcess, progress
+from pagelm.bench.server import ServerConfig, ServerProcess, mmproj_flags, progress
 
 
 
@@ -339,7 +339,7 @@ def run_scenarios(model_name: str, model_path: str, n_runs: int, weights: str = 
     results: dict[str, list[Run]] = {name: [] for name in names}
     for run, config in itertools.product(range(1, n_runs + 1), chosen):
         progress(f"scenarios {model}: run {run}/{n_runs}, {config.label}")
-        with ServerProcess(model_path, config, None if mmproj is None else ["--mmproj", mmproj]) as server:
+        with ServerProcess(model_path, config, mmproj_flags(mmproj)) as server:
             client = Client(server, Path(model_path).stem)  # the name `pagelm serve` gives a file
             for name in names:
                 before = client.cache_counters()

@@ -62,6 +62,11 @@ class Stream:
         self.connection.close()
 
 
+def mmproj_flags(mmproj: str | None) -> list[str]:
+    """The `pagelm serve` flags that give a server the vision tower `mmproj` (none for None)."""
+    return [] if mmproj is None else ["--mmproj", mmproj]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -18,7 +18,7 @@ from pagelm.bench.memory import MODES as ALL_MODES
 
 MODES = ("all dense", "all mapped")  # (embedding, weights) both dense, both mapped
 from pagelm.bench.report import Panel, bar_chart, markdown_table
-from pagelm.bench.server import ServerConfig, ServerProcess, progress
+from pagelm.bench.server import ServerConfig, ServerProcess, mmproj_flags, progress
 from pagelm.errors import PagelmError
 
 FIELDS = ("anonymous", "pss_anon", "file_rss", "pss_file", "rss", "model_rss", "model_pss")
@@ -56,13 +56,14 @@ def _figures(server: ServerProcess) -> dict:
     return {**figures, "model_rss": model_rss / MIB, "model_pss": model_pss / MIB}
 
 
-def measure_pair(path: str, mode: str) -> tuple[dict, dict]:
+def measure_pair(path: str, mode: str, mmproj: str | None = None) -> tuple[dict, dict]:
     """(first process, second process) memory, both alive and each after one chat."""
     embedding, weights = ALL_MODES[mode]
     config = ServerConfig(embedding=embedding, weights=weights)
-    with ServerProcess(path, config) as first:
+    flags = mmproj_flags(mmproj)
+    with ServerProcess(path, config, flags) as first:
         _chat(first)
-        with ServerProcess(path, config) as second:
+        with ServerProcess(path, config, flags) as second:
             _chat(second)
             return _figures(first), _figures(second)
 
@@ -116,10 +117,10 @@ class SharedReport:
         return bar_chart(path, [panel], f"{self.model}: two pagelm serve processes, dense vs mapped")
 
 
-def run_shared(name: str, path: str, n_runs: int) -> SharedReport:
+def run_shared(name: str, path: str, n_runs: int, mmproj: str | None = None) -> SharedReport:
     report = SharedReport(display_name(name), embedding_table_mib(path), n_runs)
     for run in range(1, n_runs + 1):
         for mode in MODES:
             progress(f"shared {report.model}: run {run}/{n_runs}, {mode}, two processes")
-            report.runs[mode].append(measure_pair(path, mode))
+            report.runs[mode].append(measure_pair(path, mode, mmproj))
     return report
