@@ -433,7 +433,7 @@ def _serve(args: argparse.Namespace) -> int:
                              queue_size=args.queue_size,
                              max_body_mib=args.max_body_mib, max_tokens=args.max_tokens, mmproj=args.mmproj,
                              image_cache_mib=args.image_cache_mib,
-                             image_tokens=(args.image_min_tokens, args.image_max_tokens))
+                             image_tokens=(args.image_min_tokens, args.image_max_tokens), ui=not args.no_ui)
     try:
         loopback = ipaddress.ip_address(args.host).is_loopback
     except ValueError:
@@ -575,7 +575,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="serve a model over an OpenAI- and Ollama-compatible HTTP API",
         description="Serve one model on /v1/chat/completions, /v1/completions, /v1/models (OpenAI) and "
                     "/api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version, /api/cancel (Ollama), "
-                    "plus /health and /metrics. Requests run one at a time in arrival order; a prefix cache "
+                    "plus /health and /metrics, and a chat page on GET / for a browser (--no-ui turns it off). "
+                    "Requests run one at a time in arrival order; a prefix cache "
                     "of checkpoints (message boundaries, ends of answers) lets a growing chat, or another one "
                     "with the same system prompt, prefill only its new tokens.")
     serve.add_argument("model", nargs="?", metavar="MODEL",
@@ -598,6 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--image-cache-mib", type=int, default=256,
                        help="memory bound of the image-embedding cache in MiB, least recently used dropped first; "
                             "0 disables (default 256)")
+    serve.add_argument("--no-ui", action="store_true",
+                       help="do not serve the chat page on GET / (the API routes are the same either way)")
     serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level (default warning)")
     serve.add_argument("--replicas", type=int, metavar="N",

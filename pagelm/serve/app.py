@@ -81,6 +81,7 @@ class ServeSettings:
     mmproj: str | None = None  # the vision tower; None: one found beside the model, if any
     image_cache_mib: int = 256
     image_tokens: tuple[int, int] = (DEFAULT_MIN_TOKENS, DEFAULT_MAX_TOKENS)  # an image is resized within
+    ui: bool = True  # the chat page on GET /
 
 
 class Server:
@@ -354,6 +355,10 @@ def create_app(settings: ServeSettings, on_load=None, server: Server | None = No
 
     routes = [Route("/health", health), Route("/metrics", server.endpoint(metrics))]
     routes += openai_api.routes(server) + ollama_api.routes(server)
+    if settings.ui:
+        from pagelm.serve import ui
+
+        routes += ui.routes()
 
     def openai_shape(request: Request) -> bool:
         return request.url.path.startswith("/v1")

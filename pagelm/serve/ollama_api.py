@@ -198,7 +198,8 @@ def routes(server: Server) -> list[Route]:
         return JSONResponse({"models": [model_entry()]})
 
     async def ps(request: Request) -> Response:
-        entry = {**model_entry(), "size_vram": 0, "expires_at": "", "context_length": server.settings.ctx_len}
+        entry = {**model_entry(), "size_vram": 0, "expires_at": "", "context_length": server.settings.ctx_len,
+                 "file": str(server.chat.path)}
         return JSONResponse({"models": [entry], **(await server.current_stats())})
 
     async def show(request: Request) -> Response:
