@@ -18,6 +18,7 @@ from functools import cached_property
 import llguidance
 import numpy as np
 
+from pagelm.chat.schema_bounds import bounded_schema
 from pagelm.chat.tokenizer import Tokenizer, _byte_alphabet
 from pagelm.errors import PagelmError
 
@@ -107,7 +108,8 @@ class Grammar:
 
     @classmethod
     def json_schema(cls, tokenizer: Tokenizer, schema: dict | None) -> Grammar:
-        """Compact JSON valid under `schema`; None: any JSON object."""
+        """Compact JSON valid under `schema`, with its open-ended numbers and strings bounded
+        (chat.schema_bounds) so that an answer can close; None: any JSON object."""
         if schema is None:
             schema = {"type": "object"}
         if not isinstance(schema, dict):
@@ -117,7 +119,8 @@ class Grammar:
         except (TypeError, ValueError) as e:
             raise GrammarError(f"the JSON schema is not JSON: {e}") from None
         _check_size("JSON schema", text)
-        return cls(tokenizer, llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS))
+        return cls(tokenizer, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(bounded_schema(schema)),
+                                                                            overrides=JSON_OPTIONS))
 
     @classmethod
     def lark(cls, tokenizer: Tokenizer, text: str) -> Grammar:

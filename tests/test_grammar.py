@@ -1,6 +1,7 @@
 """Constrained decoding (pagelm.grammar over llguidance): compile errors, the masks, the reasoning
 left free, and answers that parse and validate on the real SmolLM2 and the random-weight Qwen3.5."""
 
+import itertools
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from pagelm.chat.conversation import Conversation
+from pagelm.chat.schema_bounds import MAX_MAGNITUDE, MAX_STRING_CHARS, NUMBER_STEP, bounded_schema
 from pagelm.chat.model import ChatModel
 from pagelm.chat.tokenizer import Tokenizer
 from pagelm.errors import PagelmError
@@ -194,6 +196,51 @@ def test_json_object_answers_parse_20_of_20(smollm2_chat):
                                     system):
         assert finish == "stop", content
         assert isinstance(json.loads(content), dict)
+
+
+# The schema a new user tried: no bound on the number, so greedy SmolLM2 wrote
+# "population_millions":12122222… until max_tokens cut the JSON.
+COUNTRY = {"type": "object", "properties": {"country": {"type": "string"}, "population_millions": {"type": "number"}},
+           "required": ["country", "population_millions"], "additionalProperties": False}
+
+
+def test_open_numbers_and_strings_are_bounded_and_answers_stay_valid_under_the_schema():
+    bounded = bounded_schema({**COUNTRY, "properties": {
+        **COUNTRY["properties"], "count": {"type": ["integer", "null"], "minimum": 0},
+        "code": {"type": "string", "enum": ["a" * 600]}, "type": {"type": "string", "maxLength": 3}}})
+    props = bounded["properties"]
+    assert props["population_millions"] == {"type": "number", "minimum": -MAX_MAGNITUDE, "maximum": MAX_MAGNITUDE,
+                                            "multipleOf": NUMBER_STEP}
+    assert props["count"] == {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_MAGNITUDE}  # its own bound kept
+    assert props["country"] == {"type": "string", "maxLength": MAX_STRING_CHARS}
+    assert props["code"] == {"type": "string", "enum": ["a" * 600]} and props["type"]["maxLength"] == 3
+    assert bounded["required"] == COUNTRY["required"]
+
+
+@pytest.mark.parametrize("text, accepted", [
+    ('{"country":"France","population_millions":68.4}', True),
+    ('{"country":"France","population_millions":-3.123456}', True),
+    ('{"country":"France","population_millions":1234567890123456}', False),  # over 10^15
+    ('{"country":"France","population_millions":1.1234567}', False),  # a 7th decimal
+    ('{"country":"' + "x" * (MAX_STRING_CHARS + 1) + '","population_millions":1}', False),
+])
+def test_a_schema_grammar_ends_open_numbers_and_strings(smollm2_chat, text, accepted):
+    tok = smollm2_chat.tokenizer
+    matcher = Grammar.json_schema(tok, COUNTRY).matcher()
+    ids = tok.encode(text)
+    valid = all(np.isfinite(matcher.mask(np.zeros(tok.vocab_size, np.float32))[i]) and matcher.accept(i) is None
+                for i in ids)
+    assert valid == accepted
+    if accepted:
+        jsonschema.validate(json.loads(text), COUNTRY)
+
+
+def test_an_open_schema_answer_closes_within_max_tokens(smollm2_chat):
+    grammar = Grammar.json_schema(smollm2_chat.tokenizer, COUNTRY)
+    question = "What is the population of France in millions? Answer in JSON."
+    for finish, content in itertools.islice(_answers(smollm2_chat, grammar, question, 0, 160), 1):
+        assert finish == "stop", content
+        jsonschema.validate(json.loads(content), COUNTRY)
 
 
 def _run(*args):

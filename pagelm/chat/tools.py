@@ -17,10 +17,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from pagelm.chat.schema_bounds import MAX_STRING_CHARS, bounded_schema
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # bounds that keep a forced call finite on any model, random weights included: a raw string
-# value ends by this many characters, and at most this many calls are forced in one answer
-MAX_STRING_CHARS = 512
+# value ends by MAX_STRING_CHARS characters, and at most this many calls are forced in one answer
 MAX_PARALLEL_CALLS = 4
 # JSON inside a call is written the way templates' `tojson` writes it (Python's json.dumps): single
 # spaces after , and :, no other whitespace (which a model could otherwise emit without end)
@@ -104,7 +105,7 @@ def _length_bounds(schema: dict) -> tuple[int, int]:
 
 def _embedded(schema: dict) -> str:
     """A schema for Lark's `%json`, with TEMPLATE_JSON's whitespace."""
-    return json.dumps({**schema, "x-guidance": TEMPLATE_JSON})
+    return json.dumps({**bounded_schema(schema), "x-guidance": TEMPLATE_JSON})
 
 
 def _is_raw_string(schema: Any) -> bool:

@@ -11,7 +11,7 @@ LONG = "Write a very long story about a dragon who lives in a castle."
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def _wait_idle(server, cancelled_at_least: int | None = None, deadline_s: float = 120) -> dict:
+def _wait_idle(server, cancelled_at_least: int | None = None, deadline_s: float = 600) -> dict:
     """/api/ps once nothing runs or waits (and, if given, the cancelled count reached a value)."""
     end = time.monotonic() + deadline_s
     while True:
@@ -70,7 +70,7 @@ def test_disconnect_of_a_non_streamed_request_cancels_it(smol):
             httpx.post(f"{smol.url}/api/generate", json=body, headers={"X-Request-Id": "gone-1"}, timeout=1.5)
         except httpx.TimeoutException:
             pass
-        assert _wait_idle(smol, cancelled_at_least=cancelled + 1, deadline_s=15)["cancelled"] == cancelled + 1
+        assert _wait_idle(smol, cancelled_at_least=cancelled + 1)["cancelled"] == cancelled + 1
     finally:
         httpx.post(f"{smol.url}/api/cancel", json={"id": "gone-1"}, timeout=30)  # 404 once it ended
         _wait_idle(smol)
@@ -125,7 +125,7 @@ def test_api_cancel_of_a_queued_request(smol):
     _wait_idle(smol)
     first = threading.Thread(target=run, args=("busy-1", 1000))
     first.start()
-    end = time.monotonic() + 60
+    end = time.monotonic() + 300
     while not smol.ps()["requests"]["running"]:
         assert time.monotonic() < end
         time.sleep(0.02)

@@ -257,11 +257,11 @@ def test_a_tower_found_beside_a_model_it_does_not_fit_is_skipped(tmp_path, twins
     from pagelm.vision import SHAPES as TOWERS
 
     (tmp_path / "model.gguf").symlink_to(os.path.dirname(twins.model.mmproj) + "/model.gguf")
-    write_mmproj(str(tmp_path / "mmproj-other-model.gguf"), TOWERS["qwen3.5-tiny-k"])
+    write_mmproj(str(tmp_path / "mmproj-wide.gguf"), TOWERS["qwen3.5-tiny-k"])
     with caplog.at_level(logging.WARNING, logger="pagelm"):
         model = pagelm.load(str(tmp_path / "model.gguf"))
     assert model.tower is None and model.mmproj is None
-    assert "text only" in caplog.text and "mmproj-other-model.gguf" in caplog.text and "not its tower" in caplog.text
+    assert "text only" in caplog.text and "mmproj-wide.gguf" in caplog.text and "not its tower" in caplog.text
     (tmp_path / "mmproj-another.gguf").write_bytes(b"")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="pagelm"):
