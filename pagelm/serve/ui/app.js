@@ -68,7 +68,11 @@ async function connect() {
       state.thinks = show.capabilities.includes("thinking");
       break;
     } catch (e) {
-      if (e.status === 401) { notice("This server needs an API key: enter it in Settings (⚙)."); return; }
+      if (e.status === 401) {
+        $("#model-name").textContent = "API key needed";
+        notice("This server needs an API key: enter it in Settings (⚙).");
+        return;
+      }
       $("#model-name").textContent = e.status === 503 ? "model loading…" : `unreachable (${e.message})`;
       await new Promise((resolve) => setTimeout(resolve, 1000));
     }
@@ -429,9 +433,11 @@ function requestBody(conversation, upTo) {
     if (s[key] !== undefined && s[key] !== "") body[key] = Number(s[key]);
   }
   if (state.thinks) body.chat_template_kwargs = { enable_thinking: $("#think").checked };
-  if (state.schemaNext && s.schema) {
+  if (state.schemaNext && s.schema) {  // for this one message: then the schema is cleared
     body.response_format = { type: "json_schema", json_schema: { name: "answer", schema: JSON.parse(s.schema) } };
     state.schemaNext = false;
+    s.schema = "";
+    localStorage.setItem("pagelm.settings", JSON.stringify(s));
     $("#schema-flag").hidden = true;
   }
   return body;
@@ -481,9 +487,10 @@ async function generate(conversation, userNode) {
     else answer.error = e.message;
   } finally {
     state.streaming = null;
-    setBusy(false);
     paint();
     await save(conversation);
+    setBusy(false);
+    document.body.dataset.answered = Number(document.body.dataset.answered || 0) + 1;  // for tests to wait on
     refreshStats();
   }
 }
