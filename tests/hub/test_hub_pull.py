@@ -1,0 +1,210 @@
+"""`pagelm pull/run/list/rm hf.co/…` against the loopback Hub: the model and its tower stored in
+the Hugging Face cache layout, used offline, resumed, verified, and every failure one line."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hub_server import CHUNK, HF_DIR, PRIVATE, QWEN, SPLIT, TINY, TOKEN, Fault
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _snapshot(env: dict, repo: str) -> Path:
+    repo_dir = Path(env["HF_HUB_CACHE"]) / ("models--" + repo.replace("/", "--"))
+    return repo_dir / "snapshots" / (repo_dir / "refs" / "main").read_text()
+
+
+def _one_line_error(result, *words: str) -> None:
+    assert result.returncode == 1, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("pulling ")]  # the bars
+    assert len(lines) == 1 and lines[0].startswith("pagelm: error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_pull_stores_model_and_tower_run_answers_with_an_image_list_shows_both(hub, hub_files, env, pagelm,
+                                                                             tmp_path):
+    from PIL import Image
+
+    pulled = pagelm("pull", f"hf.co/{QWEN}:Q8_0")
+    assert pulled.returncode == 0, pulled.stderr
+    snapshot = _snapshot(env, QWEN)
+    model, tower = snapshot / "qwen-tiny-Q8_0.gguf", snapshot / "mmproj-F16.gguf"  # F16: Q8_0 has no own precision
+    assert sorted(p.name for p in snapshot.iterdir()) == ["mmproj-F16.gguf", "qwen-tiny-Q8_0.gguf"]
+    assert model.is_symlink() and model.resolve().name == _sha256(hub_files["qwen-Q8_0"])
+    assert tower.resolve().name == _sha256(hub_files["mmproj-F16"])
+    assert f"{model} (" in pulled.stdout and f"tower: {tower}" in pulled.stdout
+    sizes = {p: os.path.getsize(hub_files[k]) for p, k in [("qwen-tiny-Q8_0.gguf", "qwen-Q8_0"),
+                                                           ("mmproj-F16.gguf", "mmproj-F16")]}
+    assert {path: n for (_, path), n in hub.sent.items()} == sizes  # each file once, nothing else
+
+    listed = pagelm("list")
+    assert listed.returncode == 0, listed.stderr
+    name_line = next(line for line in listed.stdout.splitlines() if line.startswith(f"hf.co/{QWEN}:Q8_0 "))
+    assert "Q8_0, revision main" in name_line and str(model) in name_line
+    assert f"+ tower mmproj-F16.gguf" in listed.stdout
+    entries = {e["name"]: e for e in json.loads(pagelm("list", "--json").stdout)}
+    entry = entries[f"hf.co/{QWEN}:Q8_0"]
+    assert entry["sha256"] == _sha256(hub_files["qwen-Q8_0"]) and entry["size"] == sizes["qwen-tiny-Q8_0.gguf"]
+    assert entry["revision"] == snapshot.name and entry["file"] == "qwen-tiny-Q8_0.gguf"
+    assert entry["tower"]["sha256"] == _sha256(hub_files["mmproj-F16"])
+
+    image = tmp_path / "red.png"
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(image)
+    hub.reset_counts()
+    ran = pagelm("run", f"hf.co/{QWEN}:Q8_0", "What is in the picture?", "--image", str(image), "--max-tokens", "3",
+                 "--json")
+    assert ran.returncode == 0, ran.stderr
+    answer = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert answer["completion_tokens"] >= 1 and answer["prompt_tokens"] > 64  # the image's tokens are in the prompt
+    assert hub.requests == []  # found in the cache: no Hub call at all
+
+    offline = pagelm("run", f"hf.co/{QWEN}:Q8_0", "Hi", "--image", str(image), "--max-tokens", "2",
+                     extra={"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert offline.returncode == 0, offline.stderr
+    assert offline.stdout.strip() and hub.requests == []
+
+
+def test_a_file_already_in_the_hf_cache_is_used_with_nothing_fetched(hub, env, pagelm):
+    from huggingface_hub import hf_hub_download
+
+    for name in ("qwen-tiny-Q4_0.gguf", "mmproj-F16.gguf"):  # as huggingface_hub itself downloads them
+        hf_hub_download(QWEN, name, cache_dir=env["HF_HUB_CACHE"], endpoint=hub.url)
+    hub.reset_counts()
+    pulled = pagelm("pull", f"hf.co/{QWEN}:q4_0")  # quants match case-insensitively
+    assert pulled.returncode == 0, pulled.stderr
+    assert hub.fetched(QWEN) == 0 and not [r for r in hub.requests if r[0] == "GET"]
+    assert f"{_snapshot(env, QWEN) / 'qwen-tiny-Q4_0.gguf'} (" in pulled.stdout
+
+
+def test_a_pull_cut_at_half_resumes_and_fetches_only_the_rest(hub, hub_files, env, pagelm):
+    size = os.path.getsize(hub_files["tiny-a2"])
+    hub.faults[(TINY, "tiny-Q8_0.gguf")] = Fault(drop_at=0.5)
+    pulled = pagelm("pull", f"hf.co/{TINY}:Q8_0")
+    assert pulled.returncode == 0, pulled.stderr
+    assert size <= hub.sent[(TINY, "tiny-Q8_0.gguf")] <= size + CHUNK
+    gets = [r for r in hub.requests if r[0] == "GET"]
+    assert len(gets) == 2 and gets[0][2] is None and int(gets[1][2].removeprefix("bytes=").rstrip("-")) >= size // 2
+    assert _sha256(_snapshot(env, TINY) / "tiny-Q8_0.gguf") == _sha256(hub_files["tiny-a2"])
+
+
+def test_ctrl_c_on_a_slow_pull_leaves_a_resumable_part_and_no_model(hub, hub_files, env, pagelm):
+    size = os.path.getsize(hub_files["tiny-a2"])
+    hub.faults[(TINY, "tiny-Q8_0.gguf")] = Fault(delay=0.1)
+    process = subprocess.Popen([sys.executable, "-m", "pagelm", "pull", f"hf.co/{TINY}:Q8_0"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while hub.sent.get((TINY, "tiny-Q8_0.gguf"), 0) < size // 2:
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    bars = [line for line in stderr.splitlines() if line.startswith("pulling tiny-Q8_0.gguf:")]
+    assert len({bar.split("|")[0] for bar in bars}) >= 3  # the bar kept moving while bytes came
+    repo = Path(env["HF_HUB_CACHE"]) / f"models--{TINY.replace('/', '--')}"
+    parts = list((repo / "blobs").glob("*.incomplete"))
+    assert len(parts) == 1 and parts[0].stat().st_size > 0
+    assert not (repo / "snapshots").exists() or not any((repo / "snapshots").rglob("*.gguf"))
+    kept = parts[0].stat().st_size
+
+    hub.faults.clear()
+    hub.reset_counts()
+    resumed = pagelm("pull", f"hf.co/{TINY}:Q8_0")
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r[2] for r in hub.requests if r[0] == "GET"] == [f"bytes={kept}-"]
+    assert hub.sent[(TINY, "tiny-Q8_0.gguf")] == size - kept
+    assert _sha256(_snapshot(env, TINY) / "tiny-Q8_0.gguf") == _sha256(hub_files["tiny-a2"])
+
+
+def test_a_corrupted_download_is_never_stored(hub, env, pagelm):
+    hub.faults[(TINY, "tiny-Q8_0.gguf")] = Fault(corrupt=True)
+    pulled = pagelm("pull", f"hf.co/{TINY}:Q8_0")
+    _one_line_error(pulled, "sha256", "tiny-Q8_0.gguf", "nothing was stored")
+    repo = Path(env["HF_HUB_CACHE"]) / f"models--{TINY.replace('/', '--')}"
+    assert not list((repo / "blobs").iterdir()) and not (repo / "snapshots").exists()
+    assert TINY not in pagelm("list").stdout
+
+
+def test_failures_are_one_line_with_exit_status_1(hub, env, pagelm):
+    _one_line_error(pagelm("pull", f"hf.co/{PRIVATE}:Q8_0"), PRIVATE, "private, gated or does not exist")
+    _one_line_error(pagelm("pull", "hf.co/org/no-such-repo"), "org/no-such-repo", "private, gated or does not exist")
+    _one_line_error(pagelm("pull", f"hf.co/{QWEN}:Q5_K_M"), "Q5_K_M", "Q4_0, Q8_0")
+    _one_line_error(pagelm("pull", f"hf.co/{QWEN}:Q8_0@v9"), "no revision 'v9'")
+    _one_line_error(pagelm("pull", "hf.co/not a name"), "not a Hub model name")
+    _one_line_error(pagelm("run", f"hf.co/{QWEN}:Q8_0", "Hi", extra={"HF_HUB_OFFLINE": "1"}),
+                    "not in the Hugging Face cache", "HF_HUB_OFFLINE")
+    _one_line_error(pagelm("pull", f"hf.co/{QWEN}", extra={"HF_ENDPOINT": "http://127.0.0.1:9"}), "cannot reach")
+    assert pagelm("pull", f"hf.co/{PRIVATE}:Q8_0", "--token", TOKEN).returncode == 0
+
+
+def test_private_repository_with_hf_token(hub, env, pagelm):
+    pulled = pagelm("pull", f"{PRIVATE}:Q8_0", extra={"HF_TOKEN": TOKEN})
+    assert pulled.returncode == 0, pulled.stderr
+    assert (_snapshot(env, PRIVATE) / "tiny-Q8_0.gguf").is_file()
+
+
+def test_split_gguf_is_fetched_whole(hub, hub_files, env, pagelm):
+    pulled = pagelm("pull", f"hf://{SPLIT}")
+    assert pulled.returncode == 0, pulled.stderr
+    snapshot = _snapshot(env, SPLIT)
+    parts = sorted(snapshot.iterdir())
+    assert [p.name for p in parts] == ["tiny-Q8_0-00001-of-00002.gguf", "tiny-Q8_0-00002-of-00002.gguf"]
+    assert b"".join(p.read_bytes() for p in parts) == Path(hub_files["tiny-a"]).read_bytes()
+    entry = next(e for e in json.loads(pagelm("list", "--json").stdout) if e["name"] == f"hf.co/{SPLIT}:Q8_0")
+    assert entry["size"] == os.path.getsize(hub_files["tiny-a"]) and len(entry["files"]) == 2
+
+
+def test_safetensors_repository_is_pulled_as_a_checkpoint_directory(hub, hub_files, env, pagelm):
+    pulled = pagelm("pull", f"hf.co/{HF_DIR}")
+    assert pulled.returncode == 0, pulled.stderr
+    snapshot = _snapshot(env, HF_DIR)
+    assert sorted(p.name for p in snapshot.iterdir()) == sorted(p.name for p in Path(hub_files["hf"]).iterdir())
+    assert (HF_DIR, "README.md") not in hub.sent and (HF_DIR, "original/consolidated.pth") not in hub.sent
+    assert f"hf.co/{HF_DIR} " in pagelm("list").stdout
+    _one_line_error(pagelm("pull", f"hf.co/{HF_DIR}:Q8_0"), "safetensors checkpoint")
+
+
+def test_revision_pins_and_rm_keeps_shared_blobs(hub, hub_files, env, pagelm):
+    old = hub.old_tiny
+    for name in (f"hf.co/{TINY}:Q8_0@{old}", f"hf.co/{TINY}:Q4_0@{old}", f"hf.co/{TINY}:Q4_0"):
+        assert pagelm("pull", name).returncode == 0
+    repo = Path(env["HF_HUB_CACHE"]) / f"models--{TINY.replace('/', '--')}"
+    assert _sha256(repo / "snapshots" / old / "tiny-Q8_0.gguf") == _sha256(hub_files["tiny-a"])  # the old bytes
+    entries = {e["name"]: e for e in json.loads(pagelm("list", "--json").stdout)}
+    pinned = entries[f"hf.co/{TINY}:Q8_0@{old[:12]}"]
+    assert pinned["revision"] == old and pinned["sha256"] == _sha256(hub_files["tiny-a"])
+    assert entries[f"hf.co/{TINY}:Q4_0"]["revision"] == hub.refs[TINY]["main"]
+
+    shared = repo / "blobs" / _sha256(hub_files["tiny-b"])
+    removed = pagelm("rm", f"hf.co/{TINY}:Q8_0@{old[:12]}")
+    assert removed.returncode == 0, removed.stderr
+    assert not (repo / "blobs" / _sha256(hub_files["tiny-a"])).exists() and shared.is_file()
+    assert pagelm("rm", f"hf.co/{TINY}:Q4_0@{old[:12]}").returncode == 0
+    assert not (repo / "snapshots" / old).exists() and shared.is_file()  # main's snapshot still links it
+    assert pagelm("rm", f"hf.co/{TINY}:Q4_0").returncode == 0
+    assert not repo.exists()
+    _one_line_error(pagelm("rm", f"hf.co/{TINY}:Q4_0"), "no such Hub model")
+
+
+def test_load_and_run_pull_a_name_not_in_the_cache(hub, env, pagelm, monkeypatch):
+    from huggingface_hub import constants
+
+    import pagelm as pagelm_module
+
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", env["HF_HUB_CACHE"])
+    model = pagelm_module.load(f"hf.co/{TINY}:Q4_0", threads=1)
+    assert model.file.path == str(_snapshot(env, TINY) / "tiny-Q4_0.gguf")
+    ran = pagelm("run", f"hf.co/{QWEN}:Q8_0", "Hi", "--max-tokens", "1")
+    assert ran.returncode == 0, ran.stderr
+    assert "pulling qwen-tiny-Q8_0.gguf" in ran.stderr and (_snapshot(env, QWEN) / "mmproj-F16.gguf").is_file()
