@@ -262,11 +262,25 @@ def test_conversations_survive_a_reload_and_branch_on_edit(tabs, smol):
     assert page.locator("#messages .msg.user .body").inner_text() == "Name a color"
     assert tab.last() == second_answer
 
+    before = tab.answered()
+    page.locator("#messages .msg.assistant .regenerate").click()
+    tab.wait_answered(before + 1)
+    assert page.locator("#messages .msg.assistant .branch").inner_text() == "2/2"
+
     with page.expect_download() as download:
         page.click("#export-chats")
     exported = json.loads(Path(download.value.path()).read_text())
     titles = sorted(c["title"] for c in exported["conversations"])
     assert titles == ["Colours", "Hello there"]
+    (colours,) = (c for c in exported["conversations"] if c["title"] == "Colours")
+    assert len(colours["nodes"]) == 5  # two user versions, three answers
+
+    page.locator("#chat-list li", has_text="Hello there").hover()
+    page.locator("#chat-list li", has_text="Hello there").locator(".delete").click()
+    assert page.locator("#chat-list li").count() == 2  # the first click only asks
+    page.locator("#chat-list li", has_text="Hello there").locator(".delete").click()
+    tab.open()
+    assert page.locator("#chat-list .title").all_inner_texts() == ["Colours"]
     assert tab.errors == []
 
 

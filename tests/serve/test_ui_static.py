@@ -109,3 +109,17 @@ def test_unknown_files_are_404_and_no_ui_serves_no_page():
     response = bare.get("/")
     assert response.status_code == 404 and "no route GET /" in response.json()["error"]
     assert bare.get("/ui/app.js").status_code == 404
+
+
+def test_the_cluster_ingress_serves_the_same_page():
+    pytest.importorskip("ray.serve", reason="the cluster extra is not installed (pip install -e '.[cluster]')")
+    from pagelm.serve.cluster.deployments import ClusterServer
+
+    def ingress(**settings) -> TestClient:
+        s = ServeSettings(model_path="/nonexistent.gguf", model_name="none", **settings)
+        return TestClient(create_app(s, server=ClusterServer(s, engine=None, replicas=1)))
+
+    page = ingress().get("/")
+    assert page.status_code == 200 and page.headers["content-security-policy"] == ui.CONTENT_SECURITY_POLICY
+    assert page.text == client().get("/").text
+    assert ingress(ui=False).get("/").status_code == 404

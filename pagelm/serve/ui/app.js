@@ -587,6 +587,8 @@ async function refreshStats() {
   figure("queue", `${requests.running ? 1 : 0} / ${requests.queued}`);
   figure("served", `${requests.served}`);
   figure("cancelled", `${requests.cancelled}`);
+  $("#replica-figures").hidden = !ps.replicas;
+  if (ps.replicas) figure("replicas", `${ps.replicas.length}`);
 }
 
 // ---- settings, theme, notices ----------------------------------------------------------------
