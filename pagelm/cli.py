@@ -605,7 +605,8 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="chat with a model: one answer for PROMPT, or an interactive session",
         description="Chat with a model. With PROMPT, stream the answer to stdout and exit (progress, "
                     "reasoning and stats go to stderr); without, start an interactive session "
-                    f"({_REPL_HELP}). MODEL is a known name, a .gguf file or a model directory; without one, "
+                    f"({_REPL_HELP}). MODEL is a known name, a Hugging Face Hub model (hf.co/USER/REPO[:QUANT][@REVISION], "
+                    "pulled on first use with its vision tower), a .gguf file or a model directory; without one, "
                     "smollm2-135m is pulled and used, and a lone argument that is not a model is the prompt.")
     run.add_argument("model", nargs="?", metavar="MODEL")
     run.add_argument("prompt", nargs="?", metavar="PROMPT")
@@ -646,7 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "of checkpoints (message boundaries, ends of answers) lets a growing chat, or another one "
                     "with the same system prompt, prefill only its new tokens.")
     serve.add_argument("model", nargs="?", metavar="MODEL",
-                       help="a pulled model name, a .gguf file or a model directory (default: smollm2-135m, pulled if needed)")
+                       help="a pulled model name, a Hub model (hf.co/USER/REPO[:QUANT][@REVISION], pulled if needed), a .gguf "
+                            "file or a model directory (default: smollm2-135m, pulled if needed)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--ctx-len", type=int, default=4096, help="context length in tokens (default 4096)")

@@ -52,9 +52,10 @@ class HubFile:
 @dataclass
 class Fault:
     """What goes wrong serving one file: the connection dropped after `drop_at` of it (once),
-    a byte flipped, or `delay` seconds before each chunk."""
+    `unavailable` GETs answered 503 first, a byte flipped, or `delay` seconds before each chunk."""
 
     drop_at: float | None = None
+    unavailable: int = 0
     corrupt: bool = False
     delay: float = 0.0
 
@@ -144,6 +145,10 @@ class HubServer:
         headers["Content-Length"] = str(f.size - start)
         if request.method == "HEAD":
             return Response(status_code=status, headers=headers)
+        fault = self.faults.get((repo, path))
+        if fault and fault.unavailable:
+            fault.unavailable -= 1
+            return _error(503, "ServiceUnavailable", "injected: try again later")
         return StreamingResponse(self._body(repo, path, f, start), status_code=status, headers=headers)
 
     async def _body(self, repo: str, path: str, f: HubFile, start: int):

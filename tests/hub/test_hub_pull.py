@@ -97,6 +97,14 @@ def test_a_pull_cut_at_half_resumes_and_fetches_only_the_rest(hub, hub_files, en
     assert _sha256(_snapshot(env, TINY) / "tiny-Q8_0.gguf") == _sha256(hub_files["tiny-a2"])
 
 
+def test_a_busy_hub_is_retried_with_backoff(hub, hub_files, env, pagelm):
+    hub.faults[(TINY, "tiny-Q4_0.gguf")] = Fault(unavailable=2)
+    pulled = pagelm("pull", f"hf.co/{TINY}:Q4_0")
+    assert pulled.returncode == 0, pulled.stderr
+    assert len([r for r in hub.requests if r[0] == "GET"]) == 3
+    assert hub.sent[(TINY, "tiny-Q4_0.gguf")] == os.path.getsize(hub_files["tiny-b"])
+
+
 def test_ctrl_c_on_a_slow_pull_leaves_a_resumable_part_and_no_model(hub, hub_files, env, pagelm):
     size = os.path.getsize(hub_files["tiny-a2"])
     hub.faults[(TINY, "tiny-Q8_0.gguf")] = Fault(delay=0.1)
