@@ -236,9 +236,10 @@ def test_a_schema_grammar_ends_open_numbers_and_strings(smollm2_chat, text, acce
 
 
 def test_an_open_schema_answer_closes_within_max_tokens(smollm2_chat):
+    # seeds 0-4 at 0.8: without the bounds, seed 3 wrote a 100-digit population until max_tokens
     grammar = Grammar.json_schema(smollm2_chat.tokenizer, COUNTRY)
-    question = "What is the population of France in millions? Answer in JSON."
-    for finish, content in itertools.islice(_answers(smollm2_chat, grammar, question, 0, 160), 1):
+    for finish, content in itertools.islice(_answers(smollm2_chat, grammar, "How many people live in Japan, in "
+                                                     "millions? JSON please.", 0.8, 160), 5):
         assert finish == "stop", content
         jsonschema.validate(json.loads(content), COUNTRY)
 
