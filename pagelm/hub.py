@@ -22,6 +22,7 @@ from pagelm.errors import PagelmError
 
 _PREFIXES = ("hf.co/", "huggingface.co/", "https://huggingface.co/", "hf://")
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+_REVISION = re.compile(r"[\w.-]+(/[\w.-]+)*")  # a branch, tag or commit (it names a file under refs/)
 NAME_FORMS = "hf.co/USER/REPO[:QUANT][@REVISION], hf://USER/REPO[:QUANT] or USER/REPO:QUANT"
 DEFAULT_QUANTS = ("Q4_K_M", "Q8_0")  # no QUANT: the first of these the repository has, else its only model
 _NOT_MODELS = ("mmproj", "imatrix", "mtp-")  # GGUFs in model repositories that are not the model
@@ -67,7 +68,8 @@ def parse_name(text: str) -> HubName | None:
     repo, colon, quant = rest.partition(":")
     if prefix is None and not (colon and _REPO_ID.fullmatch(repo)):
         return None
-    if not _REPO_ID.fullmatch(repo) or (colon and not quant) or (at and not revision) or ":" in quant:
+    bad_revision = at and (not _REVISION.fullmatch(revision) or ".." in revision)
+    if not _REPO_ID.fullmatch(repo) or (colon and not quant) or bad_revision or ":" in quant:
         raise HubError(f"{text}: not a Hub model name ({NAME_FORMS})")
     return HubName(repo, quant or None, revision or None)
 
@@ -481,11 +483,16 @@ def pull(text: str | HubName, token: str | None = None, mmproj: str | None = Non
 
 
 def locate(text: str | HubName, show_progress: bool = True) -> HubModel:
-    """A Hub model's files: from the cache when it holds them (no network access), else pulled."""
+    """A Hub model's files, to open: from the cache when it holds them (no network access), else
+    pulled. A split GGUF is an error (pagelm opens single files)."""
     name = text if isinstance(text, HubName) else parse_name(text)
     if name is None:
         raise HubError(f"{text}: not a Hub model name ({NAME_FORMS})")
-    return locate_cached(name) or pull(name, token=None, show_progress=show_progress)
+    located = locate_cached(name) or pull(name, token=None, show_progress=show_progress)
+    if located.path.is_file() and len(located.files) > 1:
+        raise HubError(f"{name}: a GGUF split in {len(located.files)} parts, and pagelm opens single files; merge "
+                       f"them with llama.cpp's `llama-gguf-split --merge {located.path} OUT.gguf`, then use OUT.gguf")
+    return located
 
 
 # -- what the cache holds: list and remove -----------------------------------------------------

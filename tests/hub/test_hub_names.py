@@ -23,7 +23,8 @@ def test_names(text, expected):
     assert parse_name(text) == expected
 
 
-@pytest.mark.parametrize("text", ["hf.co/a", "hf.co/a/b:", "hf.co/a/b@", "hf.co/a/b/c", "hf.co/a/b:Q8_0:x"])
+@pytest.mark.parametrize("text", ["hf.co/a", "hf.co/a/b:", "hf.co/a/b@", "hf.co/a/b/c", "hf.co/a/b:Q8_0:x", "hf.co/a/b@../../x",
+                                  "a/b:Q8_0@main branch"])
 def test_malformed_hub_names_are_errors(text):
     with pytest.raises(HubError, match="not a Hub model name"):
         parse_name(text)

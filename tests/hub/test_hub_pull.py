@@ -1,5 +1,6 @@
-"""`pagelm pull/run/list/rm hf.co/…` against the loopback Hub: the model and its tower stored in
-the Hugging Face cache layout, used offline, resumed, verified, and every failure one line."""
+"""`pagelm pull/run/serve/list/rm hf.co/…` against the loopback Hub: the model and its tower stored
+in the Hugging Face cache layout, used offline, resumed, verified, and every failure one line. One
+file, so that one session's loopback Hub and synthetic models serve every test."""
 
 import hashlib
 import json
@@ -11,6 +12,9 @@ import time
 from pathlib import Path
 
 from hub_server import CHUNK, HF_DIR, PRIVATE, QWEN, SPLIT, TINY, TOKEN, Fault
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))  # the serve tests' process helpers
+from serve_helpers import ServerProcess, openai_chat, png  # noqa: E402
 
 
 def _sha256(path: Path) -> str:
@@ -170,6 +174,7 @@ def test_split_gguf_is_fetched_whole(hub, hub_files, env, pagelm):
     assert b"".join(p.read_bytes() for p in parts) == Path(hub_files["tiny-a"]).read_bytes()
     entry = next(e for e in json.loads(pagelm("list", "--json").stdout) if e["name"] == f"hf.co/{SPLIT}:Q8_0")
     assert entry["size"] == os.path.getsize(hub_files["tiny-a"]) and len(entry["files"]) == 2
+    _one_line_error(pagelm("run", f"hf://{SPLIT}", "Hi"), "split in 2 parts", "llama-gguf-split --merge")
 
 
 def test_safetensors_repository_is_pulled_as_a_checkpoint_directory(hub, hub_files, env, pagelm):
@@ -216,3 +221,19 @@ def test_load_and_run_pull_a_name_not_in_the_cache(hub, env, pagelm, monkeypatch
     ran = pagelm("run", f"hf.co/{QWEN}:Q8_0", "Hi", "--max-tokens", "1")
     assert ran.returncode == 0, ran.stderr
     assert "pulling qwen-tiny-Q8_0.gguf" in ran.stderr and (_snapshot(env, QWEN) / "mmproj-F16.gguf").is_file()
+
+
+def test_serve_a_pulled_hub_model_offline_with_its_tower(hub, env, pagelm):
+    assert pagelm("pull", f"hf.co/{QWEN}:Q8_0").returncode == 0
+    hub.reset_counts()
+    server = ServerProcess(f"hf.co/{QWEN}:Q8_0", "--ctx-len", "2048", "--max-tokens", "4",
+                           env={**env, "HF_HUB_OFFLINE": "1"})
+    try:
+        server.wait_ready()
+        assert server.model == f"hf.co/{QWEN}:Q8_0"
+        reply = openai_chat(server, png(64, 64))
+        assert reply["status"] == 200, reply
+        assert reply["usage"]["prompt_tokens"] > 64  # the image's tokens: the tower beside the model was used
+    finally:
+        server.stop()
+    assert hub.requests == []
