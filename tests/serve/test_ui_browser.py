@@ -302,7 +302,8 @@ def test_html_from_the_model_or_the_user_renders_as_text(tabs, smol):
     assert XSS in page.locator("#messages .msg.user .body").inner_text()
     assert '<img src=x onerror="window.__pwned=1">' in tab.last()
     assert messages.locator(".msg.assistant .body strong").inner_text() == "Bold"
-    assert f"thinking {XSS}" in tab.last(".reasoning-text")
+    assert f"thinking {XSS}" in page.locator("#messages .reasoning-text").text_content()
+    assert page.locator("#messages details.reasoning").get_attribute("open") is None  # closed once it answered
     code = messages.locator(".msg.assistant pre code")
     assert "hljs" in code.get_attribute("class") and code.locator("span").count() > 0
     assert messages.locator(".msg.assistant pre .copy-code").count() == 1

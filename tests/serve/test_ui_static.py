@@ -1,4 +1,4 @@
-"""The chat page's files as the server sends them (no model, no browser): a strict CSP, no inline
+"""The chat page's files as the server sends them (no browser): a strict CSP, no inline
 code and no address outside the server, hashed URLs cached for good, gzip and ETags, the page
 weight bound, the vendored libraries at the versions the fetch script pins, and --no-ui."""
 
@@ -123,3 +123,11 @@ def test_the_cluster_ingress_serves_the_same_page():
     assert page.status_code == 200 and page.headers["content-security-policy"] == ui.CONTENT_SECURITY_POLICY
     assert page.text == client().get("/").text
     assert ingress(ui=False).get("/").status_code == 404
+
+
+def test_pagelm_serve_no_ui_serves_the_api_without_the_page(servers, smollm2_gguf):
+    server = servers.get("smol_no_ui", smollm2_gguf, "--no-ui", "--ctx-len", "512", "--max-tokens", "8")
+    with server.client() as c:
+        assert c.get("/").status_code == 404
+        assert c.get("/ui/app.js").status_code == 404
+        assert c.get("/v1/models").status_code == 200

@@ -233,7 +233,7 @@ function messageElement(conversation, node) {
   if (node.role === "assistant") {
     const reasoning = el("details", { class: "reasoning" }, el("summary", { text: "Reasoning" }),
       el("div", { class: "reasoning-text" }));
-    reasoning.open = true;
+    reasoning.open = !node.content;  // open while the model thinks, closed once it answers
     article.append(reasoning);
   }
   if (node.images && node.images.length) {
@@ -264,12 +264,17 @@ function updateMessage(article, node) {
   else renderMarkdown(body, node.content);
   const reasoning = article.querySelector(".reasoning");
   if (reasoning) {
+    if (node.content && !article.dataset.answering) {
+      article.dataset.answering = "1";
+      reasoning.open = false;
+    }
     reasoning.hidden = !node.reasoning;
     reasoning.querySelector(".reasoning-text").textContent = node.reasoning || "";
   }
   if (node.error) body.append(el("p", { class: "error", text: node.error }));
   if (node.stopped) body.append(el("p", { class: "stopped", text: "(stopped)" }));
-  article.querySelector(".stats").textContent = node.stats ? formatStats(node.stats) : "";
+  const cut = node.finish === "length" ? " · cut at the max-tokens limit" : "";
+  article.querySelector(".stats").textContent = node.stats ? formatStats(node.stats) + cut : "";
 }
 
 function nearBottom(box) {
@@ -505,6 +510,12 @@ function stop() {
   run.controller.abort();
 }
 
+function fitInput() {
+  const input = $("#input");
+  input.style.height = "auto";
+  input.style.height = `${Math.min(input.scrollHeight + 2, window.innerHeight * 0.4)}px`;
+}
+
 function setBusy(busy) {
   $("#send").hidden = busy;
   $("#stop").hidden = !busy;
@@ -523,6 +534,7 @@ async function send() {
   const userNode = addNode(conversation, { parent: conversation.leaf, role: "user", content: text,
     images: state.attachments.slice() });
   input.value = "";
+  fitInput();
   state.attachments = [];
   renderAttachments();
   await generate(conversation, userNode);
@@ -641,6 +653,7 @@ function applyTheme() {
 
 function wire() {
   $("#composer").addEventListener("submit", (e) => { e.preventDefault(); send(); });
+  $("#input").addEventListener("input", fitInput);
   $("#input").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); send(); }
   });
