@@ -209,7 +209,10 @@ function renderMarkdown(target, text) {
     copy.addEventListener("click", () => copyText(code.textContent, copy));
     code.parentElement.append(copy);
   }
-  for (const link of target.querySelectorAll("a")) link.setAttribute("rel", "noopener noreferrer");
+  for (const link of target.querySelectorAll("a")) {  // never navigate away from a conversation
+    link.target = "_blank";
+    link.rel = "noopener noreferrer";
+  }
 }
 
 function copyText(text, button) {
