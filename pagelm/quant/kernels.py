@@ -163,7 +163,13 @@ def _q6(lo, hi, top):
     )
 
 
-# --- head: out[v] = sum_k dequant(table[v])[k] * x[k] ------------------------------
+# --- head: out[i, v] = sum_k dequant(table[v])[k] * x[i, k] ---------------------------
+#
+# Each kernel multiplies a row of the table into up to MAX_HEAD_ROWS hidden states, each into its
+# own accumulator lanes in the one-row order, so out[i] is bit for bit the one-row logits of x[i];
+# the one-row kernel is the same code with n = 1, a constant LLVM folds.
+
+MAX_HEAD_ROWS = 16
 
 
 @njit(inline="always")
@@ -172,22 +178,21 @@ def _prefetch_ahead(table, at):
         _prefetch(table, at + _AHEAD)
 
 
-@njit(parallel=True, cache=True, fastmath={"contract"})
-def _head_q8_0(table, x, f16, out):
-    for v in prange(table.shape[0]):
-        _wide_vectors()
-        row = table[v]
-        acc = carray(_stack_f32(32), 32)
-        acc[:] = 0
-        for b in range(len(row) // 34):
-            o = b * 34
-            # One hint per 68 bytes, about one per cache line; a burst of hints per row stalls.
-            if b % 2 == 0:
-                _prefetch_ahead(table, v * len(row) + o)
-            d = _f16(f16, row, o)
+@njit(inline="always")
+def _head_q8_0_row(table, v, x, n, f16, out, acc):
+    row = table[v]
+    acc[: 32 * n] = 0
+    for b in range(len(row) // 34):
+        o = b * 34
+        # One hint per 68 bytes, about one per cache line; a burst of hints per row stalls.
+        if b % 2 == 0:
+            _prefetch_ahead(table, v * len(row) + o)
+        d = _f16(f16, row, o)
+        for i in range(n):
             for j in range(32):
-                acc[j] += d * (np.float32(np.int8(row[o + 2 + j])) * x[b * 32 + j])
-        out[v] = _vsum(acc, 32)
+                acc[32 * i + j] += d * (np.float32(np.int8(row[o + 2 + j])) * x[i, b * 32 + j])
+    for i in range(n):
+        out[i, v] = _vsum(acc[32 * i : 32 * i + 32], 32)
 
 
 @njit(inline="always")
@@ -208,33 +213,52 @@ def _mac64(acc, at, s, q, n, x, xo):
     _mac16(acc, at + 48, s[g + 3], q, n + 48, x, xo)
 
 
-@njit(parallel=True, cache=True, fastmath={"contract"})
-def _head_q6_k(table, x, f16, out):
+@njit(inline="always")
+def _head_q6_k_row(table, v, x, n, f16, out, acc, values, scales):
     """A block's 256 values are unpacked by 64-byte vector ops (blockir._q6k_values), its 16 scales
-    by one (the scales then read from memory: _opaque), into 8 accumulators of 16 lanes. Side by
-    side with the previous kernel (16-byte unpacking, scalar scales, 2 accumulators, _sum32's loop):
-    0.62-0.70 of the time from the caches, 0.68-0.73 from memory (248,320 x 1,024, 2 threads)."""
-    for v in prange(table.shape[0]):
-        _wide_vectors()
-        _keep_loops()
-        row = table[v]
-        acc = carray(_stack_f32(128), 128)
-        acc[:] = 0
-        values = _stack_bytes(256)
-        q = carray(values, 256)
-        scales = _stack_f32(16)
-        s = carray(_opaque(scales), 16)
-        for b in range(len(row) // 210):
-            o, xo = b * 210, 256 * b
-            for line in range(0, 256, 64):
-                _prefetch_ahead(table, v * len(row) + o + line)
-            _q6k_values(row, o, values)
-            _q6k_scales16(row, o + 192, _f16(f16, row, o + 208), scales)
-            _mac64(acc, 0, s, q, 0, x, xo)
-            _mac64(acc, 64, s, q, 64, x, xo)
-            _mac64(acc, 0, s, q, 128, x, xo)
-            _mac64(acc, 64, s, q, 192, x, xo)
-        out[v] = _vsum(acc, 128)
+    by one (the scales then read from memory: _opaque), into 8 accumulators of 16 lanes a hidden
+    state. Side by side with the previous kernel (16-byte unpacking, scalar scales, 2 accumulators,
+    _sum32's loop): 0.62-0.70 of the time from the caches, 0.68-0.73 from memory (248,320 x 1,024,
+    2 threads, one hidden state)."""
+    row = table[v]
+    acc[: 128 * n] = 0
+    q = carray(values, 256)
+    s = carray(_opaque(scales), 16)
+    for b in range(len(row) // 210):
+        o, xo = b * 210, 256 * b
+        for line in range(0, 256, 64):
+            _prefetch_ahead(table, v * len(row) + o + line)
+        _q6k_values(row, o, values)
+        _q6k_scales16(row, o + 192, _f16(f16, row, o + 208), scales)
+        for i in range(n):
+            xi = x[i]
+            _mac64(acc, 128 * i, s, q, 0, xi, xo)
+            _mac64(acc, 128 * i + 64, s, q, 64, xi, xo)
+            _mac64(acc, 128 * i, s, q, 128, xi, xo)
+            _mac64(acc, 128 * i + 64, s, q, 192, xi, xo)
+    for i in range(n):
+        out[i, v] = _vsum(acc[128 * i : 128 * i + 128], 128)
+
+
+def _head_kernel(kind: GGMLType, many: bool):
+    """The head GEMV of a Q8_0 or Q6_K table for one hidden state (many=False: n = 1) or up to
+    MAX_HEAD_ROWS; x (n, dim), out (n, vocab)."""
+    lanes = (32 if kind == _T.Q8_0 else 128) * (MAX_HEAD_ROWS if many else 1)
+    q6_k = kind == _T.Q6_K  # a bool in the closure, not the enum: numba's cache key pickles closure values
+
+    @njit(parallel=True, cache=True, fastmath={"contract"})
+    def head(table, x, f16, out):
+        n = x.shape[0] if many else 1
+        for v in prange(table.shape[0]):
+            _wide_vectors()
+            acc = carray(_stack_f32(lanes), lanes)
+            if q6_k:
+                _keep_loops()
+                _head_q6_k_row(table, v, x, n, f16, out, acc, _stack_bytes(256), _stack_f32(16))
+            else:
+                _head_q8_0_row(table, v, x, n, f16, out, acc)
+
+    return head
 
 
 # --- gather: out[i] = bf16(dequant(table[ids[i]])), bit-identical to decode_bf16 -----
@@ -292,7 +316,7 @@ def _gather_q6_k(table, ids, f16, out):
     return -1
 
 
-_HEAD = {_T.Q8_0: _head_q8_0, _T.Q6_K: _head_q6_k}
+_HEAD = {t: (_head_kernel(t, many=False), _head_kernel(t, many=True)) for t in (_T.Q8_0, _T.Q6_K)}
 _GATHER = {_T.Q8_0: _gather_q8_0, _T.Q6_K: _gather_q6_k}
 
 
@@ -346,27 +370,32 @@ def _check_out(out: np.ndarray | None, shape: tuple, dtype) -> np.ndarray:
 
 
 def head_logits(table: np.ndarray, ggml_type: int, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """logits[v] = dequant(table[v]) . x in float32 for a (vocab, row_nbytes) table and x (dim,).
+    """logits[v] = dequant(table[v]) . x in float32 for a (vocab, row_nbytes) table and x (dim,);
+    for x (n, dim), n <= MAX_HEAD_ROWS hidden states, logits (n, vocab) whose row i is bit for bit
+    the logits of x[i] alone, each table row read once for all of them.
 
     Q8_0 and Q6_K run a kernel over the bytes on numba's threads (numba.set_num_threads); other
     decodable types decode chunks of rows and multiply them with numpy.
     """
     t, dim = _check_table(table, ggml_type)
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.shape != (dim,):
-        raise ValueError(f"x must have shape ({dim},) for this table, got {x.shape}")
-    out = _check_out(out, (table.shape[0],), np.float32)
-    kernel = _HEAD.get(t)
-    if kernel is not None:
-        kernel(_readonly(table), _writeable(x), _F16_TO_F32, out)
+    if x.shape[-1:] != (dim,) or x.ndim > 2 or (x.ndim == 2 and not 1 <= len(x) <= MAX_HEAD_ROWS):
+        raise ValueError(f"x must have shape ({dim},) or (n, {dim}) with 1 <= n <= {MAX_HEAD_ROWS} for this table, "
+                         f"got {x.shape}")
+    out = _check_out(out, x.shape[:-1] + (table.shape[0],), np.float32)
+    xs, outs = (x, out) if x.ndim == 2 else (x[None], out[None])
+    kernels = _HEAD.get(t)
+    if kernels is not None:
+        kernels[len(xs) > 1](_readonly(table), _writeable(xs), _F16_TO_F32, outs)
         return out
     step = max(1, _CHUNK // max(dim, 1))
     scratch = np.empty((min(step, len(table)), dim), np.float32)
-    for i in range(0, len(table), step):
-        part = table[i : i + step]
+    for lo in range(0, len(table), step):
+        part = table[lo : lo + step]
         s = scratch[: len(part)]
         decode_f32(part, t, out=s)
-        np.matmul(s, x, out=out[i : i + step])
+        for i in range(len(xs)):
+            np.matmul(s, xs[i], out=outs[i, lo : lo + step])
     return out
 
 
@@ -401,5 +430,6 @@ def warmup() -> None:
         values, nbytes = BLOCK_LAYOUT[t]
         table = np.zeros((1, nbytes), np.uint8)
         head_logits(table, t, np.zeros(values, np.float32))
+        head_logits(table, t, np.zeros((2, values), np.float32))
         gather_rows_bf16(table, t, ids)
     _first_bad_id(ids, 1)  # as called by the numpy gather path

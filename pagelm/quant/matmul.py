@@ -26,7 +26,7 @@ from pagelm.quant.kernels import (
 )
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
 
-MAX_GEMV_ROWS = 8
+MAX_GEMV_ROWS = 16
 
 _T = GGMLType
 # Kernel kinds: compile-time constants inside the kernels (LLVM folds the chains of `kind ==`).
@@ -273,22 +273,12 @@ def _hint_block(data, at, b, bb):
 # --- kernels ------------------------------------------------------------------------
 
 
-# Outside the one-row GEMV of the quantized types (_mac_block), a group's 32 values are handled by
-# four loops of 8 lanes: the loop vectorizer (8 float32 lanes, AVX2) turns each into straight-line
-# code, so accumulators stay in registers. _keep_loops stops LLVM unrolling those loops into
-# scalar code first (numba runs no SLP vectorizer).
-
-
-@njit(inline="always")
-def _mac8(acc, at, kind, data, o, g, h, j0, s, m, f16, x, xo):
-    for j in range(8):
-        acc[at + j] += _lane(kind, False, data, o, g, h, j0, j, s, m, f16) * x[0, np.uint64(xo + j)]
-
-
-@njit(inline="always")
-def _fill8(w, at, kind, data, o, g, h, j0, s, m, f16):
-    for j in range(8):
-        w[np.uint64(at + j)] = _lane(kind, False, data, o, g, h, j0, j, s, m, f16)
+# A GEMV multiplies each block of W into up to MAX_GEMV_ROWS activation rows: the block is unpacked
+# once, into the values its products take (w, on the stack), then every row i runs the one-row
+# product over them into its own 64 accumulator lanes, acc[64 i : 64 i + 64], in the same order.
+# Unpacking computes exactly what the one-row expression computed first, so column i of the product
+# is bit for bit the one-row product of row i (the contract of batched decode). The one-row kernel
+# is this code with n = 1, a constant LLVM folds.
 
 
 @njit(inline="always")
@@ -298,8 +288,8 @@ def _put8(out, r, at, kind, data, o, g, h, j0, s, m, f16):
 
 
 @njit(inline="always")
-def _xv(x, k):
-    return x[0, np.uint64(k)]
+def _xv(x, i, k):
+    return x[i, np.uint64(k)]
 
 
 @njit(inline="always")
@@ -325,135 +315,140 @@ def _q6k_block(data, o, f16):
 
 
 @njit(inline="always")
-def _mac_block(kind, acc, data, o, x, xo, f16):
-    """acc[:64] += one whole block at byte o times x[0, xo:], for the quantized types.
+def _scales32(kind, data, o, f16, values):
+    """(d, m) of a 32-value block at byte o (0 where it has none); for Q5_0/Q5_1 also its 32 values
+    (0..31) into the 32 bytes at `values`, unpacked as one byte vector (blockir._q5_values)."""
+    zero = np.float32(0)
+    if _is_float(kind):
+        return zero, zero
+    if kind == _Q5_0 or kind == _Q5_1:
+        qh_at = o + 2 if kind == _Q5_0 else o + 4
+        _q5_values(data, qh_at + 4, _load(data, qh_at, np.uint32), values)
+    two = kind == _Q4_1 or kind == _Q5_1
+    return _half(f16, data, o), (_half(f16, data, o + 2) if two else zero)
 
-    One loop per type over the bytes that hold several values (both nibbles of a byte, a Q6_K
-    byte's four 2-bit tops), each value into its own lane: compiled without optsize, LLVM
-    vectorizes each into straight-line 8-lane code (for Q4_1: widen, convert, two FMAs per 8
-    weights); Q5's 32 values are first unpacked as one byte vector (blockir._q5_values). Side by
-    side with the previous kernels (8-lane _mac8 loops, one function for one and a few rows) at
-    3584x1024 and 1024x3584: Q8_0 level, Q4_1 and Q5_0 0.85-0.98 of their time, Q4_K ~0.8, Q6_K
-    ~0.6 (before the Q5 unpack, which took Q5 to ~0.6 of that again). A Q4_K/Q5_K block's 16
-    scales and mins come from one byte-vector decode (blockir._k4_scales) instead of ~12 scalar
-    ops a group: on an AVX-512 Xeon, side by side, Q4_K 0.77-0.85 and Q5_K 0.55-0.59 of the time,
-    same bits. Q6_K is the head's loop (kernels._mac64 over _q6k_block), which needs optsize
-    (mv_keeps_loops): 0.68-0.75 of the time of the byte-triple loop it replaced.
-    """
+
+@njit(inline="always")
+def _value32(kind, data, o, j, q, d, m, f16):
+    """Value j of a 32-value block (not Q4_0/Q4_1) as its product takes it: Q8_0's int8 alone (its
+    product is d · (q · x)), Q5's q · d (+ m), a float type's value as stored."""
     if kind == _Q8_0:
-        d = _half(f16, data, o)
-        for j in range(32):
-            acc[j] += d * (np.float32(_load(data, o + 2 + j, np.int8)) * _xv(x, xo + j))
-    elif kind == _Q4_0:
-        d = _half(f16, data, o)
+        return np.float32(_load(data, o + 2 + j, np.int8))
+    if kind == _Q5_0:
+        return np.float32(np.int8(q[j] - 16)) * d
+    if kind == _Q5_1:
+        return np.float32(q[j]) * d + m
+    return _val(kind, data, o, j, f16)
+
+
+@njit(inline="always")
+def _nibble_pair(kind, data, o, j, d, m):
+    """Values j and 16 + j of a Q4_0/Q4_1 block (the low and high nibbles of byte j) as q · d (+ m)."""
+    if kind == _Q4_0:
+        b = _u8(data, o + 2 + j)
+        return np.float32(np.int8((b & 15) - 8)) * d, np.float32(np.int8((b >> 4) - 8)) * d
+    b = _u8(data, o + 4 + j)
+    return np.float32(np.uint8(b & 15)) * d + m, np.float32(np.uint8(b >> 4)) * d + m
+
+
+@njit(inline="always")
+def _product(kind, d, v, xv):
+    return d * (v * xv) if kind == _Q8_0 else v * xv
+
+
+@njit(inline="always")
+def _mac32(kind, acc, w, data, o, x, xo, f16, n):
+    """acc[64 i : 64 i + 32] += the 32-value block at byte o times x[i, xo:] for the n rows of x.
+
+    One row takes each value as it is unpacked, in registers (unpacked into w first, the one-row
+    GEMVs of these types took 4-8x the time, side by side); several rows take them from w.
+    Q4_0/Q4_1 loop over bytes, both nibbles of each at once, so each loop vectorizes."""
+    values = _stack_bytes(32)
+    d, m = _scales32(kind, data, o, f16, values)
+    q = carray(values, 32)
+    nibbles = kind == _Q4_0 or kind == _Q4_1
+    if n == 1:
+        if nibbles:
+            for j in range(16):
+                lo, hi = _nibble_pair(kind, data, o, j, d, m)
+                acc[j] += lo * _xv(x, 0, xo + j)
+                acc[16 + j] += hi * _xv(x, 0, xo + 16 + j)
+        else:
+            for j in range(32):
+                acc[j] += _product(kind, d, _value32(kind, data, o, j, q, d, m, f16), _xv(x, 0, xo + j))
+        return
+    if nibbles:
         for j in range(16):
-            b = _u8(data, o + 2 + j)
-            acc[j] += np.float32(np.int8((b & 15) - 8)) * d * _xv(x, xo + j)
-            acc[16 + j] += np.float32(np.int8((b >> 4) - 8)) * d * _xv(x, xo + 16 + j)
-    elif kind == _Q4_1:
-        d, m = _half(f16, data, o), _half(f16, data, o + 2)
-        for j in range(16):
-            b = _u8(data, o + 4 + j)
-            acc[j] += (np.float32(np.uint8(b & 15)) * d + m) * _xv(x, xo + j)
-            acc[16 + j] += (np.float32(np.uint8(b >> 4)) * d + m) * _xv(x, xo + 16 + j)
-    elif kind == _Q5_0 or kind == _Q5_1:
-        q, d, m = _q5_block(kind, data, o, f16)
+            w[j], w[16 + j] = _nibble_pair(kind, data, o, j, d, m)
+    else:
         for j in range(32):
-            if kind == _Q5_0:
-                acc[j] += np.float32(np.int8(q[j] - 16)) * d * _xv(x, xo + j)
-            else:
-                acc[j] += (np.float32(q[j]) * d + m) * _xv(x, xo + j)
+            w[j] = _value32(kind, data, o, j, q, d, m, f16)
+    for i in range(n):
+        for j in range(32):
+            acc[64 * i + j] += _product(kind, d, w[j], _xv(x, i, xo + j))
+
+
+@njit(inline="always")
+def _mac_block(kind, acc, w, data, o, x, xo, f16, n):
+    """acc[64 i : 64 i + 64] += the block at byte o times x[i, xo:], for each of the n rows of x.
+
+    A Q4_K/Q5_K block is unpacked into w (both nibbles of each byte at once, its 16 scales and mins
+    from one byte-vector decode, blockir._k4_scales), then multiplied into each row: for one row as
+    fast as in registers (side by side). Q6_K is the head's loop (kernels._mac64 over _q6k_block)."""
+    if kind == _Q6_K:
+        q, s = _q6k_block(data, o, f16)
+        for i in range(n):
+            xi = x[i]
+            _mac64(acc, 64 * i, s, q, 0, xi, xo)
+            _mac64(acc, 64 * i, s, q, 64, xi, xo)
+            _mac64(acc, 64 * i, s, q, 128, xi, xo)
+            _mac64(acc, 64 * i, s, q, 192, xi, xo)
     elif kind == _Q4_K or kind == _Q5_K:
         sm = _k4_block_scales(data, o, f16)
         for p in range(4):  # groups 2p and 2p + 1: the low and high nibbles of the same 32 bytes
             s0, m0, s1, m1 = sm[2 * p], sm[8 + 2 * p], sm[2 * p + 1], sm[9 + 2 * p]
-            at = xo + 64 * p
             for j in range(32):
                 lo, hi = _kq_pair(kind, data, o, p, j)
-                acc[j] += (np.float32(lo) * s0 - m0) * _xv(x, at + j)
-                acc[32 + j] += (np.float32(hi) * s1 - m1) * _xv(x, at + 32 + j)
-    elif kind == _Q6_K:
-        q, s = _q6k_block(data, o, f16)
-        x0 = x[0]
-        _mac64(acc, 0, s, q, 0, x0, xo)
-        _mac64(acc, 0, s, q, 64, x0, xo)
-        _mac64(acc, 0, s, q, 128, x0, xo)
-        _mac64(acc, 0, s, q, 192, x0, xo)
+                w[64 * p + j] = np.float32(lo) * s0 - m0
+                w[64 * p + 32 + j] = np.float32(hi) * s1 - m1
+        for i in range(n):
+            for p in range(4):
+                for j in range(64):
+                    acc[64 * i + j] += w[64 * p + j] * _xv(x, i, xo + 64 * p + j)
+    else:
+        _mac32(kind, acc, w, data, o, x, xo, f16, n)
 
 
 @njit(inline="always")
-def _mv_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb):
-    acc = carray(_stack_f32(64), 64)
+def _gemv_rows(kind, vb, bb, data, offs, x, n, f16, out, lo, r0, r1, nblk, tail, rnb, acc, w):
+    """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W and the n rows of x."""
     ahead = _ahead_rows(kind, rnb)
     for r in range(r0, r1):
         row = offs[r]
         hint = _row_ahead(offs, r, ahead)
-        acc[:] = 0
+        acc[: 64 * n] = 0
         for b in range(nblk):
             o, xo = row + b * bb, b * vb
             _hint_block(data, hint, b, bb)
-            if _is_float(kind):
-                _mac8(acc, 0, kind, data, o, 0, 0, 0, np.float32(0), np.float32(0), f16, x, xo)
-                _mac8(acc, 8, kind, data, o, 0, 0, 8, np.float32(0), np.float32(0), f16, x, xo + 8)
-                _mac8(acc, 16, kind, data, o, 0, 1, 0, np.float32(0), np.float32(0), f16, x, xo + 16)
-                _mac8(acc, 24, kind, data, o, 0, 1, 8, np.float32(0), np.float32(0), f16, x, xo + 24)
-            else:
-                _mac_block(kind, acc, data, o, x, xo, f16)
-        total = _vsum(acc, 64)
-        for k in range(tail):
-            total += _val(kind, data, row + nblk * bb, k, f16) * x[0, nblk * vb + k]
-        out[0, lo + r] = total
-
-
-@njit(inline="always")
-def _fma8(acc, at, w, x, i, k):
-    for j in range(8):
-        acc[at + j] += w[np.uint64(k + j)] * x[i, np.uint64(k + j)]
-
-
-@njit(inline="always")
-def _mm_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb):
-    """As _mv_rows for n > 1 activation rows: each row is dequantized once, into w, for all of them."""
-    n, width = x.shape
-    acc = carray(_stack_f32(32), 32)
-    w = np.empty(width, np.float32)
-    ahead = _ahead_rows(kind, rnb)
-    for r in range(r0, r1):
-        row, hint = offs[r], _row_ahead(offs, r, ahead)
-        for b in range(nblk):
-            o = row + b * bb
-            _hint_block(data, hint, b, bb)
-            for g in range(vb // 32):
-                xo = b * vb + 32 * g
-                s0, m0, s1, m1 = _prep(kind, data, o, g, f16)
-                _fill8(w, xo, kind, data, o, g, 0, 0, s0, m0, f16)
-                _fill8(w, xo + 8, kind, data, o, g, 0, 8, s0, m0, f16)
-                _fill8(w, xo + 16, kind, data, o, g, 1, 0, s1, m1, f16)
-                _fill8(w, xo + 24, kind, data, o, g, 1, 8, s1, m1, f16)
-        for k in range(tail):
-            w[nblk * vb + k] = _val(kind, data, row + nblk * bb, k, f16)
+            _mac_block(kind, acc, w, data, o, x, xo, f16, n)
         for i in range(n):
-            acc[:] = 0
-            for k in range(0, nblk * vb, 32):
-                _fma8(acc, 0, w, x, i, k)
-                _fma8(acc, 8, w, x, i, k + 8)
-                _fma8(acc, 16, w, x, i, k + 16)
-                _fma8(acc, 24, w, x, i, k + 24)
-            total = _vsum(acc, 32)
-            for k in range(nblk * vb, width):
-                total += w[k] * x[i, k]
+            total = _vsum(acc[64 * i : 64 * i + 64], 64)
+            for k in range(tail):
+                total += _val(kind, data, row + nblk * bb, k, f16) * x[i, nblk * vb + k]
             out[i, lo + r] = total
 
 
 def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
-    """(mv, mm): out[:, lo + r] = x @ dequant(row r) for one activation row (mv) or a few (mm), for a
-    block type of vb values in bb bytes (32 in 32 x size for floats)."""
+    """(mv, mm): out[:, lo + r] = x @ dequant(row r) for one activation row (mv: _gemv_rows with
+    n = 1) or up to MAX_GEMV_ROWS (mm), for a block type of vb values in bb bytes (32 in 32 x size
+    for floats); mm's column i is mv's product of row i, bit for bit."""
     # Rows of float types end in a partial "block" of width % 32 values, each of bb // 32 bytes.
     value_bytes = bb // 32 if kind in (_F32, _F16, _BF16) else 0
     # A bool, not a function, in the closure: numba's cache key pickles closure values, and a
     # dispatcher pickles differently in every process (the cache would never hit); the constant
     # branch is pruned before lowering. Q6_K's 16-lane loops must stay loops until vectorized (_mac64).
     mv_keeps_loops = kind in (_F32, _F16, _BF16, _Q6_K)
+    lanes = 64 * MAX_GEMV_ROWS
 
     # Two functions, not two branches of one: a second parfor in the same function made the
     # one-row loop 5-13 % slower (measured side by side).
@@ -466,7 +461,8 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
             if mv_keeps_loops:
                 _keep_loops()
             r0, r1 = _chunk(c, nch, len(offs))
-            _mv_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb)
+            acc, w = carray(_stack_f32(64), 64), carray(_stack_f32(256), 256)
+            _gemv_rows(kind, vb, bb, data, offs, x, 1, f16, out, lo, r0, r1, nblk, tail, rnb, acc, w)
 
     @njit(parallel=True, cache=True, fastmath={"contract"})
     def mm(data, offs, x, f16, out, lo, width, nch):
@@ -476,7 +472,8 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
             _wide_vectors()
             _keep_loops()
             r0, r1 = _chunk(c, nch, len(offs))
-            _mm_rows(kind, vb, bb, data, offs, x, f16, out, lo, r0, r1, nblk, tail, rnb)
+            acc, w = carray(_stack_f32(lanes), lanes), carray(_stack_f32(256), 256)
+            _gemv_rows(kind, vb, bb, data, offs, x, x.shape[0], f16, out, lo, r0, r1, nblk, tail, rnb, acc, w)
 
     return mv, mm
 
