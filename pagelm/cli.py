@@ -506,12 +506,13 @@ def _serve(args: argparse.Namespace) -> int:
         loopback = args.host == "localhost"
     if not loopback and args.api_key is None:
         print(f"pagelm serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
-    if args.ray_address is not None and args.replicas is None:
-        raise PagelmError("--ray-address needs --replicas N")
+    for given, flag in ((args.ray_address, "--ray-address"), (args.replica_niceness, "--replica-niceness")):
+        if given is not None and args.replicas is None:
+            raise PagelmError(f"{flag} needs --replicas N")
     if args.replicas is not None:
         from pagelm.serve.cluster.run import serve_cluster
 
-        return serve_cluster(settings, args.replicas, args.ray_address, args.host, args.port)
+        return serve_cluster(settings, args.replicas, args.ray_address, args.host, args.port, args.replica_niceness)
     failure: list[Exception] = []
 
     def on_load(error: Exception | None) -> None:
@@ -677,7 +678,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "CPUs per replica: --threads, else an equal share of the cluster")
     serve.add_argument("--ray-address", metavar="ADDR",
                        help="with --replicas: join the Ray cluster at ADDR (e.g. HEAD:6379 after `ray start --head`; "
-                            "the model path must exist on every node); default: start a local Ray, dashboard off")
+                            "the model path must exist on every node); default: start a local Ray on this machine "
+                            "alone, every listener on 127.0.0.1, dashboard off")
+    serve.add_argument("--replica-niceness", type=int, metavar="N",
+                       help="with a local Ray: the niceness of its workers, replicas included (default: Ray's "
+                            "RAY_worker_niceness when set, else 0, as a single `pagelm serve`; 15 lets other work "
+                            "on the machine go first)")
     serve.set_defaults(run=_serve)
 
     pull = commands.add_parser(

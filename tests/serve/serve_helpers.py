@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import ipaddress
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ from pagelm.bench.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGELM = ROOT / ".venv" / "bin" / "pagelm"
-STARTUP_S = 180
+STARTUP_S = 600  # a server that exits early fails at once; a slow, loaded machine may need minutes
 REQUEST_S = 300
 API_KEY = "test-key-123"
 # One compute thread per server: on a small machine shared with other busy processes, torch's and
@@ -175,3 +176,60 @@ def openai_chat(server, *images: bytes, text: str = QUESTION, system: str | None
 
 def usage(reply: dict) -> tuple[int, int]:
     return reply["usage"]["prompt_tokens"], reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process descended from it, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def _tcp_listeners() -> dict[int, tuple[str, int]]:
+    """Socket inode -> (address, port) of every listening TCP socket, IPv4 and IPv6, from /proc/net."""
+    found = {}
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A":  # LISTEN
+                continue
+            hex_address, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_address)  # 32-bit words in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+            address = ipaddress.ip_address(raw)
+            if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+                address = address.ipv4_mapped
+            found[int(fields[9])] = (str(address), int(hex_port, 16))
+    return found
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[str, tuple[str, int]]]:
+    """(process name, (address, port)) of each TCP socket these processes listen on."""
+    listeners = _tcp_listeners()
+    found = []
+    for pid in pids:
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue  # it ended meanwhile
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and int(link[8:-1]) in listeners:
+                found.append((name, listeners[int(link[8:-1])]))
+    return found

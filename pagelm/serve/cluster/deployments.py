@@ -28,7 +28,9 @@ from pagelm.errors import PagelmError
 from pagelm.grammar import Grammar
 from pagelm.measure.memory import read_memory
 from pagelm.serve.app import Server, ServeSettings, create_app
+from pagelm.serve.cluster.loopback import keep_replica_on_loopback
 from pagelm.serve.cluster.wire import WireJob, prefix_hashes
+from pagelm.serve.metrics import merge as merge_histograms
 from pagelm.serve.requests import RequestError
 from pagelm.serve.worker import Delta, Failed, Job, QueueFull, Result
 
@@ -50,6 +52,7 @@ class PagelmEngine:
     """One engine replica: a Server (model, worker thread, prefix cache) without HTTP."""
 
     def __init__(self, settings: ServeSettings, stuck_s: float = STUCK_S):
+        keep_replica_on_loopback()
         self.threads = settings.threads or _cpu_share()
         self.server = Server(replace(settings, threads=self.threads))
         self.server.load()
@@ -227,6 +230,7 @@ class ClusterServer(Server):
 @serve.ingress()
 class PagelmIngress:
     def __init__(self, settings: ServeSettings, engine, replicas: int):
+        keep_replica_on_loopback()
         self.server = ClusterServer(settings, engine, replicas)
         self.settings = settings
 

@@ -9,14 +9,13 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import replace
 
 from pagelm.errors import PagelmError
 from pagelm.serve.app import ServeSettings
 from pagelm.serve.cluster import APP_NAME, require_ray
-
-LOOPBACK = "127.0.0.1"  # a local Ray of one node listens on this machine only
-
+from pagelm.serve.cluster.loopback import LOOPBACK_ENV, NICENESS_ENV, start_local_ray
 
 def replica_cpus(ray, replicas: int, threads: int | None) -> int:
     """CPUs per replica: --threads when given, else an equal share of the cluster, no more than
@@ -28,7 +27,11 @@ def replica_cpus(ray, replicas: int, threads: int | None) -> int:
     return max(1, min(int(total // replicas), int(max(nodes, default=1))))
 
 
-def serve_cluster(settings: ServeSettings, replicas: int, ray_address: str | None, host: str, port: int) -> int:
+def serve_cluster(settings: ServeSettings, replicas: int, ray_address: str | None, host: str, port: int,
+                  niceness: int | None = None) -> int:
+    local = ray_address is None
+    if local:
+        os.environ.update(LOOPBACK_ENV)  # before ray is imported
     serve = require_ray()
     import ray
 
@@ -39,9 +42,13 @@ def serve_cluster(settings: ServeSettings, replicas: int, ray_address: str | Non
     # replicas start in other working directories, maybe on other nodes: paths must be absolute
     settings = replace(settings, model_path=os.path.abspath(settings.model_path),
                        mmproj=settings.mmproj and os.path.abspath(settings.mmproj))
-    local = ray_address is None
+    if niceness is not None and not local:
+        raise PagelmError("--replica-niceness applies to a local Ray; a joined cluster's workers run at its "
+                          f"own {NICENESS_ENV}")
+    started = time.monotonic()
     if local:
-        ray.init(include_dashboard=False, logging_level=logging.WARNING, _node_ip_address=LOOPBACK)
+        address = start_local_ray(niceness=niceness)
+        _progress(f"local Ray at {address} (workers at nice {os.environ[NICENESS_ENV]})", started)
     else:
         ray.init(address=ray_address, logging_level=logging.WARNING)
     stop = threading.Event()
@@ -50,9 +57,11 @@ def serve_cluster(settings: ServeSettings, replicas: int, ray_address: str | Non
     try:
         cpus = replica_cpus(ray, replicas, settings.threads)
         serve.start(http_options={"host": host, "port": port})
+        _progress("Serve started", started)
         print(f"pagelm serve: deploying {replicas} replica(s) of {settings.model_path}, {cpus} CPU(s) each "
               f"({'local Ray' if local else 'Ray at ' + ray_address})", file=sys.stderr, flush=True)
         serve.run(build_app(settings, replicas, cpus), name=APP_NAME, route_prefix="/")
+        _progress("replicas healthy", started)
         print(f"pagelm serve: {settings.model_name} ready on http://{host}:{port} ({replicas} replicas)",
               file=sys.stderr, flush=True)
         stop.wait()
@@ -65,3 +74,7 @@ def serve_cluster(settings: ServeSettings, replicas: int, ray_address: str | Non
         finally:
             ray.shutdown()
     return 0
+
+
+def _progress(what: str, started: float) -> None:
+    print(f"pagelm serve: {what} ({time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)
