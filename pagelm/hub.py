@@ -10,6 +10,7 @@ renamed into place only once its hash matches the listing's.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -242,6 +243,44 @@ class HubModel:
                 "sha256": blob}
 
 
+def _tower_choices_path() -> Path:
+    from pagelm.store import home
+
+    return home() / "hub-towers.json"
+
+
+def _tower_choices() -> dict[str, str | None]:
+    """What `pull` chose as each model's tower (None: --no-mmproj), by the model's snapshot path."""
+    try:
+        choices = json.loads(_tower_choices_path().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return choices if isinstance(choices, dict) else {}
+
+
+def _remember_tower(model: Path, tower: str | None, forget: bool = False) -> None:
+    choices = _tower_choices()
+    if forget:
+        choices.pop(str(model), None)
+    else:
+        choices[str(model)] = tower
+    path = _tower_choices_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(choices, indent=1, sort_keys=True), encoding="utf-8")
+    os.replace(part, path)
+
+
+def _tower_of(snapshot: Path, model: str, files: list[str]) -> str | None:
+    """The tower a model in a snapshot goes with: the one `pull` chose for it if still there, else
+    choose_tower's pick among the snapshot's files."""
+    choices = _tower_choices()
+    chosen = choices.get(str(snapshot / model), "")
+    if chosen is None or chosen in files:
+        return chosen
+    return choose_tower(files, model)
+
+
 def _is_vision_model(path: Path) -> bool:
     """Whether pagelm reads images with this model (a GGUF whose architecture has a tower)."""
     from pagelm.engine import VISION_ARCHITECTURES
@@ -270,7 +309,7 @@ def locate_cached(name: HubName) -> HubModel | None:
         return None
     if chosen[0].lower().endswith(".gguf"):
         path = snapshot / chosen[0]
-        tower = choose_tower(files, chosen[0])
+        tower = _tower_of(snapshot, chosen[0], files)
         tower_path = snapshot / tower if tower and _is_vision_model(path) else None
     else:
         path, tower_path = snapshot, None  # a checkpoint directory's mmproj.gguf is found in it
@@ -475,6 +514,8 @@ def pull(text: str | HubName, token: str | None = None, mmproj: str | None = Non
         tower = None
     if tower is not None:
         _link(snapshot, tower, _fetch_blob(repo, name, commit, remote[tower], token, show_progress))
+    if model_path.is_file():
+        _remember_tower(model_path, tower)
     if name.revision != commit:
         ref = repo / "refs" / (name.revision or "main")
         ref.parent.mkdir(parents=True, exist_ok=True)
@@ -506,7 +547,7 @@ def _models_in(repo_id: str, snapshot: Path, refs: list[str]) -> list[HubModel]:
             parts = _split_parts(model, files)
         except HubError:
             continue  # a split model whose parts are not all here
-        tower = choose_tower(files, model)
+        tower = _tower_of(snapshot, model, files)
         found.append(HubModel(f"hf.co/{repo_id}:{quant_label(model)}{suffix}", snapshot / model,
                               snapshot / tower if tower else None, snapshot, tuple(parts), tuple(refs)))
     checkpoint = [f for f in files if _CHECKPOINT_FILE.fullmatch(f)]
@@ -543,11 +584,16 @@ def remove(text: str) -> list[Path]:
     removed = [snapshot / f for f in located.files]
     for path in removed:
         path.unlink()
-    if not _models_in(name.repo, snapshot, []):
+    _remember_tower(located.path, None, forget=True)
+    remaining = _models_in(name.repo, snapshot, [])
+    if not remaining:
         shutil.rmtree(snapshot)
         removed = [snapshot]
         for ref in _ref_names(repo).get(located.commit, []):
             (repo / "refs" / ref).unlink()
+    elif located.tower and all(m.tower != located.tower for m in remaining):  # no other model's tower
+        located.tower.unlink()
+        removed.append(located.tower)
     linked = {p.resolve() for p in (repo / "snapshots").rglob("*") if p.is_symlink()}
     for blob in (repo / "blobs").iterdir() if (repo / "blobs").is_dir() else []:
         if blob.suffix != ".incomplete" and blob.resolve() not in linked:

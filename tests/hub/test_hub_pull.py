@@ -237,3 +237,23 @@ def test_serve_a_pulled_hub_model_offline_with_its_tower(hub, env, pagelm):
     finally:
         server.stop()
     assert hub.requests == []
+
+
+def test_the_tower_pull_chose_is_used_and_rm_takes_a_tower_no_other_model_uses(hub, env, pagelm):
+    assert pagelm("pull", f"hf.co/{QWEN}:Q4_0", "--no-mmproj").returncode == 0
+    snapshot = _snapshot(env, QWEN)
+    assert not list(snapshot.glob("mmproj*"))
+    assert pagelm("pull", f"hf.co/{QWEN}:Q8_0").returncode == 0  # the default: F16
+    entries = {e["name"]: e for e in json.loads(pagelm("list", "--json").stdout)}
+    assert entries[f"hf.co/{QWEN}:Q4_0"]["tower"] is None  # --no-mmproj is remembered
+    assert entries[f"hf.co/{QWEN}:Q8_0"]["tower"]["file"] == "mmproj-F16.gguf"
+    _one_line_error(pagelm("pull", f"hf.co/{QWEN}:Q4_0", "--mmproj", "F32"), "no such vision tower",
+                    "mmproj-BF16.gguf, mmproj-F16.gguf")
+    assert pagelm("pull", f"hf.co/{QWEN}:Q4_0", "--mmproj", "bf16").returncode == 0
+    entries = {e["name"]: e for e in json.loads(pagelm("list", "--json").stdout)}
+    assert entries[f"hf.co/{QWEN}:Q4_0"]["tower"]["file"] == "mmproj-BF16.gguf"
+
+    removed = pagelm("rm", f"hf.co/{QWEN}:Q8_0")
+    assert removed.returncode == 0, removed.stderr
+    assert sorted(p.name for p in snapshot.iterdir()) == ["mmproj-BF16.gguf", "qwen-tiny-Q4_0.gguf"]
+    assert len(list((snapshot.parents[1] / "blobs").iterdir())) == 2
