@@ -162,3 +162,10 @@ def test_synth_format_hf_of_a_model_without_a_vocabulary(tmp_path):
     out = _pagelm("synth", "--shape", "qwen3.5-tiny", "--format", "hf", "--quiet", str(tmp_path / "ids")).stdout
     assert out.count("wrote ") == 1  # the staging GGUF's own line is not shown
     assert sorted(os.listdir(tmp_path / "ids")) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+def test_cluster_flags_need_replicas(tiny_model):
+    for flag in (["--ray-address", "127.0.0.1:6379"], ["--replica-niceness", "5"]):
+        result = _pagelm("serve", tiny_model, *flag, check=False)
+        assert result.returncode != 0 and f"{flag[0]} needs --replicas N" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
