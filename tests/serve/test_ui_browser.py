@@ -31,6 +31,13 @@ DESKTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 390, "height": 740}
 COLOR_SCHEMA = {"type": "object", "properties": {"color": {"type": "string", "maxLength": 8}}, "required": ["color"],
                 "additionalProperties": False}
+# records [time, length] each time the last answer's text changes length in the DOM
+WATCH_ANSWER = """() => { window.__steps = [];
+    new MutationObserver(() => {
+        const body = document.querySelector('#messages .msg.assistant:last-of-type .body');
+        const n = body ? body.textContent.length : 0;
+        if (n && n !== (window.__steps.at(-1) || [0, 0])[1]) window.__steps.push([performance.now(), n]);
+    }).observe(document.querySelector('#messages'), {subtree: true, childList: true, characterData: true}); }"""
 XSS = '<img src=x onerror="window.__pwned=1"> <script>window.__pwned=2</script>'
 
 
@@ -63,7 +70,8 @@ class Tab:
             self.wait_connected()
 
     def wait_connected(self) -> None:
-        self.page.wait_for_function("m => document.querySelector('#model-name').textContent === m", arg=self.server.model)
+        self.page.wait_for_function("m => document.querySelector('#model-name').textContent === m",
+                                    arg=self.server.model)
 
     def settings(self, **values) -> None:
         self.page.click("#open-settings")
@@ -91,8 +99,11 @@ class Tab:
         """The conversations as the page keeps them in IndexedDB."""
         return self.page.evaluate("""() => new Promise((ok, fail) => {
             const open = indexedDB.open("pagelm");
-            open.onsuccess = () => { const all = open.result.transaction("conversations").objectStore("conversations").getAll();
-                                     all.onsuccess = () => ok(all.result); all.onerror = fail; };
+            open.onsuccess = () => {
+                const all = open.result.transaction("conversations").objectStore("conversations").getAll();
+                all.onsuccess = () => ok(all.result);
+                all.onerror = fail;
+            };
             open.onerror = fail; })""")
 
 
@@ -138,13 +149,9 @@ def test_a_streamed_answer_equals_the_apis_and_shows_its_costs(tabs, smol):
     assert tab.page.locator("#think-switch").is_hidden()  # SmolLM2's template has no thinking switch
     sent = []
     page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
-    page.evaluate("""() => { window.__growth = [];
-        new MutationObserver(() => { const b = document.querySelector('#messages .msg.assistant:last-of-type .body');
-            const n = b ? b.textContent.length : 0;
-            if (n && n !== window.__growth.at(-1)) window.__growth.push(n); })
-          .observe(document.querySelector('#messages'), {subtree: true, childList: true, characterData: true}); }""")
+    page.evaluate(WATCH_ANSWER)
     tab.send("Write three sentences about the sea.")
-    growth = page.evaluate("window.__growth")
+    growth = [length for _, length in page.evaluate("window.__steps")]
     assert len(growth) >= 4 and growth == sorted(growth), growth  # it grew in steps while it streamed
 
     (body,) = sent
@@ -164,6 +171,7 @@ def test_a_streamed_answer_equals_the_apis_and_shows_its_costs(tabs, smol):
     page.wait_for_function("() => document.querySelector('[data-figure=served]').textContent !== '–'")
     ps = smol.ps()
     assert page.inner_text("[data-figure=file]") == ps["models"][0]["file"]
+    assert page.inner_text("[data-figure=size]") == f"{ps['models'][0]['size'] / 2**20:.1f} MiB"
     assert page.inner_text("[data-figure=cancelled]") == str(ps["requests"]["cancelled"])
     assert re.fullmatch(r"[\d.]+ (MiB|GiB)", page.inner_text("[data-figure=file_rss]"))
 
@@ -205,7 +213,8 @@ def test_an_attached_image_reaches_the_tower(tabs, qwen_vision):
             data.items.add(new File([new Uint8Array(bytes)], "x.png", {type: "image/png"}));
             const init = {bubbles: true, cancelable: true};
             document.querySelector(target).dispatchEvent(event === "paste"
-                ? new ClipboardEvent("paste", {...init, clipboardData: data}) : new DragEvent("drop", {...init, dataTransfer: data}));
+                ? new ClipboardEvent("paste", {...init, clipboardData: data})
+                : new DragEvent("drop", {...init, dataTransfer: data}));
         }""", [event, target, list(png(40, 40, seed=seed))])
     page.wait_for_function("() => document.querySelectorAll('#attachments img').length === 3")
     tab.send("What is in this picture?")
@@ -318,16 +327,13 @@ def test_the_page_keeps_up_with_a_500_token_answer(tabs, qwen_vision, capsys):
     tab = tabs(qwen_vision, viewport=PHONE)
     page = tab.page
     tab.settings(max_tokens=500, temperature=1, seed=7)
-    page.evaluate("""() => { window.__steps = [];
-        new MutationObserver(() => { const b = document.querySelector('#messages .msg.assistant:last-of-type .body');
-            const n = b ? b.textContent.length : 0;
-            if (n && (!window.__steps.length || n !== window.__steps.at(-1)[1])) window.__steps.push([performance.now(), n]); })
-          .observe(document.querySelector('#messages'), {subtree: true, childList: true, characterData: true}); }""")
+    page.evaluate(WATCH_ANSWER)
     before = tab.answered()
     page.fill("#input", "Say anything at all.")
     page.press("#input", "Enter")
     box = page.locator("#messages")
-    page.wait_for_function("() => { const m = document.querySelector('#messages'); return m.scrollHeight > m.clientHeight + 200; }")
+    page.wait_for_function("() => { const m = document.querySelector('#messages'); "
+                           "return m.scrollHeight > m.clientHeight + 200; }")
     box.evaluate("m => { m.scrollTop = 0; }")  # the reader scrolls back up
     typed = "typed while it streams, every key of it"
     page.locator("#input").press_sequentially(typed)
