@@ -483,7 +483,8 @@ def _serve(args: argparse.Namespace) -> int:
     for flag, value, low in [("--ctx-len", args.ctx_len, 16), ("--prefix-slots", args.prefix_slots, 0),
                              ("--prefix-cache-mib", args.prefix_cache_mib, 0),
                              ("--checkpoint-interval", args.checkpoint_interval, 0),
-                             ("--queue-size", args.queue_size, 1), ("--max-body-mib", args.max_body_mib, 1),
+                             ("--queue-size", args.queue_size, 1), ("--parallel", args.parallel, 1),
+                             ("--max-body-mib", args.max_body_mib, 1),
                              ("--image-cache-mib", args.image_cache_mib, 0),
                              ("--image-min-tokens", args.image_min_tokens, 1),
                              ("--max-tokens", args.max_tokens, 1), ("--port", args.port, 0)]:
@@ -496,7 +497,7 @@ def _serve(args: argparse.Namespace) -> int:
                              prefix_slots=args.prefix_slots, prefix_cache_mib=args.prefix_cache_mib,
                              checkpoint_interval=args.checkpoint_interval, embedding=args.embedding,
                              weights=args.weights, dtype=args.dtype, threads=args.threads, api_key=args.api_key,
-                             queue_size=args.queue_size,
+                             queue_size=args.queue_size, parallel=args.parallel,
                              max_body_mib=args.max_body_mib, max_tokens=args.max_tokens, mmproj=args.mmproj or tower,
                              image_cache_mib=args.image_cache_mib,
                              image_tokens=(args.image_min_tokens, args.image_max_tokens), ui=not args.no_ui)
@@ -644,7 +645,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve one model on /v1/chat/completions, /v1/completions, /v1/models (OpenAI) and "
                     "/api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version, /api/cancel (Ollama), "
                     "plus /health and /metrics, and a chat page on GET / for a browser (--no-ui turns it off). "
-                    "Requests run one at a time in arrival order; a prefix cache "
+                    "Up to --parallel requests run at once (one batched decode step advances them all, a long "
+                    "prompt is prefilled in chunks between steps), more wait in arrival order; each answer is "
+                    "the one the request gets alone. A prefix cache, shared by all slots, "
                     "of checkpoints (message boundaries, ends of answers) lets a growing chat, or another one "
                     "with the same system prompt, prefill only its new tokens.")
     serve.add_argument("model", nargs="?", metavar="MODEL",
@@ -661,7 +664,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default 512)")
     _add_compute_options(serve)
     serve.add_argument("--api-key", help="require Authorization: Bearer KEY on every route but /health")
-    serve.add_argument("--queue-size", type=int, default=64, help="requests waiting before 503 (default 64)")
+    serve.add_argument("--parallel", type=int, default=4, metavar="N",
+                       help="requests answered at once, each in a slot with its own state (allocated while in use); "
+                            "1 = one at a time (default 4)")
+    serve.add_argument("--queue-size", type=int, default=64,
+                       help="requests waiting for a slot before 503 with Retry-After (default 64)")
     serve.add_argument("--max-body-mib", type=int, default=32, help="largest request body in MiB (default 32)")
     serve.add_argument("--max-tokens", type=int, default=2048,
                        help="tokens generated when a request sets no limit (default 2048)")

@@ -31,6 +31,7 @@ from pagelm.errors import ImageError, PagelmError
 from pagelm.grammar import Grammar, GrammarError
 from pagelm.measure.memory import read_memory
 from pagelm.sampling import SamplingParams
+from pagelm.serve.metrics import prometheus as histogram_lines
 from pagelm.serve.prefix_cache import PrefixCache
 from pagelm.serve.requests import RequestError, request_id
 from pagelm.serve.worker import Delta, Failed, Job, QueueFull, Result, Worker
@@ -76,6 +77,7 @@ class ServeSettings:
     threads: int | None = None
     api_key: str | None = None
     queue_size: int = 64
+    parallel: int = 4  # requests the engine runs at once (slots); more wait in the queue
     max_body_mib: int = 32
     max_tokens: int = 2048  # when a request does not say
     mmproj: str | None = None  # the vision tower; None: one found beside the model, if any
@@ -106,7 +108,7 @@ class Server:
                                   dtype=s.dtype, threads=s.threads, mmproj=s.mmproj,
                                   image_cache_mib=s.image_cache_mib, image_tokens=s.image_tokens)
             self.worker = Worker(chat.model, chat.tokenizer, s.ctx_len, self.cache, s.checkpoint_interval,
-                                 s.queue_size)
+                                 s.queue_size, s.parallel)
             self.chat = chat
         except Exception as e:  # noqa: BLE001 - reported by the CLI, which then exits
             self.load_error = e
@@ -273,11 +275,13 @@ class Server:
             "requests": {"served": w.served if w else 0, "cancelled": w.cancelled if w else 0,
                          "failed": w.failed if w else 0, "queued": w.queued if w else 0,
                          "running": bool(w and w.running)},
+            "slots": w.slot_stats() if w else {},
+            "histograms": w.histograms.snapshot() if w else {},
             "memory": {"anonymous_bytes": memory.anonymous, "rss_bytes": memory.rss,
                        "file_rss_bytes": memory.file_rss, "peak_rss_bytes": memory.peak_rss,
                        "weights_anonymous_bytes": self.chat.model.weights_nbytes if self.chat else 0,
                        "tokenizer_anonymous_bytes": self.chat.tokenizer_anonymous_bytes if self.chat else 0,
-                       "state_bytes": w.session.state.nbytes if w else 0},
+                       "state_bytes": w.slot_stats()["state_bytes"] if w else 0},
         }
 
 
@@ -320,10 +324,11 @@ def _metrics(s: dict) -> str:
     lines = []
     for prefix, label, figures in [("pagelm", "", s)] + [
             ("pagelm_replica", f'{{replica="{r["replica"]}"}}', r) for r in s.get("replicas", ())]:
-        for group in ("prefix_cache", "image_cache", "requests", "memory"):
-            for key, value in figures[group].items():
+        for group in ("prefix_cache", "image_cache", "requests", "memory", "slots"):
+            for key, value in figures.get(group, {}).items():
                 if isinstance(value, (bool, int, float)):
                     lines.append(f"{prefix}_{group}_{key}{label} {int(value) if isinstance(value, bool) else value}")
+        lines += histogram_lines(prefix, figures.get("histograms", {}), label.strip("{}"))
     return "\n".join(lines) + "\n"
 
 

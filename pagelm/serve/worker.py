@@ -1,34 +1,44 @@
-"""The server's one engine thread: requests queued in order, never interleaved in the session,
-each prefilled from the longest cached prefix and streamed back as text deltas.
+"""The server's one engine thread: up to `parallel` requests at once, each in a slot (a session of
+its own), admitted in arrival order from a bounded queue; each step decodes one token of every
+decoding slot in one batched decode and prefills one segment of a waiting prompt.
 
-Owns the queue, cancel-by-id, the prefill split points (message boundaries and every
+Owns the slots and the queue, cancel-by-id, the prefill cut points (message boundaries and every
 `checkpoint_interval` tokens but inside an image, the same with the cache on or off so both
 compute the same segments; with the cache on, the whole prompt is checkpointed too, for the same
 request again), stop strings and the reasoning split. HTTP shapes belong to the protocol modules.
+
+Answers do not depend on the load: a prompt is also cut every `prefill_chunk` tokens counted from
+its start (so that a long prefill only takes a bounded share of each step), the same places
+whatever else runs, and a decode step gives each sequence bit for bit the logits it would get
+alone (`pagelm.batch.decode_batch`). With one slot, prompts are not chunked: today's arithmetic.
 
 After a chat answer has gone out, the cache keeps the answer as the next request will render it
 (`Prompt.answered`), not as it was generated: Qwen3.5's template writes a past answer without the
 think block its generation prompt had, and a state computed token by token in decode is not the
 one a prefill computes. From the longest checkpoint of that rendering, the rest (the answer,
-header and end: at most 64 tokens more than were generated, or nothing is done) is prefilled split
-at the same points a later request's prefill uses, and checkpointed. This is skipped when another
-request is already waiting as the reply goes out (decided before it goes out, so a client that
-waits for each reply always finds it done); once begun it runs to its end.
+header and end: at most 64 tokens more than were generated, or nothing is done) is prefilled cut
+at the same points a later request's prefill uses, and checkpointed at its split points and end. That is done at once when
+the engine is otherwise idle as the reply goes out (decided before it goes out, so a client that
+waits for each reply always finds it done), else later when nothing runs or waits (the most
+recent `parallel` answers are kept for it); it never delays a running stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
-import queue
 import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import Callable
 
+import numpy as np
+
 from pagelm import heap
+from pagelm.batch import MAX_BATCH, Chooser, decode_batch
 from pagelm.chat.model import Prompt
 from pagelm.chat.reasoning import ReasoningSplitter
 from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
@@ -36,9 +46,11 @@ from pagelm.engine import Model, Session
 from pagelm.errors import PagelmError
 from pagelm.grammar import Grammar
 from pagelm.sampling import SamplingParams
-from pagelm.serve.prefix_cache import PrefixCache
+from pagelm.serve.metrics import EngineHistograms
+from pagelm.serve.prefix_cache import Checkpoint, PrefixCache
 
 log = logging.getLogger("pagelm.serve")
+PREFILL_CHUNK = 64  # prompt tokens per prefill segment when several slots share the engine
 
 
 @dataclass
@@ -97,19 +109,6 @@ class StopMatcher:
         return held
 
 
-class _Answer:
-    """Passes a job's events on to `emit` and keeps the text of the answer they carry."""
-
-    def __init__(self, emit: Callable):
-        self._emit, self.reasoning, self.content = emit, [], []
-
-    def emit(self, event) -> None:
-        if isinstance(event, Delta):
-            self.reasoning.append(event.reasoning)
-            self.content.append(event.content)
-        self._emit(event)
-
-
 class Job:
     """One request's trip through the worker; events arrive on `events` in the caller's loop."""
 
@@ -129,42 +128,119 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
+@dataclass
+class _KeptAnswer:
+    prompt: Prompt
+    reasoning: str
+    content: str
+    generated: int
+
+
+class _Running:
+    """A job in a slot: where its prompt's prefill stands (`cuts` left, of which `stores` are
+    checkpointed), then its token choice and the text pipeline of its answer."""
+
+    def __init__(self, job: Job, session: Session, result: Result, base: Checkpoint | None,
+                 cuts: list[int], stores: set[int]):
+        self.job, self.session, self.result, self.base = job, session, result, base
+        self.cuts, self.stores = cuts, stores
+        self.started = time.perf_counter()
+        self.last_token_at = 0.0
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.chooser: Chooser | None = None  # set once the prompt is prefilled
+        self.logits: np.ndarray | None = None
+        self.stops: tuple[int, ...] = ()
+        self.max_tokens = 0
+        self.decoder: StreamDecoder | None = None
+        self.matcher = StopMatcher(job.stop)
+        p = job.prompt
+        self.splitter = ReasoningSplitter(p.think_open) if p.split_reasoning else None
+
+    @property
+    def decoding(self) -> bool:
+        return self.chooser is not None
+
+    def send(self, text: str) -> None:
+        reasoning, content = self.splitter.push(text) if self.splitter else ("", text)
+        self._emit(reasoning, content)
+
+    def _emit(self, reasoning: str, content: str) -> None:
+        if reasoning or content:
+            self.reasoning.append(reasoning)
+            self.content.append(content)
+            self.job.emit(Delta(reasoning, content))
+
+
 class Worker:
-    """Runs jobs one at a time on one session of `model` (context `ctx_len`)."""
+    """Runs up to `parallel` jobs at once on `model` (context `ctx_len` each); more wait in a FIFO
+    queue of `queue_size`."""
 
     def __init__(self, model: Model, tokenizer: Tokenizer, ctx_len: int, cache: PrefixCache,
-                 checkpoint_interval: int = 512, queue_size: int = 64):
+                 checkpoint_interval: int = 512, queue_size: int = 64, parallel: int = 1,
+                 prefill_chunk: int = PREFILL_CHUNK):
+        if parallel < 1:
+            raise PagelmError(f"parallel must be >= 1, got {parallel}")
         self.model, self.tokenizer, self.ctx_len = model, tokenizer, ctx_len
         self.cache, self.checkpoint_interval = cache, checkpoint_interval
-        self.session: Session = model.session(ctx_len)
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
-        self._jobs: dict[str, Job] = {}  # queued or running, for cancel by id
+        self.queue_size, self.parallel = queue_size, parallel
+        self.prefill_chunk = prefill_chunk if parallel > 1 else 0
+        # slot 0's session is kept from start to end (one request at a time needs no other);
+        # the others are made when a slot is taken and dropped when it is left with nothing waiting
+        self._sessions: list[Session | None] = [model.session(ctx_len)] + [None] * (parallel - 1)
+        self._slots: list[_Running | None] = [None] * parallel
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._kept: collections.deque[_KeptAnswer] = collections.deque(maxlen=parallel)
+        self._jobs: dict[str, Job] = {}  # waiting or running, for cancel by id
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._busy = 0  # slots taken (changed under the lock, read by submit)
+        self._closed = False
         self.served = self.cancelled = self.failed = 0
-        self.running: Job | None = None
+        self.histograms = EngineHistograms()
         self._thread = threading.Thread(target=self._loop, name="pagelm-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def session(self) -> Session:
+        """Slot 0's session (the one a single request runs on)."""
+        return self._sessions[0]
 
     def submit(self, job: Job) -> None:
         with self._lock:
             if job.id in self._jobs:
                 raise PagelmError(f"request id {job.id!r} is already in use")
-            try:
-                self._queue.put_nowait(job)
-            except queue.Full:
-                raise QueueFull(f"the request queue is full ({self._queue.maxsize} waiting)") from None
+            if len(self._waiting) >= self.queue_size + self.parallel - self._busy:
+                raise QueueFull(f"the request queue is full ({self.queue_size} waiting)")
+            self._waiting.append(job)
             self._jobs[job.id] = job
+            self._wake.notify()
 
     def cancel(self, request_id: str) -> bool:
         with self._lock:
             job = self._jobs.get(request_id)
-        if job is not None:
-            job.cancel.set()
+            if job is not None:
+                job.cancel.set()
+                self._wake.notify()
         return job is not None
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize()
+        """Requests waiting for a slot."""
+        return max(0, len(self._waiting) - (self.parallel - self._busy))
+
+    @property
+    def running(self) -> Job | None:
+        """The longest-running job, or None when every slot is idle."""
+        jobs = [s.job for s in self._slots if s is not None]
+        return min(jobs, key=lambda j: j.submitted) if jobs else None
+
+    def slot_stats(self) -> dict:
+        slots = list(self._slots)
+        busy = sum(s is not None for s in slots)
+        return {"total": self.parallel, "busy": busy, "idle": self.parallel - busy,
+                "state_bytes": sum(s.nbytes for s in self._sessions if s is not None),
+                "per_slot_state_bytes": [0 if s is None else s.nbytes for s in self._sessions]}
 
     @property
     def alive(self) -> bool:
@@ -172,137 +248,259 @@ class Worker:
         return self._thread.is_alive()
 
     def close(self) -> None:
-        for job in list(self._jobs.values()):
-            job.cancel.set()
-        self._queue.put(None)
+        with self._lock:
+            for job in list(self._jobs.values()):
+                job.cancel.set()
+            self._closed = True
+            self._wake.notify()
         self._thread.join(timeout=10)
 
+    # -- the engine thread ---------------------------------------------------------------------
+
     def _loop(self) -> None:
-        while (job := self._queue.get()) is not None:
-            self.running = job
+        while True:
+            with self._lock:
+                while not (self._closed or self._waiting or self._busy or self._kept):
+                    self._wake.wait()
+                if self._closed and not (self._waiting or self._busy):
+                    return
             try:
-                answer = _Answer(job.emit)
-                result = self._run(job, answer.emit)
-                self.cancelled += result.finish_reason == "cancelled"
-                self.served += 1
-                idle = self._queue.empty()
-                job.emit(result)
-                if idle and result.finish_reason != "cancelled":
-                    self._keep_answer(job.prompt, answer, result.completion_tokens)
+                self._step()
+            except Exception:  # noqa: BLE001 - the engine must outlive any one step
+                log.exception("engine step failed")
+
+    def _step(self) -> None:
+        self._admit()
+        self._decode()
+        self._prefill_one_segment()
+        if not self._busy and not self._waiting:
+            if self._kept:
+                self._keep_answer(self._kept.pop())
+            else:
+                heap.trim()  # idle: give back what the requests' temporaries left in every malloc arena
+
+    def _admit(self) -> None:
+        """Waiting jobs that were cancelled end at once; the first ones take the free slots."""
+        with self._lock:
+            for job in [j for j in self._waiting if j.cancel.is_set()]:
+                self._waiting.remove(job)
+                self._end(job, Result(prompt_tokens=len(job.prompt.tokens), finish_reason="cancelled",
+                                      queued_s=time.perf_counter() - job.submitted))
+            taken = []
+            while self._waiting and self._busy < self.parallel:
+                index = self._slots.index(None)
+                self._slots[index] = _Running(self._waiting.popleft(), None, None, None, [], set())
+                self._busy += 1
+                taken.append(index)
+        for index in taken:
+            job = self._slots[index].job
+            self.histograms.queue_wait_seconds.observe(time.perf_counter() - job.submitted)
+            try:
+                self._slots[index] = self._start(job, index)
             except Exception as e:  # noqa: BLE001 - the worker must outlive any one request
-                if not isinstance(e, PagelmError):
-                    log.exception("request %s failed", job.id)
-                self.failed += 1
-                self.session.reset()  # a failure may leave the state half-updated
-                job.emit(Failed(e))
-            finally:
-                self.running = None
-                with self._lock:
-                    self._jobs.pop(job.id, None)
-                if self._queue.empty():
-                    heap.trim()  # idle: give back what the request's temporaries left in every malloc arena
+                self._fail(index, job, e)
+
+    def _start(self, job: Job, index: int) -> _Running:
+        prompt = job.prompt.tokens
+        max_len = min(job.max_len or self.ctx_len, self.ctx_len)
+        result = Result(prompt_tokens=len(prompt), queued_s=time.perf_counter() - job.submitted)
+        if not prompt:
+            raise PagelmError("the prompt is empty")
+        if len(prompt) >= max_len:
+            raise PagelmError(f"prompt of {len(prompt)} tokens does not fit the context of {max_len} tokens")
+        session = self._sessions[index]
+        if session is None:
+            session = self._sessions[index] = self.model.session(self.ctx_len)
+        base = self.cache.lookup(prompt, job.prompt.image_keys) if not job.cancel.is_set() else None
+        if base is not None:
+            self.cache.restore(base, session)
+            result.cached_tokens = len(base.tokens)
+        else:
+            session.reset()
+        cuts, stores = self._cuts(job.prompt, len(session.tokens), len(prompt))
+        running = _Running(job, session, result, base, cuts, stores)
+        running.max_tokens = min(job.params.max_tokens, max_len - len(prompt))
+        if not cuts:  # the whole prompt was cached with its logits
+            self._begin_decode(running)
+        return running
 
     def _split_points(self, prompt: Prompt, start: int, end: int) -> list[int]:
+        """Where a prefill is cut and checkpointed: message boundaries and every checkpoint interval."""
         points = {b for b in prompt.boundaries if start < b < end}
         if self.checkpoint_interval > 0:
             first = (start // self.checkpoint_interval + 1) * self.checkpoint_interval
             points.update(range(first, end, self.checkpoint_interval))
         return sorted(p for p in points if not prompt.cuts_image(p))
 
-    def _run(self, job: Job, emit: Callable) -> Result:
-        prompt, session, cache = job.prompt.tokens, self.session, self.cache
-        max_len = min(job.max_len or self.ctx_len, self.ctx_len)
-        result = Result(prompt_tokens=len(prompt), queued_s=time.perf_counter() - job.submitted)
-        if job.cancel.is_set():
-            result.finish_reason = "cancelled"
-            return result
-        if not prompt:
-            raise PagelmError("the prompt is empty")
-        if len(prompt) >= max_len:
-            raise PagelmError(f"prompt of {len(prompt)} tokens does not fit the context of {max_len} tokens")
-        start = time.perf_counter()
-        base = cache.lookup(prompt, job.prompt.image_keys)
-        if base is not None:
-            cache.restore(base, session)
-            result.cached_tokens = len(base.tokens)
-        else:
-            session.reset()
-        cursor = len(session.tokens)
-        for point in self._split_points(job.prompt, cursor, len(prompt)):
-            if job.cancel.is_set():
-                result.finish_reason = "cancelled"
-                return result
-            session.prefill(prompt[cursor:point], job.prompt.images_in(cursor, point))
-            cursor = point
-            base = cache.store(session, base) or base
-        if cursor < len(prompt) and cache.enabled:  # the same prompt again finds nothing left to prefill
-            session.prefill(prompt[cursor:], job.prompt.images_in(cursor, len(prompt)))
-            cursor = len(prompt)
-            cache.store(session, base, whole=True)
+    def _cuts(self, prompt: Prompt, start: int, end: int) -> tuple[list[int], set[int]]:
+        """(the ends of the segments a prefill of tokens[start:end] computes, the split points among
+        them): also every `prefill_chunk` tokens, so that a prefill takes a bounded share of a step."""
+        stores = set(self._split_points(prompt, start, end))
+        cuts = set(stores)
+        if self.prefill_chunk:
+            first = (start // self.prefill_chunk + 1) * self.prefill_chunk
+            cuts.update(p for p in range(first, end, self.prefill_chunk) if not prompt.cuts_image(p))
+        return sorted(cuts) + ([end] if start < end else []), stores
 
-        stops = tuple(job.params.stop_tokens) + self.tokenizer.eos_ids
-        params = replace(job.params, stop_tokens=stops,
-                         max_tokens=min(job.params.max_tokens, max_len - len(prompt)))
-        decoder = StreamDecoder(self.tokenizer)
-        matcher = StopMatcher(job.stop)
-        splitter = ReasoningSplitter(job.prompt.think_open) if job.prompt.split_reasoning else None
-
-        def send(text: str) -> None:
-            reasoning, content = splitter.push(text) if splitter else ("", text)
-            if reasoning or content:
-                emit(Delta(reasoning, content))
-
-        result.finish_reason = "length"
-        stopped = False  # by a stop string
-        constraint = None if job.grammar is None else job.grammar.matcher(
-            after_reasoning=job.prompt.think_open and job.prompt.split_reasoning)
-        tokens = session.generate(prompt[cursor:], params, cancel=job.cancel, constraint=constraint,
-                                  images=job.prompt.images_in(cursor, len(prompt)))
-        for token in tokens:
-            if result.completion_tokens == 0:
-                result.prefill_s = time.perf_counter() - start
-                start = time.perf_counter()
-            result.completion_tokens += 1
-            if token in stops:
-                result.finish_reason = "stop"
-                break
-            text, stopped = matcher.push(decoder.push(token))
-            send(text)
-            if stopped:
-                result.finish_reason = "stop"
-                break
-        tokens.close()
-        if result.completion_tokens == 0:
-            result.prefill_s = time.perf_counter() - start
-            start = time.perf_counter()
-        if job.cancel.is_set() and result.finish_reason == "length":
-            result.finish_reason = "cancelled"
-        if not stopped:
-            text, stopped = matcher.push(decoder.flush())
-            send(text if stopped else text + matcher.flush())
-        if splitter:
-            reasoning, content = splitter.finish()
-            if reasoning or content:
-                emit(Delta(reasoning, content))
-        result.decode_s = time.perf_counter() - start
-        return result
-
-    def _keep_answer(self, prompt: Prompt, answer: _Answer, generated: int) -> None:
-        """Checkpoint the answer as the next request will render it (see the module docstring)."""
-        if prompt.answered is None or not self.cache.enabled:
+    def _prefill_one_segment(self) -> None:
+        """The next segment of the prompt of the earliest-admitted slot still prefilling."""
+        prefilling = [(s.job.submitted, i) for i, s in enumerate(self._slots) if s is not None and not s.decoding]
+        if not prefilling:
+            return
+        index = min(prefilling)[1]
+        r = self._slots[index]
+        if r.job.cancel.is_set():
+            r.result.finish_reason = "cancelled"
+            self._finish(index, r)
             return
         try:
-            kept = prompt.answered("".join(answer.reasoning), "".join(answer.content))
-            if kept is None or len(kept.tokens) >= self.ctx_len:
+            prompt = r.job.prompt
+            cursor, point = len(r.session.tokens), r.cuts.pop(0)
+            r.session.prefill(prompt.tokens[cursor:point], prompt.images_in(cursor, point))
+            if point in r.stores:
+                r.base = self.cache.store(r.session, r.base) or r.base
+            if not r.cuts:
+                if self.cache.enabled:  # the same prompt again finds nothing left to prefill
+                    self.cache.store(r.session, r.base, whole=True)
+                self._begin_decode(r)
+        except Exception as e:  # noqa: BLE001 - the worker must outlive any one request
+            self._fail(index, r.job, e)
+
+    def _begin_decode(self, r: _Running) -> None:
+        job = r.job
+        r.stops = tuple(job.params.stop_tokens) + self.tokenizer.eos_ids
+        params = replace(job.params, stop_tokens=r.stops, max_tokens=r.max_tokens)
+        constraint = None if job.grammar is None else job.grammar.matcher(
+            after_reasoning=job.prompt.think_open and job.prompt.split_reasoning)
+        r.logits = r.session.logits
+        r.chooser = Chooser(r.session, params, constraint)
+        r.decoder = StreamDecoder(self.tokenizer)
+        r.result.finish_reason = "length"
+
+    def _decode(self) -> None:
+        """Each decoding slot chooses its next token and passes it on; those that go on are fed
+        theirs in batched decode steps."""
+        going: list[tuple[int, _Running, int]] = []
+        for index, r in enumerate(self._slots):
+            if r is None or not r.decoding:
+                continue
+            try:
+                token = self._next_token(r)
+            except Exception as e:  # noqa: BLE001 - the worker must outlive any one request
+                self._fail(index, r.job, e)
+                continue
+            if token is None:
+                self._finish(index, r)
+            else:
+                going.append((index, r, token))
+        if going:
+            self.histograms.batch_size.observe(len(going))
+        for lo in range(0, len(going), MAX_BATCH):
+            part = going[lo: lo + MAX_BATCH]
+            try:
+                logits = decode_batch([r.session for _, r, _ in part], [token for _, _, token in part])
+            except Exception as e:  # noqa: BLE001 - a failed step fails the requests it held
+                for index, r, _ in part:
+                    self._fail(index, r.job, e)
+                continue
+            for (_, r, _), row in zip(part, logits):
+                r.logits = row
+
+    def _next_token(self, r: _Running) -> int | None:
+        """Choose and pass on one token; the token to feed next, or None when the answer ends
+        (as Session.generate: cancel is checked before each choice, a stop token ends it)."""
+        result = r.result
+        if r.job.cancel.is_set() or result.completion_tokens >= r.max_tokens:
+            return None
+        token, done = r.chooser.choose(r.logits)
+        now = time.perf_counter()
+        if result.completion_tokens == 0:
+            result.prefill_s = now - r.started
+            r.started = now
+            self.histograms.time_to_first_token_seconds.observe(now - r.job.submitted)
+        else:
+            self.histograms.inter_token_latency_seconds.observe(now - r.last_token_at)
+        r.last_token_at = now
+        result.completion_tokens += 1
+        if token in r.stops:
+            result.finish_reason = "stop"
+            return None
+        text, stopped = r.matcher.push(r.decoder.push(token))
+        r.send(text)
+        if stopped:
+            result.finish_reason = "stop"
+            r.matcher = None
+            return None
+        return None if done else token
+
+    def _finish(self, index: int, r: _Running) -> None:
+        """Flush the answer's held text, send the Result, free the slot, keep the answer."""
+        result, now = r.result, time.perf_counter()
+        if r.chooser is None or result.completion_tokens == 0:
+            result.prefill_s = now - r.started
+            r.started = now
+        if r.job.cancel.is_set() and result.finish_reason == "length":
+            result.finish_reason = "cancelled"
+        if r.decoder is not None:
+            if r.matcher is not None:  # None: a stop string ended it
+                text, stopped = r.matcher.push(r.decoder.flush())
+                r.send(text if stopped else text + r.matcher.flush())
+            if r.splitter:
+                r._emit(*r.splitter.finish())
+        result.decode_s = time.perf_counter() - r.started
+        self.cancelled += result.finish_reason == "cancelled"
+        self.served += 1
+        kept = None
+        if result.finish_reason != "cancelled" and r.job.prompt.answered is not None and self.cache.enabled:
+            kept = _KeptAnswer(r.job.prompt, "".join(r.reasoning), "".join(r.content), result.completion_tokens)
+        with self._lock:
+            idle = self._busy == 1 and not self._waiting  # decided before the reply goes out
+        self._release(index, r.job, result)
+        if kept is not None:
+            if idle:
+                self._keep_answer(kept, self._sessions[index] or self.session)
+            else:
+                self._kept.append(kept)
+
+    def _fail(self, index: int, job: Job, error: Exception) -> None:
+        if not isinstance(error, PagelmError):
+            log.exception("request %s failed", job.id, exc_info=error)
+        self.failed += 1
+        session = self._sessions[index]
+        if session is not None:
+            session.reset()  # a failure may leave the state half-updated
+        self._release(index, job, Failed(error))
+
+    def _release(self, index: int, job: Job, event) -> None:
+        with self._lock:
+            self._slots[index] = None
+            self._busy -= 1
+            if index and not self._waiting:
+                self._sessions[index] = None  # its state goes back; slot 0's stays
+            self._end(job, event)
+
+    def _end(self, job: Job, event) -> None:
+        """(Under the lock.) The job's last event; its id is free again."""
+        self._jobs.pop(job.id, None)
+        job.emit(event)
+
+    def _keep_answer(self, kept: _KeptAnswer, session: Session | None = None) -> None:
+        """Checkpoint the answer as the next request will render it (see the module docstring)."""
+        session = session or self.session
+        try:
+            prompt = kept.prompt.answered(kept.reasoning, kept.content)
+            if prompt is None or len(prompt.tokens) >= self.ctx_len:
                 return
-            base = self.cache.longest(kept.tokens, kept.image_keys)
-            if base is None or not 0 < len(kept.tokens) - len(base.tokens) <= generated + 64:
+            base = self.cache.longest(prompt.tokens, prompt.image_keys)
+            if base is None or not 0 < len(prompt.tokens) - len(base.tokens) <= kept.generated + 64:
                 return
-            self.cache.restore(base, self.session)
-            for point in [*self._split_points(kept, len(base.tokens), len(kept.tokens)), len(kept.tokens)]:
-                held = len(self.session.tokens)
-                self.session.prefill(kept.tokens[held:point], kept.images_in(held, point))
-                base = self.cache.store(self.session, base) or base
+            self.cache.restore(base, session)
+            cuts, stores = self._cuts(prompt, len(base.tokens), len(prompt.tokens))
+            for point in cuts:
+                held = len(session.tokens)
+                session.prefill(prompt.tokens[held:point], prompt.images_in(held, point))
+                if point in stores or point == len(prompt.tokens):
+                    base = self.cache.store(session, base) or base
         except Exception:  # noqa: BLE001 - the reply is out; the next request finds a reset session
             log.exception("keeping the answer in the prefix cache failed")
-            self.session.reset()
+            session.reset()

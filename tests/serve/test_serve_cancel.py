@@ -113,7 +113,7 @@ def test_api_cancel_by_request_id_ends_the_openai_stream_with_cancelled(smol):
 
 
 def test_api_cancel_of_a_queued_request(smol):
-    """A request still waiting behind another one ends as cancelled without generating."""
+    """A request still waiting for a slot (every slot busy) ends as cancelled without generating."""
     results = {}
 
     def run(rid, num_predict):
@@ -123,10 +123,12 @@ def test_api_cancel_of_a_queued_request(smol):
         results[rid] = r
 
     _wait_idle(smol)
-    first = threading.Thread(target=run, args=("busy-1", 1000))
-    first.start()
+    busy = [f"busy-{i}" for i in range(smol.ps()["slots"]["total"])]
+    threads = [threading.Thread(target=run, args=(rid, 1000)) for rid in busy]
+    for thread in threads:
+        thread.start()
     end = time.monotonic() + 300
-    while not smol.ps()["requests"]["running"]:
+    while smol.ps()["slots"]["idle"]:
         assert time.monotonic() < end
         time.sleep(0.02)
     queued = threading.Thread(target=run, args=("queued-1", 50))
@@ -135,12 +137,14 @@ def test_api_cancel_of_a_queued_request(smol):
         assert time.monotonic() < end
         time.sleep(0.02)
     assert httpx.post(f"{smol.url}/api/cancel", json={"id": "queued-1"}, timeout=30).status_code == 200
-    assert httpx.post(f"{smol.url}/api/cancel", json={"id": "busy-1"}, timeout=30).status_code == 200
-    first.join(300)
     queued.join(300)
-    assert results["busy-1"].json()["done_reason"] == "cancelled"
     assert results["queued-1"].json()["done_reason"] == "cancelled"
     assert results["queued-1"].json()["eval_count"] == 0
+    for rid in busy:
+        assert httpx.post(f"{smol.url}/api/cancel", json={"id": rid}, timeout=30).status_code == 200
+    for thread in threads:
+        thread.join(300)
+    assert all(results[rid].json()["done_reason"] == "cancelled" for rid in busy)
 
 
 def test_api_cancel_of_unknown_id_is_404(smol):
