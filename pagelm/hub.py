@@ -334,7 +334,8 @@ def _hub_failure(name: HubName, error: Exception) -> HubError:
             return HubError(f"{name}: repository {name.repo} is private, gated or does not exist "
                             f"(HTTP {status}; {_token_hint()})")
         return HubError(f"{name}: the Hub answered HTTP {status} listing {name.repo}")
-    return HubError(f"{name}: cannot reach the Hub at {_endpoint()} ({type(error).__name__}: {error})")
+    first_line = (str(error).splitlines() or [""])[0]
+    return HubError(f"{name}: cannot reach the Hub at {_endpoint()} ({type(error).__name__}: {first_line})")
 
 
 def _offline_miss(name: HubName) -> HubError:
@@ -360,11 +361,15 @@ def _listing(name: HubName, token: str | None) -> tuple[str, dict[str, RemoteFil
     """(commit, repository path -> RemoteFile) of the revision `name` asks for."""
     from huggingface_hub import HfApi
 
-    try:
-        info = HfApi(endpoint=_endpoint()).model_info(name.repo, revision=name.revision, files_metadata=True,
-                                                       token=token)
-    except Exception as e:  # noqa: BLE001 - every failure becomes one line (_hub_failure names it)
-        raise _hub_failure(name, e) from None
+    for failures in range(1, RETRIES + 2):
+        try:
+            info = HfApi(endpoint=_endpoint()).model_info(name.repo, revision=name.revision, files_metadata=True,
+                                                           token=token)
+            break
+        except Exception as e:  # noqa: BLE001 - every failure becomes one line (_hub_failure names it)
+            if failures > RETRIES or not _is_transient(e):
+                raise _hub_failure(name, e) from None
+            _back_off(failures)
     files = {}
     for sibling in info.siblings or []:
         if sibling.lfs is not None:
@@ -372,6 +377,21 @@ def _listing(name: HubName, token: str | None) -> tuple[str, dict[str, RemoteFil
         elif sibling.blob_id is not None and sibling.size is not None:
             files[sibling.rfilename] = RemoteFile(sibling.rfilename, sibling.size, sibling.blob_id, False)
     return info.sha, files
+
+
+def _is_transient(error: Exception) -> bool:
+    """A listing failure worth another try: the Hub busy (5xx, 429) or a connection lost midway;
+    not a refused connection or an unknown host (no network: say so at once)."""
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(error, HfHubHTTPError):
+        return error.response is not None and (error.response.status_code >= 500 or error.response.status_code == 429)
+    return isinstance(error, httpx2.TransportError) and not isinstance(error, httpx2.ConnectError)
+
+
+def _back_off(failures: int) -> None:
+    time.sleep(min(BACKOFF_S * 2 ** (failures - 1), MAX_BACKOFF_S))
 
 
 def _digest(remote: RemoteFile):
@@ -440,9 +460,10 @@ def _fetch(url: str, part: Path, remote: RemoteFile, headers: dict, name: HubNam
             except (_Retry, httpx2.TransportError) as e:
                 failures = 1 if progressed else failures + 1
                 if failures > RETRIES:
-                    raise HubError(f"{name}: downloading {remote.path} failed {failures} times ({e or type(e).__name__}); "
+                    reason = (str(e).splitlines() or [type(e).__name__])[0]
+                    raise HubError(f"{name}: downloading {remote.path} failed {failures} times ({reason}); "
                                    f"{have} of {remote.size} bytes kept in {part}, `pagelm pull {name}` resumes") from None
-                time.sleep(min(BACKOFF_S * 2 ** (failures - 1), MAX_BACKOFF_S))
+                _back_off(failures)
     return digest
 
 

@@ -70,6 +70,7 @@ class HubServer:
     faults: dict[tuple[str, str], Fault] = field(default_factory=dict)  # (repo id, path) -> fault
     sent: dict[tuple[str, str], int] = field(default_factory=dict)  # (repo id, path) -> body bytes sent
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)  # (method, url path, Range)
+    busy_listings: int = 0  # model info requests answered 503 before one is answered
     url: str = ""
 
     def add(self, repo: str, files: dict[str, Path], branch: str | None = "main") -> str:
@@ -104,6 +105,9 @@ class HubServer:
     async def model_info(self, request: Request) -> Response:
         p = request.path_params
         repo = f"{p['org']}/{p['name']}"
+        if self.busy_listings:
+            self.busy_listings -= 1
+            return _error(503, "ServiceUnavailable", "injected: try again later")
         found = self._commit(request, repo, p.get("revision", "main"))
         if isinstance(found, Response):
             return found

@@ -102,6 +102,7 @@ def test_a_pull_cut_at_half_resumes_and_fetches_only_the_rest(hub, hub_files, en
 
 
 def test_a_busy_hub_is_retried_with_backoff(hub, hub_files, env, pagelm):
+    hub.busy_listings = 1
     hub.faults[(TINY, "tiny-Q4_0.gguf")] = Fault(unavailable=2)
     pulled = pagelm("pull", f"hf.co/{TINY}:Q4_0")
     assert pulled.returncode == 0, pulled.stderr
