@@ -215,10 +215,14 @@ def test_load_and_run_pull_a_name_not_in_the_cache(hub, env, pagelm, monkeypatch
 
     import pagelm as pagelm_module
 
+    from pagelm.bench.inputs import model_path
+
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", env["HF_HUB_CACHE"])
+    monkeypatch.setenv("PAGELM_HOME", env["PAGELM_HOME"])
     model = pagelm_module.load(f"hf.co/{TINY}:Q4_0", threads=1)
     assert model.file.path == str(_snapshot(env, TINY) / "tiny-Q4_0.gguf")
+    assert model_path(f"hf.co/{TINY}:Q4_0") == model.file.path  # `pagelm bench MODEL`
     ran = pagelm("run", f"hf.co/{QWEN}:Q8_0", "Hi", "--max-tokens", "1")
     assert ran.returncode == 0, ran.stderr
     assert "pulling qwen-tiny-Q8_0.gguf" in ran.stderr and (_snapshot(env, QWEN) / "mmproj-F16.gguf").is_file()
