@@ -250,7 +250,7 @@ def _list_json(stored: dict, hub_models: list) -> None:
                         "sha256": None if local or known is None else known.sha256, "tower": None})
     for model in hub_models:
         files = [model.file_record(model.snapshot / f) for f in model.files]
-        entries.append({"name": model.name, "source": "hub", "file": model.files[0] if model.quant else "",
+        entries.append({"name": model.name, "source": "hub", "file": model.files[0] if model.quant else None,
                         "path": str(model.path), "quant": model.quant, "revision": model.commit,
                         "refs": list(model.refs), "size": model.size,
                         "sha256": files[0]["sha256"] if len(files) == 1 else None, "files": files,
