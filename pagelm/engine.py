@@ -10,7 +10,6 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
@@ -22,7 +21,7 @@ from pagelm import heap
 from pagelm import threads as threads_module
 from pagelm.errors import PagelmError, UnsupportedError
 from pagelm.models import ARCHITECTURES, architecture_module
-from pagelm.sampling import Sampler, SamplingParams
+from pagelm.sampling import SamplingParams
 from pagelm.weights import EmbeddingMode
 from pagelm.weights.loader import WeightLoader, WeightsMode
 
@@ -146,6 +145,15 @@ class Model:
     def session(self, max_len: int = 4096) -> "Session":
         return Session(self, max_len)
 
+    def decode_batch(self, sessions: Sequence["Session"], tokens: Sequence[int]) -> np.ndarray:
+        """One decode step of several sessions of this model (`pagelm.batch.decode_batch`): logits
+        (n, vocab), row i bit for bit what sessions[i].decode(tokens[i]) would return."""
+        from pagelm.batch import decode_batch
+
+        if any(s.model is not self for s in sessions):
+            raise PagelmError("decode_batch: every session must be of this model")
+        return decode_batch(sessions, tokens)
+
     @property
     def weights_nbytes(self) -> int:
         """Anonymous bytes the layer weights hold (dense matrices, or the mapped scratch) and small
@@ -248,6 +256,12 @@ class Session:
         """Feed one token (normally the one just sampled); returns the next logits."""
         return self.prefill([token])
 
+    @property
+    def nbytes(self) -> int:
+        """Anonymous bytes this session holds: its state (KV caches preallocated for max_len, the
+        DeltaNet states) and its last logits."""
+        return self.state.nbytes + (0 if self.logits is None else self.logits.nbytes)
+
     def checkpoint(self) -> Checkpoint:
         logits = None if self.logits is None else self.logits.copy()
         return Checkpoint(tuple(self.tokens), tuple(self.images), self.position_delta, self.state.checkpoint(), logits)
@@ -267,26 +281,20 @@ class Session:
         end, or `cancel` is set (checked before every step). A stop token is yielded, then
         generation ends. `constraint` (a grammar's matcher) forbids the tokens its grammar does
         not allow at each step."""
-        sampler = Sampler(params)
-        stops = set(params.stop_tokens) | set(self.model.eos_tokens)
+        from pagelm.batch import Chooser
+
         logits = self.prefill(prompt, images) if len(prompt) else self.logits
         if logits is None:
             raise PagelmError("generate needs a prompt or a prefilled session")
-        seen = Counter(self.tokens)
+        chooser = Chooser(self, params, constraint)
         try:
             for _ in range(params.max_tokens):
                 if cancel is not None and cancel.is_set():
                     return
-                if constraint is not None:
-                    # a copy: self.logits stays the model's own (checkpoints keep it)
-                    logits = constraint.mask(logits.copy())
-                token = sampler.sample(logits, seen)
-                if constraint is not None:
-                    constraint.accept(token)
+                token, done = chooser.choose(logits)
                 yield token
-                if token in stops or len(self.tokens) >= self.max_len:
+                if done:
                     return
-                seen[token] += 1
                 logits = self.decode(token)
         finally:
             heap.trim()  # what the decode steps' temporaries left free on the heap

@@ -1,7 +1,10 @@
-"""What every decoder stack shares: input checks, inference mode and long prompts cut into
-segments. Owns no model math: each architecture implements `_forward(x, state)` for one segment."""
+"""What every decoder stack shares: input checks, inference mode, long prompts cut into segments,
+and a decode step of several sequences. Owns no model math: each architecture implements
+`_step(x, spans, alone)` over the rows of one or more sequences."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -12,37 +15,85 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@dataclass(frozen=True)
+class Span:
+    """Rows lo:hi of a step's activations: consecutive tokens of the sequence whose state this is,
+    with their multimodal rope positions (3, hi - lo) where the sequence has them (None: the
+    state's next positions)."""
+
+    state: object
+    lo: int
+    hi: int
+    positions: torch.Tensor | None = None
+
+
+def per_sequence(fn, spans: list, extras: list) -> torch.Tensor:
+    """fn(span, extra) for each span (one sequence's rows and what it needs of its own), the
+    results stacked in row order: the parts of a step that read or write a sequence's state."""
+    if len(spans) == 1:
+        return fn(spans[0], extras[0])
+    return torch.cat([fn(s, e) for s, e in zip(spans, extras)])
+
+
+def advance(spans: list) -> None:
+    """Each span's state now holds its rows' tokens."""
+    for s in spans:
+        s.state.pos += s.hi - s.lo
+
+
 class Decoder:
-    """Base of the architecture models: needs `config.hidden`, `device`, `segment` and `_forward`."""
+    """Base of the architecture models: needs `config.hidden`, `device`, `segment` and `_step`.
+
+    `_step(x, spans, alone)`: final hidden states of the rows of x, each span's rows one sequence's,
+    advancing each span's state; with `alone` (a batch: one row per span), every row's arithmetic is
+    what it would be with its sequence alone."""
 
     segment: int
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        hidden = self.config.hidden
+        if x.dim() != 2 or x.shape[1] != hidden:
+            raise PagelmError(f"forward: input of shape {tuple(x.shape)}, expected (T, {hidden})")
 
     def forward(self, x: torch.Tensor, state, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states of input embeddings x (T, hidden). `positions` (3, T): the rope
         positions (t, h, w) of multimodal rope, for the architectures that have it; None: the
         state's next T positions."""
-        hidden = self.config.hidden
-        if x.dim() != 2 or x.shape[1] != hidden:
-            raise PagelmError(f"forward: input of shape {tuple(x.shape)}, expected (T, {hidden})")
+        self._check_input(x)
         T = x.shape[0]
         if state.pos + T > state.max_len:
             raise PagelmError(f"forward: pos {state.pos} + {T} tokens exceeds the state's max_len {state.max_len}")
         if positions is not None and tuple(positions.shape) != (3, T):
             raise PagelmError(f"forward: positions of shape {tuple(positions.shape)}, expected (3, {T})")
         if T == 0:
-            return torch.empty(0, hidden, dtype=torch.float32, device=self.device)
+            return torch.empty(0, self.config.hidden, dtype=torch.float32, device=self.device)
 
         def segment(lo: int, hi: int) -> torch.Tensor:
-            if positions is None:
-                return self._forward(x[lo:hi], state)
-            return self._forward(x[lo:hi], state, positions[:, lo:hi])
+            part = None if positions is None else positions[:, lo:hi]
+            return self._step(x[lo:hi], [Span(state, 0, hi - lo, part)], alone=False)
 
         with torch.inference_mode():
             if T <= self.segment:
                 return segment(0, T)
-            out = torch.empty(T, hidden, dtype=torch.float32, device=self.device)
+            out = torch.empty(T, self.config.hidden, dtype=torch.float32, device=self.device)
             for lo in range(0, T, self.segment):
                 out[lo : lo + self.segment] = segment(lo, lo + self.segment)
         return out
 
     __call__ = forward
+
+    def decode_batch(self, x: torch.Tensor, states: list, positions: list | None = None) -> torch.Tensor:
+        """Final hidden states (n, hidden) of one token of each of n sequences: x (n, hidden) holds
+        their input embeddings, states[i] (distinct) sequence i's state, positions[i] its rope
+        positions (3, 1) or None. Row i is bit for bit `forward(x[i:i+1], states[i], positions[i])`."""
+        self._check_input(x)
+        if len(states) != x.shape[0] or len({id(s) for s in states}) != len(states):
+            raise PagelmError(f"decode_batch: {x.shape[0]} rows for {len(states)} states, which must be distinct")
+        positions = positions or [None] * len(states)
+        for i, (state, p) in enumerate(zip(states, positions)):
+            if state.pos + 1 > state.max_len:
+                raise PagelmError(f"decode_batch: sequence {i} at pos {state.pos} is at its state's max_len {state.max_len}")
+            if p is not None and tuple(p.shape) != (3, 1):
+                raise PagelmError(f"decode_batch: positions of sequence {i} of shape {tuple(p.shape)}, expected (3, 1)")
+        with torch.inference_mode():
+            return self._step(x, [Span(s, i, i + 1, p) for i, (s, p) in enumerate(zip(states, positions))], alone=True)

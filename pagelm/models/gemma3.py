@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, rms_norm, rope_tables
-from pagelm.models.decoder import Decoder
+from pagelm.models.decoder import Decoder, Span, advance, per_sequence
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, layer_period,
                                rope_scaling, shift_norms, tensor_maps)
 from pagelm.weights.linear import Linear
@@ -220,29 +220,37 @@ class Gemma3Model(Decoder):
         c = self.config
         return KVState(c.n_layers, c.n_kv_heads, c.head_dim, max_len, self.dtype, self.device)
 
-    def _forward(self, x: torch.Tensor, state: KVState) -> torch.Tensor:
-        c, pos, T = self.config, state.pos, x.shape[0]
+    def _step(self, x: torch.Tensor, spans: list[Span], alone: bool) -> torch.Tensor:
+        c, T = self.config, x.shape[0]
         H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
         h = x.to(device=self.device, dtype=torch.float32, copy=True).mul_(c.embedding_scale)
-        rope_global = rope_tables(self.inv_freq_global, pos, T, c.rope_scale)
-        rope_local = rope_tables(self.inv_freq_local, pos, T)
-        for i, (w, cache, views) in enumerate(zip(self.layers, state.layers, state.views)):
+        ropes = [(rope_tables(self.inv_freq_global, s.state.pos, s.hi - s.lo, c.rope_scale),
+                  rope_tables(self.inv_freq_local, s.state.pos, s.hi - s.lo)) for s in spans]
+        for i, w in enumerate(self.layers):
             is_global = c.is_global_layer(i)
-            cos, sin = rope_global if is_global else rope_local
             y = rms_norm(h, w.attn_norm, c.rms_eps)
-            proj = w.qkv(y).float()
-            q = rms_norm(proj[:, : H * D].view(T, H, D), w.q_norm, c.rms_eps)
-            k = rms_norm(proj[:, H * D : (H + G) * D].view(T, G, D), w.k_norm, c.rms_eps)
-            v = proj[:, (H + G) * D :].view(T, G, D)
-            apply_rope_(q, cos, sin)
-            apply_rope_(k, cos, sin)
-            o = attention(q, k, v, cache, pos, c.query_scale, None if is_global else c.sliding_window, views)
-            h += rms_norm(w.out(o).float(), w.post_attn_norm, c.rms_eps)
+            proj = w.qkv(y, alone).float()
+
+            def attend(s: Span, rope) -> torch.Tensor:
+                n = s.hi - s.lo
+                rows = proj[s.lo : s.hi]
+                q = rms_norm(rows[:, : H * D].view(n, H, D), w.q_norm, c.rms_eps)
+                k = rms_norm(rows[:, H * D : (H + G) * D].view(n, G, D), w.k_norm, c.rms_eps)
+                v = rows[:, (H + G) * D :].view(n, G, D)
+                cos, sin = rope[0] if is_global else rope[1]
+                apply_rope_(q, cos, sin)
+                apply_rope_(k, cos, sin)
+                kv = s.state
+                return attention(q, k, v, kv.layers[i], kv.pos, c.query_scale,
+                                 None if is_global else c.sliding_window, kv.views[i])
+
+            o = per_sequence(attend, spans, ropes)
+            h += rms_norm(w.out(o, alone).float(), w.post_attn_norm, c.rms_eps)
             y = rms_norm(h, w.ffn_norm, c.rms_eps)
-            gate, up = w.gate_up(y).chunk(2, -1)
-            m = w.down(F.gelu(gate, approximate="tanh").mul_(up))
+            gate, up = w.gate_up(y, alone).chunk(2, -1)
+            m = w.down(F.gelu(gate, approximate="tanh").mul_(up), alone)
             h += rms_norm(m.float(), w.post_ffn_norm, c.rms_eps)
-        state.pos = pos + T
+        advance(spans)
         return rms_norm(h, self.output_norm, c.rms_eps)
 
 

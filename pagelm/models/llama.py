@@ -25,7 +25,7 @@ import numpy as np
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, rms_norm, rope_tables
-from pagelm.models.decoder import Decoder
+from pagelm.models.decoder import Decoder, Span, advance, per_sequence
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, rope_scaling,
                                tensor_maps)
 from pagelm.weights.linear import Linear
@@ -143,7 +143,7 @@ class LlamaModel(Decoder):
     """The decoder stack (every layer, then output_norm); token_embd and output stay in the file.
 
     `forward(x, state)` maps input embeddings (T, hidden) — the raw token_embd rows, no scale —
-    to final hidden states (T, hidden) fp32. Matmuls and the KV cache run in `dtype`; norms and
+    to final hidden states (T, hidden) fp32; `decode_batch` one token of each of several sequences. Matmuls and the KV cache run in `dtype`; norms and
     rope in fp32; the residual stream is fp32. T > 1 is a prefill, processed in segments of at
     most `segment` tokens to bound the temporaries.
     """
@@ -163,25 +163,31 @@ class LlamaModel(Decoder):
         c = self.config
         return KVState(c.n_layers, c.n_kv_heads, c.head_dim, max_len, self.dtype, self.device)
 
-    def _forward(self, x: torch.Tensor, state: KVState) -> torch.Tensor:
-        c, pos, T = self.config, state.pos, x.shape[0]
+    def _step(self, x: torch.Tensor, spans: list[Span], alone: bool) -> torch.Tensor:
+        c, T = self.config, x.shape[0]
         H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
         h = x.to(device=self.device, dtype=torch.float32, copy=True)
-        cos, sin = rope_tables(self.inv_freq, pos, T, c.rope_scale)
+        ropes = [rope_tables(self.inv_freq, s.state.pos, s.hi - s.lo, c.rope_scale) for s in spans]
         scale = D**-0.5
-        for w, cache, views in zip(self.layers, state.layers, state.views):
+        for i, w in enumerate(self.layers):
             y = rms_norm(h, w.attn_norm, c.rms_eps)
-            proj = w.qkv(y).float()
+            proj = w.qkv(y, alone).float()
             q = proj[:, : H * D].view(T, H, D)
             k = proj[:, H * D : (H + G) * D].view(T, G, D)
             v = proj[:, (H + G) * D :].view(T, G, D)
-            apply_rope_(q, cos, sin)
-            apply_rope_(k, cos, sin)
-            h += w.out(attention(q, k, v, cache, pos, scale, views=views))
+
+            def attend(s: Span, rope) -> torch.Tensor:
+                qs, ks = q[s.lo : s.hi], k[s.lo : s.hi]
+                apply_rope_(qs, *rope)
+                apply_rope_(ks, *rope)
+                kv = s.state
+                return attention(qs, ks, v[s.lo : s.hi], kv.layers[i], kv.pos, scale, views=kv.views[i])
+
+            h += w.out(per_sequence(attend, spans, ropes), alone)
             y = rms_norm(h, w.ffn_norm, c.rms_eps)
-            gate, up = w.gate_up(y).chunk(2, -1)
-            h += w.down(F.silu(gate).mul_(up))
-        state.pos = pos + T
+            gate, up = w.gate_up(y, alone).chunk(2, -1)
+            h += w.down(F.silu(gate).mul_(up), alone)
+        advance(spans)
         return rms_norm(h, self.output_norm, c.rms_eps)
 
 

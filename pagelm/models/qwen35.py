@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
-from pagelm.models.decoder import Decoder, nbytes
+from pagelm.models.decoder import Decoder, Span, advance, nbytes, per_sequence
 from pagelm.models.delta_rule import delta_rule_step, deltanet_token
 from pagelm.models.norms import rms_norm_rows
 from pagelm.models.token_ops import attend_token, cache_views, rope_rows_
@@ -490,81 +490,99 @@ class Qwen35Model(Decoder):
     def new_state(self, max_len: int) -> Qwen35State:
         return Qwen35State(self.config, max_len, self.dtype, self.device)
 
-    def _forward(self, x: torch.Tensor, state: Qwen35State, positions: torch.Tensor | None = None) -> torch.Tensor:
-        c, pos, T = self.config, state.pos, x.shape[0]
-        h = x.to(device=self.device, dtype=torch.float32, copy=True)
-        if positions is None:
-            freqs = torch.arange(pos, pos + T, dtype=torch.float32, device=self.device)[:, None] * self.inv_freq
+    def _rope(self, s: Span) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (rows, rope_dim / 2) of a span's positions."""
+        if s.positions is None:
+            pos = s.state.pos
+            freqs = torch.arange(pos, pos + s.hi - s.lo, dtype=torch.float32, device=self.device)[:, None] * self.inv_freq
         else:  # frequency pair i turns by position rope_axes[i]: for text (t = h = w) the same numbers
-            freqs = positions.to(self.device)[self.rope_axes].T.to(torch.float32) * self.inv_freq
-        cos, sin = freqs.cos(), freqs.sin()
-        for layer, cache in zip(self.layers, state.layers):
+            freqs = s.positions.to(self.device)[self.rope_axes].T.to(torch.float32) * self.inv_freq
+        return freqs.cos(), freqs.sin()
+
+    def _step(self, x: torch.Tensor, spans: list[Span], alone: bool) -> torch.Tensor:
+        c = self.config
+        h = x.to(device=self.device, dtype=torch.float32, copy=True)
+        ropes = [self._rope(s) for s in spans]
+        for i, layer in enumerate(self.layers):
             y = rms_norm(h, layer.attn_norm, c.rms_eps)
-            if isinstance(cache, KVCache):
-                h += self._attention(layer.mixer, y, cache, pos, cos, sin)
+            if c.is_attention_layer(i):
+                h += self._attention(layer.mixer, y, i, spans, ropes, alone)
             else:
-                h += self._deltanet(layer.mixer, y, cache)
+                h += self._deltanet(layer.mixer, y, i, spans, alone)
             y = rms_norm(h, layer.post_norm, c.rms_eps)
-            h += self._mlp(layer.mlp, y)  # the mixers and the MLP return `dtype`, h stays fp32
-        state.pos = pos + T
+            h += self._mlp(layer.mlp, y, alone)  # the mixers and the MLP return `dtype`, h stays fp32
+        advance(spans)
         return rms_norm(h, self.output_norm, c.rms_eps)
 
-    def _mlp(self, w: MLPWeights, y: torch.Tensor) -> torch.Tensor:
-        gu = w.gate_up(y)
+    def _mlp(self, w: MLPWeights, y: torch.Tensor, alone: bool) -> torch.Tensor:
+        gu = w.gate_up(y, alone)
         gate, up = gu.chunk(2, -1)
-        return w.down(F.silu(gate).mul_(up))
+        return w.down(F.silu(gate).mul_(up), alone)
 
-    def _attention(self, w: AttentionWeights, y, cache: KVCache, pos: int, cos, sin) -> torch.Tensor:
-        c, T = self.config, y.shape[0]
+    def _attention(self, w: AttentionWeights, y, i: int, spans: list[Span], ropes: list, alone: bool) -> torch.Tensor:
+        c = self.config
         H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
-        proj = w.qkv(y).float()
-        qg = proj[:, : 2 * H * D].view(T, H, 2, D)
-        q = rms_norm(qg[:, :, 0], w.q_norm, c.rms_eps)  # (T, H, D)
-        gate = qg[:, :, 1].reshape(T, H * D)
-        k = rms_norm(proj[:, 2 * H * D : (2 * H + G) * D].view(T, G, D), w.k_norm, c.rms_eps)
-        v = proj[:, (2 * H + G) * D :].view(T, G, D)
-        apply_rope_(q, cos, sin)
-        apply_rope_(k, cos, sin)
-        o = attend_token(q, k, v, cache.views, pos, D**-0.5) if T == 1 else None
-        if o is not None:
-            return w.out(o * torch.sigmoid(gate))
-        cache.k[:, pos : pos + T] = k.transpose(0, 1)
-        cache.v[:, pos : pos + T] = v.transpose(0, 1)
-        keys, values = cache.k[None, :, : pos + T], cache.v[None, :, : pos + T]  # (1, G, S, D)
-        q = q.to(self.dtype).transpose(0, 1)  # (H, T, D)
-        if T == 1:  # the H/G query heads of one kv head form its query rows
-            o = F.scaled_dot_product_attention(q.reshape(1, G, H // G, D), keys, values, scale=D**-0.5)
-            o = o.reshape(1, H * D)
-        else:
-            if pos == 0:
-                o = F.scaled_dot_product_attention(q[None], keys, values, is_causal=True, scale=D**-0.5, enable_gqa=True)
-            else:
-                i = torch.arange(T, device=self.device)[:, None]
-                mask = torch.arange(pos + T, device=self.device)[None, :] <= i + pos
-                o = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, scale=D**-0.5, enable_gqa=True)
-            o = o[0].transpose(0, 1).reshape(T, H * D)
-        return w.out(o * torch.sigmoid(gate))
+        proj = w.qkv(y, alone).float()
 
-    def _deltanet(self, w: DeltaNetWeights, y, cache: DeltaNetCache) -> torch.Tensor:
-        c, T = self.config, y.shape[0]
+        def attend(s: Span, rope) -> torch.Tensor:
+            T, pos, cache = s.hi - s.lo, s.state.pos, s.state.layers[i]
+            rows = proj[s.lo : s.hi]
+            qg = rows[:, : 2 * H * D].view(T, H, 2, D)
+            q = rms_norm(qg[:, :, 0], w.q_norm, c.rms_eps)  # (T, H, D)
+            gate = qg[:, :, 1].reshape(T, H * D)
+            k = rms_norm(rows[:, 2 * H * D : (2 * H + G) * D].view(T, G, D), w.k_norm, c.rms_eps)
+            v = rows[:, (2 * H + G) * D :].view(T, G, D)
+            apply_rope_(q, *rope)
+            apply_rope_(k, *rope)
+            o = attend_token(q, k, v, cache.views, pos, D**-0.5) if T == 1 else None
+            if o is not None:
+                return o * torch.sigmoid(gate)
+            cache.k[:, pos : pos + T] = k.transpose(0, 1)
+            cache.v[:, pos : pos + T] = v.transpose(0, 1)
+            keys, values = cache.k[None, :, : pos + T], cache.v[None, :, : pos + T]  # (1, G, S, D)
+            q = q.to(self.dtype).transpose(0, 1)  # (H, T, D)
+            if T == 1:  # the H/G query heads of one kv head form its query rows
+                o = F.scaled_dot_product_attention(q.reshape(1, G, H // G, D), keys, values, scale=D**-0.5)
+                o = o.reshape(1, H * D)
+            else:
+                if pos == 0:
+                    o = F.scaled_dot_product_attention(q[None], keys, values, is_causal=True, scale=D**-0.5,
+                                                       enable_gqa=True)
+                else:
+                    t = torch.arange(T, device=self.device)[:, None]
+                    mask = torch.arange(pos + T, device=self.device)[None, :] <= t + pos
+                    o = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, scale=D**-0.5,
+                                                       enable_gqa=True)
+                o = o[0].transpose(0, 1).reshape(T, H * D)
+            return o * torch.sigmoid(gate)
+
+        return w.out(per_sequence(attend, spans, ropes), alone)
+
+    def _deltanet(self, w: DeltaNetWeights, y, i: int, spans: list[Span], alone: bool) -> torch.Tensor:
+        c = self.config
         nk, nv, dk, dv = c.n_key_heads, c.n_value_heads, c.linear_key_dim, c.linear_value_dim
         C, V = c.conv_channels, nv * dv
-        proj = w.in_proj(y).float()
-        if T == 1 and proj.device.type == "cpu" and cache.conv.is_contiguous() and cache.recurrent.is_contiguous():
-            o = deltanet_token(proj[0], cache.conv, w.conv, w.a, w.dt_bias, w.norm, cache.recurrent, nk, c.rms_eps,
-                               L2_EPS)
-            return w.out(o[None])
-        qkv = causal_conv1d_silu(proj[:, :C], cache.conv, w.conv)
-        z = proj[:, C : C + V].view(T, nv, dv)
-        beta = torch.sigmoid(proj[:, C + V : C + V + nv])
-        g = w.a * F.softplus(proj[:, C + V + nv :] + w.dt_bias)
-        qk = l2_normalize(qkv[:, : 2 * nk * dk].view(T, 2 * nk, dk))
-        q, k = qk[:, :nk] * dk**-0.5, qk[:, nk:]
-        v = qkv[:, 2 * nk * dk :].view(T, nv, dv)
-        rule = gated_delta_rule_recurrent if T == 1 else gated_delta_rule_chunked
-        o = rule(q, k, v, g, beta, cache.recurrent)
-        o = rms_norm(o, w.norm, c.rms_eps).mul_(F.silu(z))
-        return w.out(o.reshape(T, V))
+        proj = w.in_proj(y, alone).float()
+
+        def mix(s: Span, _) -> torch.Tensor:
+            T, cache, rows = s.hi - s.lo, s.state.layers[i], proj[s.lo : s.hi]
+            if T == 1 and rows.device.type == "cpu" and cache.conv.is_contiguous() and cache.recurrent.is_contiguous():
+                o = deltanet_token(rows[0], cache.conv, w.conv, w.a, w.dt_bias, w.norm, cache.recurrent, nk, c.rms_eps,
+                                   L2_EPS)
+                return o[None]
+            qkv = causal_conv1d_silu(rows[:, :C], cache.conv, w.conv)
+            z = rows[:, C : C + V].view(T, nv, dv)
+            beta = torch.sigmoid(rows[:, C + V : C + V + nv])
+            g = w.a * F.softplus(rows[:, C + V + nv :] + w.dt_bias)
+            qk = l2_normalize(qkv[:, : 2 * nk * dk].view(T, 2 * nk, dk))
+            q, k = qk[:, :nk] * dk**-0.5, qk[:, nk:]
+            v = qkv[:, 2 * nk * dk :].view(T, nv, dv)
+            rule = gated_delta_rule_recurrent if T == 1 else gated_delta_rule_chunked
+            o = rule(q, k, v, g, beta, cache.recurrent)
+            o = rms_norm(o, w.norm, c.rms_eps).mul_(F.silu(z))
+            return o.reshape(T, V)
+
+        return w.out(per_sequence(mix, spans, [None] * len(spans)), alone)
 
 
 HF_GLOBALS = {"output_norm.weight": "norm.weight"}

@@ -129,14 +129,18 @@ class OutputHead:
         tensor.advise(mmap.MADV_WILLNEED)
 
     def logits(self, hidden: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Logits (vocab,) of a hidden state (dim,), or (n, vocab) of n states (n, dim), row i
+        bit for bit the logits of hidden[i] alone."""
         if self._int8 is None:
             return self.tensor.logits(hidden, out)
         hidden = np.ascontiguousarray(hidden, np.float32)
-        if hidden.shape != (self.dim,):
-            raise ValueError(f"hidden must have shape ({self.dim},), got {hidden.shape}")
+        if hidden.shape[-1:] != (self.dim,) or hidden.ndim > 2:
+            raise ValueError(f"hidden must have shape ({self.dim},) or (n, {self.dim}), got {hidden.shape}")
         if out is None:
-            out = np.empty(self.vocab_size, np.float32)
-        self._int8(Int8Row(hidden), out.reshape(1, -1), 0)
+            out = np.empty(hidden.shape[:-1] + (self.vocab_size,), np.float32)
+        rows, outs = hidden.reshape(-1, self.dim), out.reshape(-1, self.vocab_size)
+        for row, logits in zip(rows, outs):  # each state quantized on its own, as alone
+            self._int8(Int8Row(row), logits.reshape(1, -1), 0)
         return out
 
 

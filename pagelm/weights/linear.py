@@ -4,7 +4,8 @@ the page cache).
 
 Owns the choice of path per call: a few rows of activations (decode) take the matmul kernels
 (mapped) or torch's GEMV (dense); many rows (prefill) take torch's GEMM over row tiles of W,
-the same calls in both modes, so prefill is bit-identical. Never parses files.
+the same calls in both modes, so prefill is bit-identical. Rows `alone` (one decode step of several
+sequences) each get the bits they would get as the only row. Never parses files.
 """
 
 from __future__ import annotations
@@ -48,13 +49,14 @@ def tile_rows(in_features: int) -> int:
 
 
 class Linear:
-    """y = x·Wᵀ for x (T, in_features); W is (out_features, in_features)."""
+    """y = x·Wᵀ for x (T, in_features); W is (out_features, in_features). With `alone` (at most
+    MAX_GEMV_ROWS rows, each a different sequence's), row t of y is bit for bit what x[t] alone gives."""
 
     in_features: int
     out_features: int
     dtype: torch.dtype  # the compute dtype of many-row products and their result
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, alone: bool = False) -> torch.Tensor:
         raise NotImplementedError
 
     @property
@@ -91,9 +93,11 @@ class DenseLinear(Linear):
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, alone: bool = False) -> torch.Tensor:
         if x.shape[0] == 1:  # one row goes through mv, which CPU bf16 runs far faster than a 1-row GEMM
             return torch.mv(self.weight, x[0].to(self.dtype))[None]
+        if alone:  # torch's GEMM rounds unlike its GEMV: each row's own mv (W is read once per row)
+            return torch.stack([torch.mv(self.weight, row.to(self.dtype)) for row in x])
         return self._many_rows(x)
 
     @property
@@ -206,17 +210,24 @@ class MappedLinear(Linear):
         self.out_features = parts[-1].out_lo + parts[-1].rows
         self.dtype = dtype
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, alone: bool = False) -> torch.Tensor:
         if x.shape[0] > MAX_GEMV_ROWS:
+            if alone:
+                raise ValueError(f"at most {MAX_GEMV_ROWS} rows are multiplied alone, got {x.shape[0]}")
             return self._many_rows(x)
         if x.dtype is torch.float32 and x.is_contiguous():  # a decode step's activations: skip two no-op calls
             xs = x.numpy()
         else:
             xs = x.to(torch.float32).contiguous().numpy()
         out = np.empty((x.shape[0], self.out_features), np.float32)
-        row = Int8Row(xs[0]) if self._int8 and x.shape[0] == 1 else None
-        for p in self.parts:
-            p.matmul(xs, out, row)
+        if self._int8 and (alone or x.shape[0] == 1):  # each row quantized as it would be alone
+            for i in range(x.shape[0]):
+                row = Int8Row(xs[i])
+                for p in self.parts:
+                    p.matmul(xs[i : i + 1], out[i : i + 1], row)
+            return torch.from_numpy(out)
+        for p in self.parts:  # the kernels give each of a few rows its one-row bits
+            p.matmul(xs, out, None)
         return torch.from_numpy(out)
 
     def _gemm_tile(self, lo: int, hi: int, gemm: torch.dtype) -> torch.Tensor:
@@ -243,5 +254,5 @@ class ColumnOrder(Linear):
         gather[np.asarray(columns, np.int64)] = np.arange(len(columns))
         self.gather = torch.from_numpy(gather)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x[:, self.gather])
+    def __call__(self, x: torch.Tensor, alone: bool = False) -> torch.Tensor:
+        return self.inner(x[:, self.gather], alone)

@@ -73,7 +73,8 @@ class _Table:
         raise NotImplementedError
 
     def logits(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """table · x (dim,) in float32, from the bytes in place."""
+        """table · x (dim,) in float32, from the bytes in place; for x (n, dim), (n, vocab) whose
+        row i is bit for bit the logits of x[i] alone."""
         raise NotImplementedError
 
 
@@ -150,6 +151,11 @@ class TiledTensor(_Table):
 
     def logits(self, x, out=None):
         m = self.matrix
+        if np.ndim(x) == 2:  # several states: each as alone
+            out = np.empty((len(x), self.rows), np.float32) if out is None else out
+            for row, logits in zip(x, out):
+                self.logits(row, logits)
+            return out
         if out is None:
             out = np.empty(self.rows, np.float32)
         # the kernel writes whole groups: padded ones (rows not a multiple of 32), or an `out` it

@@ -1,0 +1,153 @@
+"""Batched decode: every session gets from a batched step the bits it gets decoding alone, on every
+architecture, both weights modes and both dtypes; sessions at different lengths, restored from
+checkpoints, after images (their rope offset), joining and leaving; seeded sampling alike."""
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pagelm
+from pagelm.batch import MAX_BATCH, Request, generate_batch
+from pagelm.errors import PagelmError
+from pagelm.quant import int8dot
+from pagelm.sampling import SamplingParams
+
+PROMPTS = [[11, 400, 7, 3000, 12], [5, 9, 33, 2, 1000, 17, 250, 8, 44, 61, 90, 3], [77], [300, 301, 302, 303, 4, 5, 6]]
+
+
+def _synth(path, shape, *extra):
+    subprocess.run([sys.executable, "-m", "pagelm", "synth", "--shape", shape, "--quiet", *extra, str(path)],
+                   check=True, capture_output=True)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def qwen_tiny(tmp_path_factory):
+    return _synth(tmp_path_factory.mktemp("m") / "qwen3.5-tiny-gqa.gguf", "qwen3.5-tiny-gqa", "--layer-type", "Q8_0")
+
+
+@pytest.fixture(scope="module")
+def qwen_tiny_k(tmp_path_factory):
+    return _synth(tmp_path_factory.mktemp("m") / "qwen3.5-tiny-k.gguf", "qwen3.5-tiny-k", "--mix", "q4_k_m")
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+class Pair:
+    """One sequence twice: a session that decodes in batches and one that decodes alone."""
+
+    def __init__(self, model, prompt, checkpoint=None):
+        self.batched, self.alone = model.session(max_len=64), model.session(max_len=64)
+        for s in (self.batched, self.alone):
+            if checkpoint is None:
+                s.prefill(prompt)
+            else:
+                s.restore(checkpoint)
+
+    def next_token(self) -> int:
+        return int(np.argmax(self.alone.logits))
+
+
+def step(model, pairs: list[Pair]) -> None:
+    tokens = [p.next_token() for p in pairs]
+    logits = model.decode_batch([p.batched for p in pairs], tokens)
+    assert logits.shape == (len(pairs), model.head.vocab_size)
+    for p, token, row in zip(pairs, tokens, logits):
+        alone = p.alone.decode(token)
+        assert same_bits(row, alone), f"{np.sum(row != alone)} logits differ"
+        assert same_bits(p.batched.logits, alone)
+        assert p.batched.tokens == p.alone.tokens and p.batched.position_delta == p.alone.position_delta
+
+
+def joining_and_leaving(model, offset_rope: bool) -> None:
+    a, b = Pair(model, PROMPTS[0]), Pair(model, PROMPTS[1])
+    for _ in range(2):
+        step(model, [a, b])
+    source = model.session(max_len=64)
+    source.prefill(PROMPTS[3])
+    checkpoint = source.checkpoint()
+    if offset_rope:  # as after an image: rope positions behind the token count (multimodal rope)
+        checkpoint = dataclasses.replace(checkpoint, position_delta=-3)
+    c = Pair(model, None, checkpoint)  # restored from a checkpoint, joining
+    step(model, [a, b, c])
+    d = Pair(model, PROMPTS[2])
+    step(model, [c, d, b])  # a leaves, d joins, in another order
+    step(model, [d])
+    step(model, [a, d, c, b])
+
+
+@pytest.mark.parametrize("weights, dtype", [(w, d) for w in ("mapped", "dense") for d in ("float32", "bfloat16")]
+                         + [("mapped-int8", "bfloat16")])
+def test_qwen35_batched_steps_are_each_sessions_own_bits(qwen_tiny, weights, dtype):
+    if weights == "mapped-int8" and not int8dot.available():
+        pytest.skip("mapped-int8 needs AVX2")
+    joining_and_leaving(pagelm.load(qwen_tiny, weights=weights, dtype=dtype), offset_rope=True)
+
+
+def test_qwen35_k_quant_mix_batched_steps_are_each_sessions_own_bits(qwen_tiny_k):
+    joining_and_leaving(pagelm.load(qwen_tiny_k, dtype="bfloat16"), offset_rope=True)
+
+
+@pytest.mark.parametrize("weights", ["mapped", "dense"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fixture", ["smollm2_gguf", "gemma3_gguf"])
+def test_llama_and_gemma3_batched_steps_are_each_sessions_own_bits(request, fixture, weights, dtype):
+    joining_and_leaving(pagelm.load(request.getfixturevalue(fixture), weights=weights, dtype=dtype),
+                        offset_rope=False)
+
+
+def test_a_full_batch_of_sessions_at_different_lengths(qwen_tiny):
+    model = pagelm.load(qwen_tiny, dtype="float32")
+    pairs = [Pair(model, PROMPTS[i % 4][: 1 + i % 5] + [i]) for i in range(MAX_BATCH)]
+    step(model, pairs)
+    step(model, pairs[::-1])
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched(qwen_tiny):
+    model = pagelm.load(qwen_tiny, dtype="bfloat16")
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=1, max_tokens=12),
+              SamplingParams(temperature=1.3, top_k=40, repetition_penalty=1.2, seed=7, max_tokens=5),
+              SamplingParams(temperature=0.7, presence_penalty=0.5, seed=3, max_tokens=9),
+              SamplingParams(max_tokens=7)]
+    alone = []
+    for prompt, p in zip(PROMPTS, params):
+        session = model.session(max_len=64)
+        alone.append((list(session.generate(prompt, p)), session.tokens))
+    sessions = [model.session(max_len=64) for _ in PROMPTS]
+    got = generate_batch([Request(s, prompt, p) for s, prompt, p in zip(sessions, PROMPTS, params)])
+    assert got == [tokens for tokens, _ in alone]
+    assert [s.tokens for s in sessions] == [tokens for _, tokens in alone]
+    assert [len(g) for g in got] == [12, 5, 9, 7]
+
+
+def test_bad_batches_are_refused_with_a_clear_error(qwen_tiny):
+    model = pagelm.load(qwen_tiny, dtype="float32")
+    a, b = model.session(max_len=8), model.session(max_len=8)
+    a.prefill([1, 2, 3])
+    b.prefill([4, 5, 6, 7, 8, 9, 10, 11])
+    with pytest.raises(PagelmError, match="one token each"):
+        model.decode_batch([a], [1, 2])
+    with pytest.raises(PagelmError, match="twice"):
+        model.decode_batch([a, a], [1, 2])
+    with pytest.raises(PagelmError, match="context overflow"):
+        model.decode_batch([a, b], [1, 2])
+    with pytest.raises(PagelmError, match=f"1 to {MAX_BATCH}"):
+        model.decode_batch([], [])
+    other = pagelm.load(qwen_tiny, dtype="float32").session(max_len=8)
+    with pytest.raises(PagelmError, match="this model"):
+        model.decode_batch([a, other], [1, 2])
+    assert a.tokens == [1, 2, 3]  # nothing was fed
+
+
+def test_session_state_bytes_are_its_state_and_logits(qwen_tiny):
+    model = pagelm.load(qwen_tiny, dtype="float32")
+    session = model.session(max_len=64)
+    empty = session.nbytes
+    assert empty == session.state.nbytes > 0
+    session.prefill([1, 2])
+    assert session.nbytes == empty + model.head.vocab_size * 4
