@@ -36,22 +36,10 @@ PAGELM_MODES = ("dense/dense", "mapped/dense", "mapped/mapped")  # embedding/wei
 OPT_IN_MODES = ("mapped/mapped-int8",)  # run only when asked for
 
 
-def _timed(fn, total: list[float]):
-    """`fn`, adding the seconds spent in it to `total[0]`."""
-
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            total[0] += time.perf_counter() - start
-
-    return wrapper
-
-
 def pagelm_worker(path: str, mode: str, dtype: str, prompt_tokens: int, new_tokens: int) -> dict:
     import pagelm
     from pagelm.measure.memory import read_memory
+    from pagelm.bench.batch import timed
     from pagelm.quant import kernels, matmul
     from pagelm.sampling import SamplingParams
     from pagelm.weights import linear
@@ -66,8 +54,8 @@ def pagelm_worker(path: str, mode: str, dtype: str, prompt_tokens: int, new_toke
     load_mib = (read_memory().anonymous - before) / MIB
     matmul_s, head_s = [0.0], [0.0]
     for cls in (linear.DenseLinear, linear.MappedLinear):
-        cls.__call__ = _timed(cls.__call__, matmul_s)
-    model.head.logits = _timed(model.head.logits, head_s)
+        cls.__call__ = timed(cls.__call__, matmul_s)
+    model.head.logits = timed(model.head.logits, head_s)
     session = model.session(max_len=prompt_tokens + new_tokens + 8)
     prompt = _prompt(model.embedding.vocab_size, prompt_tokens)
     params = SamplingParams(max_tokens=new_tokens)

@@ -135,6 +135,32 @@ def _perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sizes(value: str) -> list[int]:
+    from pagelm.batch import MAX_BATCH
+
+    try:
+        sizes = [int(part) for part in value.split(",")]
+    except ValueError:
+        raise PagelmError(f"--sizes must be comma-separated batch sizes, got {value!r}") from None
+    if not sizes or any(not 1 <= n <= MAX_BATCH for n in sizes) or len(set(sizes)) != len(sizes):
+        raise PagelmError(f"--sizes must be distinct batch sizes from 1 to {MAX_BATCH}, got {value!r}")
+    return sorted(sizes)
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from pagelm.bench.batch import run_batch
+
+    sizes = _sizes(args.sizes)
+    _positive("--tokens", args.tokens)
+    _positive("--runs", args.runs)
+    report = run_batch(args.model, model_path(args.model, args.models_dir), sizes, args.tokens, args.runs,
+                       args.threads)
+    print(report.markdown())
+    if args.png:
+        print(f"chart: {report.chart(args.png)}")
+    return 1 if report.differing else 0
+
+
 def _all(args: argparse.Namespace) -> int:
     from pagelm.bench.memory import run_memory
     from pagelm.bench.pressure import run_pressure
@@ -334,6 +360,27 @@ def register(commands) -> None:
                             help="comma-separated compute dtypes (default bfloat16,float32)")
     _models_dir(perplexity)
     perplexity.set_defaults(run=_perplexity)
+
+    batch = subcommands.add_parser(
+        "batch", help="decode throughput of 1..16 sequences per step (weights mapped); exit 1 if any sequence's "
+                      "logits differ from decoding it alone",
+        description="In process, weights mapped: for each batch size N, N sessions with their own seeded prompts "
+                    "(of different lengths) decode --tokens greedy steps together, one decode_batch call a step. "
+                    "Prints per size the aggregate and per-sequence tokens per second, ms per step split into "
+                    "matmuls + head + rest, and the ratio to batch size 1 (medians of --runs runs, sizes "
+                    "interleaved), then one line 'batch N: R× batch 1' per size. The first run's sequences are "
+                    "decoded again alone and every step's logits compared bit for bit: the last line is "
+                    "'differing sequences: D of S'; exit 1 if D > 0. With llama_cpp installed, llama.cpp decodes "
+                    "the same sequences of the same file, N per llama_batch, side by side.")
+    batch.add_argument("model", metavar="MODEL", help=model_help)
+    batch.add_argument("--sizes", default="1,2,4,8,16", metavar="N,…",
+                       help="batch sizes, 1 to 16 (default 1,2,4,8,16)")
+    batch.add_argument("--tokens", type=int, default=32, help="decode steps per batch size and run (default 32)")
+    batch.add_argument("--runs", type=int, default=DEFAULT_RUNS, help=f"runs (default {DEFAULT_RUNS})")
+    batch.add_argument("--threads", type=int, default=2, help="threads for torch and the kernels (default 2)")
+    batch.add_argument("--png", metavar="PATH", help="also write a bar chart of aggregate and per-sequence tok/s")
+    _models_dir(batch)
+    batch.set_defaults(run=_batch)
 
     every = subcommands.add_parser(
         "all", help="run every benchmark and rewrite the generated block of OUT/results.md (+ PNGs)",
