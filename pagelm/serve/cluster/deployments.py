@@ -35,11 +35,16 @@ from pagelm.serve.requests import RequestError
 from pagelm.serve.worker import Delta, Failed, Job, QueueFull, Result
 
 log = logging.getLogger("pagelm.serve")
-MAX_ONGOING = 4  # requests a replica holds (running + waiting in its engine queue)
+WAITING = 3  # requests a replica holds beyond its slots (waiting in its engine queue)
 RESENDS = 4  # times a request not yet started is sent again after its replica died
 STUCK_S = 300.0  # a running request with no event for this long fails the health check
 RECENT = 256  # request ids each replica remembers having served (in /api/ps)
-SUMMED = ("prefix_cache", "image_cache", "requests", "memory")
+SUMMED = ("prefix_cache", "image_cache", "requests", "memory", "slots")
+
+
+def max_ongoing(settings: ServeSettings) -> int:
+    """Requests one replica holds: one per slot (--parallel) and a few waiting."""
+    return settings.parallel + WAITING
 
 
 def _cpu_share() -> int:
@@ -200,7 +205,7 @@ class ClusterServer(Server):
             self.chat = ChatModel.open(s.model_path, name=s.model_name, embedding=s.embedding, weights=s.weights,
                                        dtype=s.dtype, threads=1, mmproj=s.mmproj, image_cache_mib=0,
                                        image_tokens=s.image_tokens)
-            self.worker = RemoteWorker(self.engine, s.queue_size + self.replicas * MAX_ONGOING)
+            self.worker = RemoteWorker(self.engine, s.queue_size + self.replicas * max_ongoing(s))
         except Exception as e:  # noqa: BLE001 - reported by /health
             self.load_error = e
         self.load_s = time.perf_counter() - start
@@ -222,7 +227,8 @@ class ClusterServer(Server):
                     if isinstance(value, (bool, int, float)):
                         totals[group][key] = totals[group].get(key, 0) + value
         memory = read_memory()
-        return {**totals, "replicas": replicas, "unreachable_replicas": len(answers) - len(replicas),
+        return {**totals, "histograms": merge_histograms([r.get("histograms", {}) for r in replicas]),
+                "replicas": replicas, "unreachable_replicas": len(answers) - len(replicas),
                 "ingress": {"resent": self.worker.resent if self.worker else 0,
                             "memory": {"anonymous_bytes": memory.anonymous, "rss_bytes": memory.rss}}}
 
@@ -244,12 +250,12 @@ def build_app(settings: ServeSettings, replicas: int, num_cpus: float, routing: 
     router = RequestRouterConfig(request_router_class="pagelm.serve.cluster.router:PrefixAffinityRouter",
                                  request_router_kwargs={"policy": routing})
     engine = serve.deployment(
-        PagelmEngine, name="PagelmEngine", num_replicas=replicas, max_ongoing_requests=MAX_ONGOING,
+        PagelmEngine, name="PagelmEngine", num_replicas=replicas, max_ongoing_requests=max_ongoing(settings),
         ray_actor_options={"num_cpus": num_cpus}, request_router_config=router,
         graceful_shutdown_timeout_s=30, graceful_shutdown_wait_loop_s=0.5,
         health_check_period_s=5, health_check_timeout_s=30)
     ingress = serve.deployment(PagelmIngress, name="PagelmIngress", num_replicas=1,
-                               max_ongoing_requests=settings.queue_size + replicas * MAX_ONGOING,
+                               max_ongoing_requests=settings.queue_size + replicas * max_ongoing(settings),
                                ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=30)
     return ingress.bind(settings, engine.bind(settings, stuck_s), replicas)
 
