@@ -448,6 +448,9 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
     # dispatcher pickles differently in every process (the cache would never hit); the constant
     # branch is pruned before lowering. Q6_K's 16-lane loops must stay loops until vectorized (_mac64).
     mv_keeps_loops = kind in (_F32, _F16, _BF16, _Q6_K)
+    # Several rows: the Q4_K/Q5_K loops of 64 lanes vectorize without optsize, which then gave 1.3-2.1x
+    # one row's throughput at 4-8 rows where optsize gave 0.5x; every other type was 2-10x slower without.
+    mm_keeps_loops = kind not in (_Q4_K, _Q5_K)
     lanes = 64 * MAX_GEMV_ROWS
 
     # Two functions, not two branches of one: a second parfor in the same function made the
@@ -470,7 +473,8 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
         rnb = max(nblk * bb + tail * value_bytes, 1)
         for c in prange(nch):
             _wide_vectors()
-            _keep_loops()
+            if mm_keeps_loops:
+                _keep_loops()
             r0, r1 = _chunk(c, nch, len(offs))
             acc, w = carray(_stack_f32(lanes), lanes), carray(_stack_f32(256), 256)
             _gemv_rows(kind, vb, bb, data, offs, x, x.shape[0], f16, out, lo, r0, r1, nblk, tail, rnb, acc, w)
