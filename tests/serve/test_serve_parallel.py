@@ -164,6 +164,22 @@ def test_cancelling_one_of_four_running_leaves_the_others_unchanged(smol, how):
     assert ps["slots"]["busy"] == 0 and ps["slots"]["idle"] == ps["slots"]["total"] == 4
 
 
+@pytest.fixture(scope="module")
+def single(servers, smollm2_gguf):
+    return servers.get("parallel1", smollm2_gguf, "--ctx-len", "2048", "--max-tokens", "64", "--parallel", "1")
+
+
+def test_parallel_one_answers_one_request_at_a_time(single):
+    alone = [_story(single, i) for i in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(lambda i: _story(single, i), range(3)))
+    assert together == alone
+    ps = _wait(single, _idle, "not idle")
+    batches = ps["histograms"]["batch_size"]
+    assert batches["count"] > 0 and batches["buckets"][0] == [1, batches["count"]]  # every step one sequence
+    assert ps["slots"]["total"] == 1 and ps["slots"]["per_slot_state_bytes"][0] > 0
+
+
 # -- the queue ----------------------------------------------------------------------------
 
 def test_full_queue_refuses_with_503_and_retry_after_while_the_earlier_ones_complete(pair):
@@ -243,5 +259,6 @@ def test_mixed_requests_at_concurrency_eight_lose_none_and_keep_memory_bounded(l
     for i, answer in first + rest:
         expected = alone[i % 30]
         assert answer["content"] == expected["content"] and answer["finish"] == expected["finish"], (i, answer)
+    assert ps["slots"]["per_slot_state_bytes"][1:] == [0] * (ps["slots"]["total"] - 1)  # given back when idle
     grown = ps["memory"]["anonymous_bytes"] - settled
     assert grown <= 32 * MIB, f"anonymous memory grew {grown / MIB:.1f} MiB over {LOOP - WARM} requests"
