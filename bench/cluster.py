@@ -13,7 +13,6 @@ them) beside two plain servers', and Ray's own processes; the prefix-cache hit r
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ from pagelm.bench.server import ServerConfig, ServerProcess, free_port
 from pagelm.bench.shared import measure_pair, model_file_pages
 from pagelm.measure.memory import read_memory
 from pagelm.serve.app import ServeSettings
-from pagelm.serve.cluster.run import LOOPBACK
+from pagelm.serve.cluster.loopback import LOOPBACK_ENV, start_local_ray
 
 MIB = 1 << 20
 CONCURRENCY = (1, 2, 4, 8)
@@ -156,6 +155,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16, help="tokens per answer (default 16)")
     parser.add_argument("--latency-runs", type=int, default=5)
     args = parser.parse_args()
+    os.environ.update(LOOPBACK_ENV)  # before ray is imported
     import ray
     from ray import serve
 
@@ -173,8 +173,7 @@ def main() -> int:
     print("two plain pagelm serve processes (shared pages) ...", file=sys.stderr, flush=True)
     plain_first, plain_second = measure_pair(path, "all mapped")
 
-    ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
-             _node_ip_address=LOOPBACK)
+    start_local_ray(num_cpus=cpus)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     endpoint = Endpoint(f"http://127.0.0.1:{port}", name)
