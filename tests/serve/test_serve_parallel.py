@@ -262,3 +262,22 @@ def test_mixed_requests_at_concurrency_eight_lose_none_and_keep_memory_bounded(l
     assert ps["slots"]["per_slot_state_bytes"][1:] == [0] * (ps["slots"]["total"] - 1)  # given back when idle
     grown = ps["memory"]["anonymous_bytes"] - settled
     assert grown <= 32 * MIB, f"anonymous memory grew {grown / MIB:.1f} MiB over {LOOP - WARM} requests"
+
+
+# -- what the server reports ------------------------------------------------------------------
+
+def test_ps_and_metrics_report_slots_queue_and_histograms(smol):
+    _story(smol, 0)
+    ps = _wait(smol, _idle, "not idle")
+    slots = ps["slots"]
+    assert slots["total"] == 4 and slots["busy"] + slots["idle"] == 4 and len(slots["per_slot_state_bytes"]) == 4
+    assert slots["state_bytes"] == sum(slots["per_slot_state_bytes"]) == ps["memory"]["state_bytes"] > 0
+    metrics = httpx.get(f"{smol.url}/metrics", timeout=30).text
+    lines = dict(line.rsplit(" ", 1) for line in metrics.splitlines())
+    assert int(lines["pagelm_slots_total"]) == 4 and int(lines["pagelm_requests_queued"]) == 0
+    for name in ("batch_size", "queue_wait_seconds", "time_to_first_token_seconds", "inter_token_latency_seconds"):
+        count = int(lines[f"pagelm_{name}_count"])
+        assert count > 0 and int(lines[f'pagelm_{name}_bucket{{le="+Inf"}}']) == count, name
+        assert float(lines[f"pagelm_{name}_sum"]) >= 0
+    buckets = [int(v) for k, v in lines.items() if k.startswith("pagelm_batch_size_bucket")]
+    assert buckets == sorted(buckets)  # cumulative
