@@ -161,6 +161,35 @@ def _batch(args: argparse.Namespace) -> int:
     return 1 if report.differing else 0
 
 
+def _counts(flag: str, value: str) -> list[int]:
+    try:
+        counts = [int(part) for part in value.split(",")]
+    except ValueError:
+        raise PagelmError(f"{flag} must be comma-separated numbers, got {value!r}") from None
+    if not counts or min(counts) < 1:
+        raise PagelmError(f"{flag} must be numbers of at least 1, got {value!r}")
+    return counts
+
+
+def _concurrency(args: argparse.Namespace) -> int:
+    from pagelm.bench.concurrency import run_concurrency
+
+    clients = _counts("--clients", args.clients)
+    lengths = _counts("--prompt-tokens", args.prompt_tokens)
+    if len(lengths) != 2 or lengths[0] > lengths[1]:
+        raise PagelmError(f"--prompt-tokens must be LOW,HIGH with LOW <= HIGH, got {args.prompt_tokens!r}")
+    for flag in ("requests", "new_tokens", "threads"):
+        _positive(f"--{flag.replace('_', '-')}", getattr(args, flag))
+    argv = sys.argv[sys.argv.index("concurrency"):] if "concurrency" in sys.argv else ["concurrency", args.model]
+    command = shlex.join(["pagelm", "bench", *argv])
+    report = run_concurrency(args.model, model_path(args.model, args.models_dir), command, clients, args.requests,
+                             (lengths[0], lengths[1]), args.new_tokens, args.threads, not args.no_long_prompt)
+    print(report.markdown())
+    if args.png:
+        print(f"chart: {report.chart(args.png)}")
+    return 1 if report.differing else 0
+
+
 def _all(args: argparse.Namespace) -> int:
     from pagelm.bench.memory import run_memory
     from pagelm.bench.pressure import run_pressure
@@ -381,6 +410,33 @@ def register(commands) -> None:
     batch.add_argument("--png", metavar="PATH", help="also write a bar chart of aggregate and per-sequence tok/s")
     _models_dir(batch)
     batch.set_defaults(run=_batch)
+
+    concurrency = subcommands.add_parser(
+        "concurrency", help="a pagelm serve --parallel process under 1, 2, 4, 8 concurrent clients; exit 1 if any "
+                            "answer differs from the same request alone",
+        description="Starts `pagelm serve MODEL --parallel P` (P: the most clients, at least 5; prefix cache off) "
+                    "and sends --requests seeded prompts of --prompt-tokens LOW,HIGH tokens as greedy streamed "
+                    "/v1/completions of --new-tokens tokens, from each number of concurrent clients in turn over "
+                    "loopback. Prints per level: aggregate completion tokens per second, its ratio to one client, "
+                    "time to first token and inter-token latency p50/p95, mean queue wait and how many answers "
+                    "differ from one client's (the request alone); then a 2,600-token prompt is sent while 4 "
+                    "streams decode, and their inter-token p95 before and during its prefill is printed, and the "
+                    "anonymous memory of the busiest moment against the idle server (bound: busy slots × (slot "
+                    "state + 4 MiB)). Last line: 'differing answers: D of N'; exit 1 if D > 0. With a "
+                    "llama-server binary on PATH, the same clients run against `llama-server -np` on the same file.")
+    concurrency.add_argument("model", metavar="MODEL", help=model_help)
+    concurrency.add_argument("--clients", default="1,2,4,8", metavar="N,…",
+                             help="numbers of concurrent clients (default 1,2,4,8; 1 is always run)")
+    concurrency.add_argument("--requests", type=int, default=32, help="requests per level (default 32)")
+    concurrency.add_argument("--prompt-tokens", default="100,400", metavar="LOW,HIGH",
+                             help="prompt lengths, drawn uniformly (default 100,400)")
+    concurrency.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (default 64)")
+    concurrency.add_argument("--threads", type=int, default=2, help="the server's compute threads (default 2)")
+    concurrency.add_argument("--no-long-prompt", action="store_true",
+                             help="skip the 2,600-token prompt sent while 4 streams decode")
+    concurrency.add_argument("--png", metavar="PATH", help="also write charts of tok/s, TTFT and inter-token p95")
+    _models_dir(concurrency)
+    concurrency.set_defaults(run=_concurrency)
 
     every = subcommands.add_parser(
         "all", help="run every benchmark and rewrite the generated block of OUT/results.md (+ PNGs)",
