@@ -343,16 +343,19 @@ class Worker:
         return sorted(cuts) + ([end] if start < end else []), stores
 
     def _prefill_one_segment(self) -> None:
-        """The next segment of the prompt of the earliest-admitted slot still prefilling."""
+        """The next segment of the prompt of the earliest-admitted slot still prefilling (those
+        cancelled end first, whatever their turn)."""
         prefilling = [(s.job.submitted, i) for i, s in enumerate(self._slots) if s is not None and not s.decoding]
+        for submitted, index in list(prefilling):
+            r = self._slots[index]
+            if r.job.cancel.is_set():
+                r.result.finish_reason = "cancelled"
+                self._finish(index, r)
+                prefilling.remove((submitted, index))
         if not prefilling:
             return
         index = min(prefilling)[1]
         r = self._slots[index]
-        if r.job.cancel.is_set():
-            r.result.finish_reason = "cancelled"
-            self._finish(index, r)
-            return
         try:
             prompt = r.job.prompt
             cursor, point = len(r.session.tokens), r.cuts.pop(0)
