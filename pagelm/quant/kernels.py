@@ -179,20 +179,22 @@ def _prefetch_ahead(table, at):
 
 
 @njit(inline="always")
-def _head_q8_0_row(table, v, x, n, f16, out, acc):
+def _head_q8_0_row(table, v, x, i0, g, n, f16, out, acc):
+    """out[i0 + i, v] for the g hidden states from x[i0] (those past the last repeat it, unstored)."""
     row = table[v]
-    acc[: 32 * n] = 0
+    acc[: 32 * g] = 0
     for b in range(len(row) // 34):
         o = b * 34
         # One hint per 68 bytes, about one per cache line; a burst of hints per row stalls.
-        if b % 2 == 0:
+        if b % 2 == 0 and i0 == 0:
             _prefetch_ahead(table, v * len(row) + o)
         d = _f16(f16, row, o)
-        for i in range(n):
+        for i in range(g):
+            xi = min(i0 + i, n - 1)
             for j in range(32):
-                acc[32 * i + j] += d * (np.float32(np.int8(row[o + 2 + j])) * x[i, b * 32 + j])
-    for i in range(n):
-        out[i, v] = _vsum(acc[32 * i : 32 * i + 32], 32)
+                acc[32 * i + j] += d * (np.float32(np.int8(row[o + 2 + j])) * x[xi, b * 32 + j])
+    for i in range(min(g, n - i0)):
+        out[i0 + i, v] = _vsum(acc[32 * i : 32 * i + 32], 32)
 
 
 @njit(inline="always")
@@ -242,7 +244,10 @@ def _head_q6_k_row(table, v, x, n, f16, out, acc, values, scales):
 
 def _head_kernel(kind: GGMLType, many: bool):
     """The head GEMV of a Q8_0 or Q6_K table for one hidden state (many=False: n = 1) or up to
-    MAX_HEAD_ROWS; x (n, dim), out (n, vocab)."""
+    MAX_HEAD_ROWS; x (n, dim), out (n, vocab). Several states: Q6_K unpacks a block once for all of
+    them; Q8_0 takes 4 a pass over the row (accumulators that fit the registers, the row's later
+    passes from the caches, optsize so the 32-lane loops vectorize): one pass over all states took as
+    long as one pass per state (side by side, 1 thread, CPU time)."""
     lanes = (32 if kind == _T.Q8_0 else 128) * (MAX_HEAD_ROWS if many else 1)
     q6_k = kind == _T.Q6_K  # a bool in the closure, not the enum: numba's cache key pickles closure values
 
@@ -255,8 +260,12 @@ def _head_kernel(kind: GGMLType, many: bool):
             if q6_k:
                 _keep_loops()
                 _head_q6_k_row(table, v, x, n, f16, out, acc, _stack_bytes(256), _stack_f32(16))
+            elif many:
+                _keep_loops()
+                for i0 in range(0, n, 4):
+                    _head_q8_0_row(table, v, x, i0, 4, n, f16, out, acc)
             else:
-                _head_q8_0_row(table, v, x, n, f16, out, acc)
+                _head_q8_0_row(table, v, x, 0, 1, 1, f16, out, acc)
 
     return head
 

@@ -357,40 +357,31 @@ def _product(kind, d, v, xv):
 
 
 @njit(inline="always")
-def _mac32(kind, acc, w, data, o, x, xo, f16, n):
-    """acc[64 i : 64 i + 32] += the 32-value block at byte o times x[i, xo:] for the n rows of x.
+def _mac32(kind, acc, data, o, x, xo, f16, i0, g, n):
+    """acc[64 i : 64 i + 32] += the 32-value block at byte o times x[min(i0 + i, n - 1), xo:], i < g.
 
-    One row takes each value as it is unpacked, in registers (unpacked into w first, the one-row
-    GEMVs of these types took 4-8x the time, side by side); several rows take them from w.
-    Q4_0/Q4_1 loop over bytes, both nibbles of each at once, so each loop vectorizes."""
+    Each value is taken as it is unpacked, in registers: unpacked into a buffer first, the one-row
+    GEMVs of these types took 4-8x the time, and several rows from the buffer no less than one row
+    each (side by side). Q4_0/Q4_1 loop over bytes, both nibbles of each at once, so each loop vectorizes."""
     values = _stack_bytes(32)
     d, m = _scales32(kind, data, o, f16, values)
     q = carray(values, 32)
-    nibbles = kind == _Q4_0 or kind == _Q4_1
-    if n == 1:
-        if nibbles:
+    for i in range(g):
+        xi = min(i0 + i, n - 1)
+        if kind == _Q4_0 or kind == _Q4_1:
             for j in range(16):
                 lo, hi = _nibble_pair(kind, data, o, j, d, m)
-                acc[j] += lo * _xv(x, 0, xo + j)
-                acc[16 + j] += hi * _xv(x, 0, xo + 16 + j)
+                acc[64 * i + j] += lo * _xv(x, xi, xo + j)
+                acc[64 * i + 16 + j] += hi * _xv(x, xi, xo + 16 + j)
         else:
             for j in range(32):
-                acc[j] += _product(kind, d, _value32(kind, data, o, j, q, d, m, f16), _xv(x, 0, xo + j))
-        return
-    if nibbles:
-        for j in range(16):
-            w[j], w[16 + j] = _nibble_pair(kind, data, o, j, d, m)
-    else:
-        for j in range(32):
-            w[j] = _value32(kind, data, o, j, q, d, m, f16)
-    for i in range(n):
-        for j in range(32):
-            acc[64 * i + j] += _product(kind, d, w[j], _xv(x, i, xo + j))
+                acc[64 * i + j] += _product(kind, d, _value32(kind, data, o, j, q, d, m, f16), _xv(x, xi, xo + j))
 
 
 @njit(inline="always")
-def _mac_block(kind, acc, w, data, o, x, xo, f16, n):
-    """acc[64 i : 64 i + 64] += the block at byte o times x[i, xo:], for each of the n rows of x.
+def _mac_block(kind, acc, w, data, o, x, xo, f16, i0, g, n):
+    """acc[64 i : 64 i + 64] += the block at byte o times x[min(i0 + i, n - 1), xo:], for i < g (the
+    K-quants and Q6_K take every row at once: i0 = 0, g = n).
 
     A Q4_K/Q5_K block is unpacked into w (both nibbles of each byte at once, its 16 scales and mins
     from one byte-vector decode, blockir._k4_scales), then multiplied into each row: for one row as
@@ -416,26 +407,29 @@ def _mac_block(kind, acc, w, data, o, x, xo, f16, n):
                 for j in range(64):
                     acc[64 * i + j] += w[64 * p + j] * _xv(x, i, xo + 64 * p + j)
     else:
-        _mac32(kind, acc, w, data, o, x, xo, f16, n)
+        _mac32(kind, acc, data, o, x, xo, f16, i0, g, n)
 
 
 @njit(inline="always")
-def _gemv_rows(kind, vb, bb, data, offs, x, n, f16, out, lo, r0, r1, nblk, tail, rnb, acc, w):
-    """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W and the n rows of x."""
+def _gemv_rows(kind, vb, bb, data, offs, x, n, g, f16, out, lo, r0, r1, nblk, tail, rnb, acc, w):
+    """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W and the n rows of x, g rows of x a
+    pass over each row of W (its later passes read it from the caches)."""
     ahead = _ahead_rows(kind, rnb)
     for r in range(r0, r1):
         row = offs[r]
         hint = _row_ahead(offs, r, ahead)
-        acc[: 64 * n] = 0
-        for b in range(nblk):
-            o, xo = row + b * bb, b * vb
-            _hint_block(data, hint, b, bb)
-            _mac_block(kind, acc, w, data, o, x, xo, f16, n)
-        for i in range(n):
-            total = _vsum(acc[64 * i : 64 * i + 64], 64)
-            for k in range(tail):
-                total += _val(kind, data, row + nblk * bb, k, f16) * x[i, nblk * vb + k]
-            out[i, lo + r] = total
+        for i0 in range(0, n, g):
+            acc[: 64 * g] = 0
+            for b in range(nblk):
+                o, xo = row + b * bb, b * vb
+                if i0 == 0:
+                    _hint_block(data, hint, b, bb)
+                _mac_block(kind, acc, w, data, o, x, xo, f16, i0, g, n)
+            for i in range(min(g, n - i0)):
+                total = _vsum(acc[64 * i : 64 * i + 64], 64)
+                for k in range(tail):
+                    total += _val(kind, data, row + nblk * bb, k, f16) * x[i0 + i, nblk * vb + k]
+                out[i0 + i, lo + r] = total
 
 
 def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
@@ -451,6 +445,10 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
     # Several rows: the Q4_K/Q5_K loops of 64 lanes vectorize without optsize, which then gave 1.3-2.1x
     # one row's throughput at 4-8 rows where optsize gave 0.5x; every other type was 2-10x slower without.
     mm_keeps_loops = kind not in (_Q4_K, _Q5_K)
+    # The K-quants and Q6_K unpack a block once for every row; the 32-value types take 4 rows a pass
+    # (accumulators that fit the registers): 1.5-1.8x one row's throughput at 4-16 rows, where one
+    # pass over a buffer of unpacked values gave 0.5-1x (side by side, 1 thread, CPU time).
+    k_rows = vb == 256
     lanes = 64 * MAX_GEMV_ROWS
 
     # Two functions, not two branches of one: a second parfor in the same function made the
@@ -465,7 +463,7 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
                 _keep_loops()
             r0, r1 = _chunk(c, nch, len(offs))
             acc, w = carray(_stack_f32(64), 64), carray(_stack_f32(256), 256)
-            _gemv_rows(kind, vb, bb, data, offs, x, 1, f16, out, lo, r0, r1, nblk, tail, rnb, acc, w)
+            _gemv_rows(kind, vb, bb, data, offs, x, 1, 1, f16, out, lo, r0, r1, nblk, tail, rnb, acc, w)
 
     @njit(parallel=True, cache=True, fastmath={"contract"})
     def mm(data, offs, x, f16, out, lo, width, nch):
@@ -477,7 +475,11 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
                 _keep_loops()
             r0, r1 = _chunk(c, nch, len(offs))
             acc, w = carray(_stack_f32(lanes), lanes), carray(_stack_f32(256), 256)
-            _gemv_rows(kind, vb, bb, data, offs, x, x.shape[0], f16, out, lo, r0, r1, nblk, tail, rnb, acc, w)
+            n = x.shape[0]
+            if k_rows:
+                _gemv_rows(kind, vb, bb, data, offs, x, n, n, f16, out, lo, r0, r1, nblk, tail, rnb, acc, w)
+            else:  # 4, a constant: the 4 rows' loops unroll, their accumulators stay in registers
+                _gemv_rows(kind, vb, bb, data, offs, x, n, 4, f16, out, lo, r0, r1, nblk, tail, rnb, acc, w)
 
     return mv, mm
 
