@@ -345,6 +345,8 @@ def run_concurrency(name: str, path: str, command: str, clients: list[int], requ
                 level.differing = sum(a.text != b.text or a.tokens != b.tokens
                                       for a, b in zip(level.answers, levels[0].answers))
             levels.append(level)
+            progress(f"{name}: {c} client(s): {level.tokens_per_s:.2f} tok/s, TTFT p95 {level.ttft(95):.2f} s, "
+                     f"inter-token p95 {level.itl(95):.3f} s, {level.differing} differing")
         long_run = None
         if long_prompt:
             progress(f"{name}: a {LONG_PROMPT_TOKENS}-token prompt while {STREAMS} streams decode")
