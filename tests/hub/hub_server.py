@@ -52,12 +52,16 @@ class HubFile:
 @dataclass
 class Fault:
     """What goes wrong serving one file: the connection dropped after `drop_at` of it (once),
-    `unavailable` GETs answered 503 first, a byte flipped, or `delay` seconds before each chunk."""
+    `unavailable` GETs answered 503 first, a byte flipped, `delay` seconds before each chunk, or
+    the body stalled at `hold_at` of it until `released` is set (a slow server, whatever the
+    machine's speed)."""
 
     drop_at: float | None = None
     unavailable: int = 0
     corrupt: bool = False
     delay: float = 0.0
+    hold_at: float | None = None
+    released: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -166,6 +170,8 @@ class HubServer:
                     raise ConnectionAbortedError("injected: connection dropped mid-file")
                 if fault.delay:
                     await asyncio.sleep(fault.delay)
+                while fault.hold_at is not None and offset >= fault.hold_at * f.size and not fault.released.is_set():
+                    await asyncio.sleep(0.05)
                 if fault.corrupt and offset <= f.size // 2 < offset + len(block):
                     i = f.size // 2 - offset
                     block = block[:i] + bytes([block[i] ^ 0xFF]) + block[i + 1:]

@@ -112,14 +112,17 @@ def test_a_busy_hub_is_retried_with_backoff(hub, hub_files, env, pagelm):
 
 def test_ctrl_c_on_a_slow_pull_leaves_a_resumable_part_and_no_model(hub, hub_files, env, pagelm):
     size = os.path.getsize(hub_files["tiny-a2"])
-    hub.faults[(TINY, "tiny-Q8_0.gguf")] = Fault(delay=0.1)
+    slow = hub.faults[(TINY, "tiny-Q8_0.gguf")] = Fault(delay=0.02, hold_at=0.5)
     process = subprocess.Popen([sys.executable, "-m", "pagelm", "pull", f"hf.co/{TINY}:Q8_0"], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while hub.sent.get((TINY, "tiny-Q8_0.gguf"), 0) < size // 2:
-        assert process.poll() is None, process.communicate()
-        time.sleep(0.05)
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=120)
+    try:
+        while hub.sent.get((TINY, "tiny-Q8_0.gguf"), 0) < size // 2:  # then the server stalls
+            assert process.poll() is None, process.communicate()
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        slow.released.set()
     assert process.returncode == 130, stderr
     assert "Traceback" not in stderr
     bars = [line for line in stderr.splitlines() if line.startswith("pulling tiny-Q8_0.gguf:")]
