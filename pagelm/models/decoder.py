@@ -77,7 +77,7 @@ class Decoder:
                 return segment(0, T)
             out = torch.empty(T, self.config.hidden, dtype=torch.float32, device=self.device)
             for lo in range(0, T, self.segment):
-                out[lo : lo + self.segment] = segment(lo, lo + self.segment)
+                out[lo : lo + self.segment] = segment(lo, min(lo + self.segment, T))
         return out
 
     __call__ = forward
