@@ -9,6 +9,7 @@ import pytest
 
 from pagelm.errors import ModelFormatError
 from pagelm.quant import GGMLType, encode, f32_to_bf16
+from pagelm.quant.matmul import MAX_GEMV_ROWS
 from pagelm.quant.tiles import (TILE_BYTES, TileKind, check_tiles, decode_groups, group_steps, pack_groups,
                                 tile_dequantize, tile_matmul)
 from pagelm.synth import bf16_scales
@@ -135,4 +136,5 @@ def test_bounds_are_checked_before_any_kernel_reads():
     with pytest.raises(ModelFormatError, match="5120 bytes"):
         decode_groups(np.zeros((1, 1, 4736), np.uint8), TileKind.Q4_1)
     with pytest.raises(ValueError, match="x must"):
-        tile_matmul(data, TileKind.Q4_1, 0, 3, 2, np.zeros((9, 512), np.float32), np.empty((9, 96), np.float32))
+        rows = MAX_GEMV_ROWS + 1
+        tile_matmul(data, TileKind.Q4_1, 0, 3, 2, np.zeros((rows, 512), np.float32), np.empty((rows, 96), np.float32))
