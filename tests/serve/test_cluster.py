@@ -209,7 +209,7 @@ def test_each_turn_of_a_chat_goes_back_to_the_replica_holding_its_prefix(cluster
 
 
 def test_killing_a_replica_loses_no_request_that_had_not_started(cluster):
-    n = 6
+    n = 12  # each replica: 4 running in its slots (--parallel 4), 2 waiting
     replies: list = [None] * n
 
     def ask(i: int) -> None:
@@ -227,7 +227,7 @@ def test_killing_a_replica_loses_no_request_that_had_not_started(cluster):
     for thread in threads:
         thread.join()
     failed = [r for r in replies if r.status_code != 200]
-    assert len(failed) <= 1, [r.text for r in failed]  # only the one it was running
+    assert len(failed) <= victim["slots"]["total"], [r.text for r in failed]  # only those it was running
     for r in failed:
         assert r.status_code == 500 and "replica" in r.json()["error"]["message"]
     assert all(r.json()["usage"]["completion_tokens"] > 0 for r in replies if r.status_code == 200)
