@@ -110,11 +110,18 @@ def test_a_busy_hub_is_retried_with_backoff(hub, hub_files, env, pagelm):
     assert hub.sent[(TINY, "tiny-Q4_0.gguf")] == os.path.getsize(hub_files["tiny-b"])
 
 
+def _interruptible() -> None:
+    # a job started in the background by a shell ignores SIGINT, and Python keeps it ignored: as
+    # in a terminal, Ctrl-C must reach the pull
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_on_a_slow_pull_leaves_a_resumable_part_and_no_model(hub, hub_files, env, pagelm):
     size = os.path.getsize(hub_files["tiny-a2"])
     slow = hub.faults[(TINY, "tiny-Q8_0.gguf")] = Fault(delay=0.02, hold_at=0.5)
     process = subprocess.Popen([sys.executable, "-m", "pagelm", "pull", f"hf.co/{TINY}:Q8_0"], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=_interruptible)
     try:
         while hub.sent.get((TINY, "tiny-Q8_0.gguf"), 0) < size // 2:  # then the server stalls
             assert process.poll() is None, process.communicate()
