@@ -1,17 +1,19 @@
 """One token of Qwen3.5's DeltaNet mixer as compiled kernels over its states in place.
 
 Owns the decode path on the CPU between the input projection and the output projection: the
-gated delta rule step alone (`delta_rule_step`), and the whole token (`deltanet_token`: causal
-conv and SiLU, L2 norms, gates, the step, the gated RMS norm). torch spends a millisecond per layer
-on the step's five small ops over the state, and ~25 dispatches on the rest; one pass to read the
-state and one to update it take a few microseconds per head.
+gated delta rule step alone (`delta_rule_step`), and the whole token of one or more sequences
+(`deltanet_tokens`: causal conv and SiLU, L2 norms, gates, the step, the gated RMS norm). torch
+spends a millisecond per layer on the step's five small ops over the state, and ~25 dispatches on
+the rest; one pass to read the state and one to update it take a few microseconds per head. A
+batched step's sequences share one call (one parallel region per part, not one per sequence).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import carray, njit, prange, types
+from numba.extending import intrinsic
 
 
 @njit(cache=True, fastmath={"contract"})
@@ -56,58 +58,96 @@ def _softplus(x):  # torch's: x itself above 20
     return x if x > np.float32(20) else np.log1p(np.exp(x))
 
 
+@intrinsic
+def _f32_at(typingctx, address):
+    """The float32 pointer at an integer address (a tensor's data_ptr), for carray."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.float32)))
+
+    return types.CPointer(types.float32)(address), codegen
+
+
+@njit(cache=True, fastmath={"contract"})
+def _conv_silu(conv_state, conv_w, p, c):
+    """Channel c's depthwise causal conv over the last taps inputs and this one, p, then SiLU; the
+    window moves on by p. (A carray written in a prange body itself loses stores: numba's parfor
+    dead-code pass sees no alias of it, so the writes go through calls.)"""
+    taps = conv_state.shape[0]
+    acc = p * conv_w[taps, c]
+    for j in range(taps):
+        acc += conv_state[j, c] * conv_w[j, c]
+    for j in range(taps - 1):
+        conv_state[j, c] = conv_state[j + 1, c]
+    conv_state[taps - 1, c] = p
+    return acc * _sigmoid(acc)
+
+
 @njit(parallel=True, cache=True, fastmath={"contract"})
-def _token(proj, conv_state, conv_w, a, dt_bias, norm_w, state, nk, eps, l2_eps, out):
-    taps, channels = conv_state.shape
-    nv, dk, dv = state.shape
+def _tokens(proj, convs, conv_w, a, dt_bias, norm_w, states, nk, dk, dv, eps, l2_eps, out):
+    n = proj.shape[0]
+    taps, channels = conv_w.shape[0] - 1, conv_w.shape[1]
+    nv = a.shape[0]
     values = nv * dv
-    x = np.empty(channels, np.float32)
-    for c in prange(channels):  # depthwise causal conv over the last taps inputs and this one, SiLU
-        acc = proj[c] * conv_w[taps, c]
-        for j in range(taps):
-            acc += conv_state[j, c] * conv_w[j, c]
-        for j in range(taps - 1):
-            conv_state[j, c] = conv_state[j + 1, c]
-        conv_state[taps - 1, c] = proj[c]
-        x[c] = acc * _sigmoid(acc)
+    x = np.empty((n, channels), np.float32)
+    for sc in prange(n * channels):
+        s, c = sc // channels, sc % channels
+        x[s, c] = _conv_silu(carray(_f32_at(convs[s]), (taps, channels)), conv_w, proj[s, c], c)
     q_scale = np.float32(dk ** -0.5)
-    for head in prange(2 * nk):  # q heads then k heads, L2-normalised; q scaled too
+    for sh in prange(n * 2 * nk):  # q heads then k heads, L2-normalised; q scaled too
+        s, head = sh // (2 * nk), sh % (2 * nk)
         base = head * dk
         ss = np.float32(0)
         for i in range(dk):
-            ss += x[base + i] * x[base + i]
+            ss += x[s, base + i] * x[s, base + i]
         r = np.float32(1) / np.sqrt(ss + l2_eps)
         if head < nk:
             r *= q_scale
         for i in range(dk):
-            x[base + i] *= r
+            x[s, base + i] *= r
     k0, v0 = nk * dk, 2 * nk * dk
-    for h in prange(nv):
+    for sh in prange(n * nv):
+        s, h = sh // nv, sh % nv
         kh = h % nk
-        b = _sigmoid(proj[channels + values + h])
-        e = np.exp(a[h] * _softplus(proj[channels + values + nv + h] + dt_bias[h]))
-        o = out[h * dv:(h + 1) * dv]
-        _advance_head(state[h], x[k0 + kh * dk:k0 + (kh + 1) * dk], x[kh * dk:(kh + 1) * dk],
-                      x[v0 + h * dv:v0 + (h + 1) * dv], e, b, o)
+        b = _sigmoid(proj[s, channels + values + h])
+        e = np.exp(a[h] * _softplus(proj[s, channels + values + nv + h] + dt_bias[h]))
+        o = out[s, h * dv:(h + 1) * dv]
+        xs = x[s]
+        _advance_head(carray(_f32_at(states[s]), (nv, dk, dv))[h], xs[k0 + kh * dk:k0 + (kh + 1) * dk],
+                      xs[kh * dk:(kh + 1) * dk], xs[v0 + h * dv:v0 + (h + 1) * dv], e, b, o)
         ss = np.float32(0)
         for j in range(dv):
             ss += o[j] * o[j]
         r = np.float32(1) / np.sqrt(ss / np.float32(dv) + eps)
         for j in range(dv):
-            z = proj[channels + h * dv + j]
+            z = proj[s, channels + h * dv + j]
             o[j] = o[j] * r * norm_w[j] * (z * _sigmoid(z))
 
 
-def deltanet_token(proj: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor, a: torch.Tensor,
-                   dt_bias: torch.Tensor, norm_w: torch.Tensor, state: torch.Tensor, nk: int, eps: float,
-                   l2_eps: float) -> torch.Tensor:
-    """One token of the mixer from its input projection `proj` (channels + nv·dv + 2·nv,) float32:
-    [q k v for the conv | z | beta | alpha]. conv_state (K-1, channels) and state (nv, dk, dv) are
-    advanced in place; conv_w (K, channels), tap K-1 on this token. Returns the gated, normalised
-    output (nv·dv,) float32 for the output projection, as `Qwen35Model._deltanet` computes it."""
-    out = torch.empty(state.shape[0] * state.shape[2], dtype=torch.float32)
-    _token(proj.contiguous().numpy(), conv_state.numpy(), conv_w.numpy(), a.numpy(), dt_bias.numpy(),
-           norm_w.numpy(), state.numpy(), nk, np.float32(eps), np.float32(l2_eps), out.numpy())
+def _f32_cpu(t: torch.Tensor, shape: tuple) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and tuple(t.shape) == shape
+
+
+def deltanet_tokens(proj: torch.Tensor, convs: list[torch.Tensor], conv_w: torch.Tensor, a: torch.Tensor,
+                    dt_bias: torch.Tensor, norm_w: torch.Tensor, states: list[torch.Tensor], nk: int, eps: float,
+                    l2_eps: float) -> torch.Tensor | None:
+    """One token of the mixer for each of n sequences, as one kernel, from their input projections
+    `proj` (n, channels + nv·dv + 2·nv) float32, each row [q k v for the conv | z | beta | alpha].
+    Sequence i's conv_state convs[i] (K-1, channels) and state states[i] (nv, dk, dv) are advanced
+    in place; conv_w (K, channels), tap K-1 on this token. Returns the gated, normalised outputs
+    (n, nv·dv) float32 for the output projection, as `Qwen35Model._deltanet` computes them, each
+    row's bits those of its sequence alone; None for inputs the kernel does not take (not float32,
+    contiguous CPU states of one shape)."""
+    n, (taps, channels), (nv, dk, dv) = proj.shape[0], convs[0].shape, states[0].shape
+    if not (len(convs) == len(states) == n and proj.shape[1] == channels + nv * dv + 2 * nv and proj.dtype == torch.float32 and proj.device.type == "cpu"
+            and all(_f32_cpu(c, (taps, channels)) for c in convs) and all(_f32_cpu(s, (nv, dk, dv)) for s in states)):
+        return None
+    out = torch.empty(n, nv * dv, dtype=torch.float32)
+    _tokens(proj.contiguous().numpy(), np.array([c.data_ptr() for c in convs], np.int64), conv_w.numpy(), a.numpy(),
+            dt_bias.numpy(), norm_w.numpy(), np.array([s.data_ptr() for s in states], np.int64), nk, dk, dv,
+            np.float32(eps), np.float32(l2_eps), out.numpy())
     return out
 
 

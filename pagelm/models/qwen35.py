@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.models.decoder import Decoder, Span, advance, nbytes, per_sequence
-from pagelm.models.delta_rule import delta_rule_step, deltanet_token
+from pagelm.models.delta_rule import delta_rule_step, deltanet_tokens
 from pagelm.models.norms import rms_norm_rows
 from pagelm.models.token_ops import attend_token, cache_views, rope_rows_
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, heads_tiled, hf_rope,
@@ -563,13 +563,15 @@ class Qwen35Model(Decoder):
         nk, nv, dk, dv = c.n_key_heads, c.n_value_heads, c.linear_key_dim, c.linear_value_dim
         C, V = c.conv_channels, nv * dv
         proj = w.in_proj(y, alone).float()
+        if proj.shape[0] == len(spans):  # one token each: one kernel for them all where it takes them
+            caches = [s.state.layers[i] for s in spans]
+            o = deltanet_tokens(proj, [m.conv for m in caches], w.conv, w.a, w.dt_bias, w.norm,
+                                [m.recurrent for m in caches], nk, c.rms_eps, L2_EPS)
+            if o is not None:
+                return w.out(o, alone)
 
         def mix(s: Span, _) -> torch.Tensor:
             T, cache, rows = s.hi - s.lo, s.state.layers[i], proj[s.lo : s.hi]
-            if T == 1 and rows.device.type == "cpu" and cache.conv.is_contiguous() and cache.recurrent.is_contiguous():
-                o = deltanet_token(rows[0], cache.conv, w.conv, w.a, w.dt_bias, w.norm, cache.recurrent, nk, c.rms_eps,
-                                   L2_EPS)
-                return o[None]
             qkv = causal_conv1d_silu(rows[:, :C], cache.conv, w.conv)
             z = rows[:, C : C + V].view(T, nv, dv)
             beta = torch.sigmoid(rows[:, C + V : C + V + nv])

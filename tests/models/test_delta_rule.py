@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagelm.models.delta_rule import delta_rule_step, deltanet_token
+from pagelm.models.delta_rule import delta_rule_step, deltanet_tokens
 
 
 def reference(q, k, v, g, beta, state):
@@ -58,20 +58,48 @@ def token_reference(proj, conv_state, conv_w, a, dt_bias, norm_w, state, nk, eps
     return o.reshape(-1), window[1:], state
 
 
-@pytest.mark.parametrize("nk,nv,dk,dv,taps", [(1, 1, 8, 4, 4), (3, 6, 17, 23, 3), (2, 6, 33, 5, 4), (2, 2, 128, 128, 4)])
-def test_whole_token_matches_float64(nk, nv, dk, dv, taps):
-    gen = torch.Generator().manual_seed(nv * 1000 + dv)
+def _token_inputs(nk, nv, dk, dv, taps, n, seed):
+    gen = torch.Generator().manual_seed(seed)
     channels, values = 2 * nk * dk + nv * dv, nv * dv
-    proj = torch.randn(channels + values + 2 * nv, generator=gen)
-    conv_state = torch.randn(taps - 1, channels, generator=gen)
+    proj = torch.randn(n, channels + values + 2 * nv, generator=gen)
+    convs = [torch.randn(taps - 1, channels, generator=gen) for _ in range(n)]
     conv_w = torch.randn(taps, channels, generator=gen) * 0.5
     a, dt_bias = -torch.rand(nv, generator=gen) * 4, torch.randn(nv, generator=gen)
-    norm_w, state = 1 + 0.1 * torch.randn(dv, generator=gen), torch.randn(nv, dk, dv, generator=gen) * 0.3
-    want_o, want_conv, want_s = token_reference(proj, conv_state, conv_w, a, dt_bias, norm_w, state.clone(), nk,
-                                                1e-6, 1e-6)
-    o = deltanet_token(proj, conv_state, conv_w, a, dt_bias, norm_w, state, nk, 1e-6, 1e-6)
-    assert o.dtype == torch.float32 and o.shape == (values,)
-    assert torch.equal(conv_state.double(), want_conv)  # the window moved on by exactly this token
-    scale = 1 + want_s.abs().max().item()
-    assert (o.double() - want_o).abs().max().item() <= 1e-5 * (1 + want_o.abs().max().item())
-    assert (state.double() - want_s).abs().max().item() <= 1e-5 * scale
+    norm_w = 1 + 0.1 * torch.randn(dv, generator=gen)
+    states = [torch.randn(nv, dk, dv, generator=gen) * 0.3 for _ in range(n)]
+    return proj, convs, conv_w, a, dt_bias, norm_w, states
+
+
+@pytest.mark.parametrize("nk,nv,dk,dv,taps,n", [(1, 1, 8, 4, 4, 1), (3, 6, 17, 23, 3, 3), (2, 6, 33, 5, 4, 2),
+                                               (2, 2, 128, 128, 4, 1), (2, 4, 16, 24, 4, 5)])
+def test_whole_token_matches_float64(nk, nv, dk, dv, taps, n):
+    proj, convs, conv_w, a, dt_bias, norm_w, states = _token_inputs(nk, nv, dk, dv, taps, n, nv * 1000 + dv)
+    wants = [token_reference(proj[i], convs[i], conv_w, a, dt_bias, norm_w, states[i].clone(), nk, 1e-6, 1e-6)
+             for i in range(n)]
+    o = deltanet_tokens(proj, convs, conv_w, a, dt_bias, norm_w, states, nk, 1e-6, 1e-6)
+    assert o.dtype == torch.float32 and o.shape == (n, nv * dv)
+    for row, conv, state, (want_o, want_conv, want_s) in zip(o, convs, states, wants):
+        assert torch.equal(conv.double(), want_conv)  # the window moved on by exactly this token
+        assert (row.double() - want_o).abs().max().item() <= 1e-5 * (1 + want_o.abs().max().item())
+        assert (state.double() - want_s).abs().max().item() <= 1e-5 * (1 + want_s.abs().max().item())
+
+
+@pytest.mark.parametrize("nk,nv,dk,dv,taps,n", [(3, 6, 17, 23, 3, 4), (2, 2, 128, 128, 4, 3)])
+def test_batched_tokens_are_each_sequence_alone(nk, nv, dk, dv, taps, n):
+    proj, convs, conv_w, a, dt_bias, norm_w, states = _token_inputs(nk, nv, dk, dv, taps, n, 7 + n)
+    alone_convs, alone_states = [c.clone() for c in convs], [s.clone() for s in states]
+    o = deltanet_tokens(proj, convs, conv_w, a, dt_bias, norm_w, states, nk, 1e-6, 1e-6)
+    for i in range(n):
+        want = deltanet_tokens(proj[i : i + 1], alone_convs[i : i + 1], conv_w, a, dt_bias, norm_w,
+                               alone_states[i : i + 1], nk, 1e-6, 1e-6)
+        assert torch.equal(o[i].view(torch.int32), want[0].view(torch.int32))
+        assert torch.equal(convs[i], alone_convs[i]) and torch.equal(states[i], alone_states[i])
+
+
+def test_tokens_refuse_states_they_do_not_take():
+    proj, convs, conv_w, a, dt_bias, norm_w, states = _token_inputs(1, 2, 8, 4, 4, 2, 3)
+    before = [s.clone() for s in states]
+    for bad in (states[1].transpose(1, 2).contiguous().transpose(1, 2), states[1].double(), states[1][:1]):
+        assert deltanet_tokens(proj, convs, conv_w, a, dt_bias, norm_w, [states[0], bad], 1, 1e-6, 1e-6) is None
+    assert deltanet_tokens(proj, convs[:1], conv_w, a, dt_bias, norm_w, states, 1, 1e-6, 1e-6) is None
+    assert all(torch.equal(s, b) for s, b in zip(states, before))
