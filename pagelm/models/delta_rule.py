@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import carray, njit, prange, types
-from numba.extending import intrinsic
+from numba import carray, njit, prange
+
+from pagelm.models.token_ops import pointer
 
 
 @njit(cache=True, fastmath={"contract"})
@@ -58,23 +59,10 @@ def _softplus(x):  # torch's: x itself above 20
     return x if x > np.float32(20) else np.log1p(np.exp(x))
 
 
-@intrinsic
-def _f32_at(typingctx, address):
-    """The float32 pointer at an integer address (a tensor's data_ptr), for carray."""
-    if not isinstance(address, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.float32)))
-
-    return types.CPointer(types.float32)(address), codegen
-
-
 @njit(cache=True, fastmath={"contract"})
 def _conv_silu(conv_state, conv_w, p, c):
     """Channel c's depthwise causal conv over the last taps inputs and this one, p, then SiLU; the
-    window moves on by p. (A carray written in a prange body itself loses stores: numba's parfor
-    dead-code pass sees no alias of it, so the writes go through calls.)"""
+    window moves on by p (a call: see token_ops.pointer)."""
     taps = conv_state.shape[0]
     acc = p * conv_w[taps, c]
     for j in range(taps):
@@ -94,7 +82,7 @@ def _tokens(proj, convs, conv_w, a, dt_bias, norm_w, states, nk, dk, dv, eps, l2
     x = np.empty((n, channels), np.float32)
     for sc in prange(n * channels):
         s, c = sc // channels, sc % channels
-        x[s, c] = _conv_silu(carray(_f32_at(convs[s]), (taps, channels)), conv_w, proj[s, c], c)
+        x[s, c] = _conv_silu(carray(pointer(convs[s], proj), (taps, channels)), conv_w, proj[s, c], c)
     q_scale = np.float32(dk ** -0.5)
     for sh in prange(n * 2 * nk):  # q heads then k heads, L2-normalised; q scaled too
         s, head = sh // (2 * nk), sh % (2 * nk)
@@ -115,7 +103,7 @@ def _tokens(proj, convs, conv_w, a, dt_bias, norm_w, states, nk, dk, dv, eps, l2
         e = np.exp(a[h] * _softplus(proj[s, channels + values + nv + h] + dt_bias[h]))
         o = out[s, h * dv:(h + 1) * dv]
         xs = x[s]
-        _advance_head(carray(_f32_at(states[s]), (nv, dk, dv))[h], xs[k0 + kh * dk:k0 + (kh + 1) * dk],
+        _advance_head(carray(pointer(states[s], proj), (nv, dk, dv))[h], xs[k0 + kh * dk:k0 + (kh + 1) * dk],
                       xs[kh * dk:(kh + 1) * dk], xs[v0 + h * dv:v0 + (h + 1) * dv], e, b, o)
         ss = np.float32(0)
         for j in range(dv):

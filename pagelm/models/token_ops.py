@@ -10,10 +10,12 @@ torch's: one vectorized op, ~5 µs.)
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
-from numba import njit, prange, types
-from numba.extending import overload
+from numba import carray, njit, prange, types
+from numba.extending import intrinsic, overload
 
 from pagelm.models.norms import MAX_ROWS  # rows (tokens × heads) of one decode step take the kernels
 from pagelm.quant.matmul import _bf16_bits, _u32_as_f32
@@ -87,36 +89,67 @@ def _store_impl(cache, g, j, d, v):
     return plain
 
 
-@njit(parallel=True, cache=True, fastmath={"contract", "reassoc"})
-def _attend(q, k, v, ck, cv, pos, lo, scale, out):
-    H, D = q.shape
-    G = k.shape[0]
+@intrinsic
+def pointer(typingctx, address, like):
+    """A pointer of array `like`'s dtype at an integer address (a tensor's data_ptr), for carray.
+    (Arrays made so must be written through calls, not in a prange body itself: numba's parfor
+    dead-code pass sees no alias of them and drops such stores.)"""
+    if not (isinstance(address, types.Integer) and isinstance(like, types.Array)):
+        return None
+    ptr = types.CPointer(like.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+    return ptr(address, like), codegen
+
+
+@njit(cache=True)
+def _write_kv(ck, cv, k, v, pos):
+    G, D = k.shape
     for g in range(G):
         for d in range(D):
             _store(ck, g, pos, d, k[g, d])
             _store(cv, g, pos, d, v[g, d])
-    span, group = pos + 1 - lo, H // G
-    for h in prange(H):
-        g = h // group
-        p = np.empty(span, np.float32)
-        top = np.float32(-np.inf)
-        for j in range(span):
-            s = np.float32(0)
-            for d in range(D):
-                s += q[h, d] * _kv(ck, g, lo + j, d)
-            p[j] = s * scale
-            top = max(top, p[j])
-        total = np.float32(0)
-        for j in range(span):
-            p[j] = np.exp(p[j] - top)
-            total += p[j]
-        o = out[0, h * D : (h + 1) * D]
-        o[:] = 0
-        for j in range(span):
-            for d in range(D):
-                o[d] += p[j] * _kv(cv, g, lo + j, d)
+
+
+@njit(cache=True, fastmath={"contract", "reassoc"})
+def _attend_head(q, ck, cv, g, pos, lo, scale, o):
+    D = q.shape[0]
+    span = pos + 1 - lo
+    p = np.empty(span, np.float32)
+    top = np.float32(-np.inf)
+    for j in range(span):
+        s = np.float32(0)
         for d in range(D):
-            o[d] /= total
+            s += q[d] * _kv(ck, g, lo + j, d)
+        p[j] = s * scale
+        top = max(top, p[j])
+    total = np.float32(0)
+    for j in range(span):
+        p[j] = np.exp(p[j] - top)
+        total += p[j]
+    o[:] = 0
+    for j in range(span):
+        for d in range(D):
+            o[d] += p[j] * _kv(cv, g, lo + j, d)
+    for d in range(D):
+        o[d] /= total
+
+
+@njit(parallel=True, cache=True, fastmath={"contract", "reassoc"})
+def _attend(q, k, v, ks, vs, like, lens, pos, lo, scale, out):
+    n, H, D = q.shape
+    G = k.shape[1]
+    for s in range(n):
+        _write_kv(carray(pointer(ks[s], like), (G, lens[s], D)), carray(pointer(vs[s], like), (G, lens[s], D)),
+                  k[s], v[s], pos[s])
+    group = H // G
+    for sh in prange(n * H):
+        s, h = sh // H, sh % H
+        _attend_head(q[s, h], carray(pointer(ks[s], like), (G, lens[s], D)),
+                     carray(pointer(vs[s], like), (G, lens[s], D)), h // group, pos[s], lo[s], scale,
+                     out[s, h * D : (h + 1) * D])
 
 
 def _kernel_view(cache: torch.Tensor) -> np.ndarray | None:
@@ -127,30 +160,52 @@ def _kernel_view(cache: torch.Tensor) -> np.ndarray | None:
     return cache.numpy() if cache.dtype == torch.float32 else None
 
 
-def cache_views(cache_k: torch.Tensor, cache_v: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
-    """The numpy views attend_token works on of a K/V cache pair (G, max_len, D) (bf16 as its
-    uint16 bits), made once per cache: None when the kernel does not take this cache."""
+class CacheViews(NamedTuple):
+    """A K/V cache pair as attend_tokens works on it: numpy views (G, max_len, D) (bf16 as its
+    uint16 bits) and their data addresses."""
+
+    k: np.ndarray
+    v: np.ndarray
+    k_at: int
+    v_at: int
+
+
+def cache_views(cache_k: torch.Tensor, cache_v: torch.Tensor) -> CacheViews | None:
+    """The views attend_token works on of a K/V cache pair (G, max_len, D), made once per cache:
+    None when the kernel does not take this cache."""
     ck, cv = _kernel_view(cache_k), _kernel_view(cache_v)
     if ck is None or cv is None or ck.shape != cv.shape or ck.dtype != cv.dtype:
         return None
-    return ck, cv
+    return CacheViews(ck, cv, cache_k.data_ptr(), cache_v.data_ptr())
 
 
-def attend_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, views: tuple[np.ndarray, np.ndarray] | None,
-                 pos: int, scale: float, lo: int = 0) -> torch.Tensor | None:
-    """One token's GQA attention: writes k and v (1, G, D) at `pos` of the caches behind `views`
-    (cache_views; bf16 rounded as torch's cast rounds), then softmax(q·Kᵀ·scale)·V over keys
-    lo..pos for q (1, H, D), in float32 from the cache's exact values. Returns (1, H·D) float32,
-    or None (nothing written) for inputs the kernel does not take: no views, not one float32
-    CPU token, shapes that do not fit the cache."""
-    if views is None or not (q.dtype == k.dtype == v.dtype == torch.float32 and q.is_cpu and k.is_cpu and v.is_cpu):
+def attend_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, views: list[CacheViews | None],
+                  positions: list[int], scale: float, los: list[int]) -> torch.Tensor | None:
+    """One token's GQA attention for each of n sequences at once, row i of each input sequence i's:
+    writes k[i] and v[i] (G, D) at positions[i] of the caches behind views[i] (cache_views; bf16
+    rounded as torch's cast rounds), then softmax(q[i]·Kᵀ·scale)·V over keys los[i]..positions[i]
+    for q[i] (H, D), in float32 from the cache's exact values, each row as it is alone. Returns
+    (n, H·D) float32, or None (nothing written) for inputs the kernel does not take: a missing
+    view, caches of other dtypes or shapes, not float32 CPU tokens, positions outside a cache."""
+    if any(w is None for w in views) or not (q.dtype == k.dtype == v.dtype == torch.float32
+                                             and q.is_cpu and k.is_cpu and v.is_cpu):
         return None
-    ck, cv = views
+    first = views[0].k
+    n, (G, _, D) = len(views), first.shape
     qn, kn, vn = q.numpy(), k.numpy(), v.numpy()
-    G, max_len, D = ck.shape
-    if not (qn.ndim == 3 and qn.shape[0] == 1 and qn.shape[2] == D and qn.shape[1] % G == 0
-            and kn.shape == vn.shape == (1, G, D) and 0 <= lo <= pos < max_len):
+    if not (qn.ndim == 3 and qn.shape[0] == n and qn.shape[2] == D and qn.shape[1] % G == 0
+            and kn.shape == vn.shape == (n, G, D) and len(positions) == len(los) == n
+            and all(w.k.dtype == first.dtype and w.k.shape[::2] == (G, D) and 0 <= lo <= pos < w.k.shape[1]
+                    for w, pos, lo in zip(views, positions, los))):
         return None
-    out = np.empty((1, qn.shape[1] * D), np.float32)
-    _attend(qn[0], kn[0], vn[0], ck, cv, pos, lo, np.float32(scale), out)
+    out = np.empty((n, qn.shape[1] * D), np.float32)
+    _attend(qn, kn, vn, np.array([w.k_at for w in views], np.int64), np.array([w.v_at for w in views], np.int64),
+            first, np.array([w.k.shape[1] for w in views], np.int64), np.array(positions, np.int64),
+            np.array(los, np.int64), np.float32(scale), out)
     return torch.from_numpy(out)
+
+
+def attend_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, views: CacheViews | None,
+                 pos: int, scale: float, lo: int = 0) -> torch.Tensor | None:
+    """attend_tokens for one sequence: q (1, H, D), k and v (1, G, D); returns (1, H·D) or None."""
+    return attend_tokens(q, k, v, [views], [pos], scale, [lo])

@@ -4,7 +4,7 @@ shapes, and the inputs they refuse."""
 import pytest
 import torch
 
-from pagelm.models.token_ops import MAX_ROWS, attend_token, cache_views, rope_rows_
+from pagelm.models.token_ops import MAX_ROWS, attend_token, attend_tokens, cache_views, rope_rows_
 
 
 def _rope_f64(x, cos, sin):
@@ -69,6 +69,26 @@ def test_attend_token_matches_f64_and_writes_the_cache(dtype, H, G, D, pos, lo):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attend_tokens_are_each_sequence_alone_and_match_f64(dtype):
+    H, G, D, scale = 6, 2, 20, 0.3
+    g = torch.Generator().manual_seed(5)
+    spots = [(13, 0, 20), (0, 0, 3), (40, 29, 41), (7, 2, 9)]  # (pos, lo, max_len) of sequences at other lengths
+    caches = [(torch.randn(G, n, D, generator=g).to(dtype), torch.randn(G, n, D, generator=g).to(dtype))
+              for _, _, n in spots]
+    alone = [(ck.clone(), cv.clone()) for ck, cv in caches]
+    q, k, v = torch.randn(4, H, D, generator=g) * 2, torch.randn(4, G, D, generator=g), torch.randn(4, G, D, generator=g)
+    got = attend_tokens(q, k, v, [cache_views(*c) for c in caches], [p for p, _, _ in spots], scale,
+                        [lo for _, lo, _ in spots])
+    assert got.shape == (4, H * D) and got.dtype == torch.float32
+    for i, ((pos, lo, _), (ck, cv), (ak, av)) in enumerate(zip(spots, caches, alone)):
+        want = attend_token(q[i : i + 1], k[i : i + 1], v[i : i + 1], cache_views(ak, av), pos, scale, lo)
+        assert torch.equal(got[i].view(torch.int32), want[0].view(torch.int32))
+        assert torch.equal(ck, ak) and torch.equal(cv, av)
+        f64 = _attend_f64(q[i].double(), ck[:, lo : pos + 1].double(), cv[:, lo : pos + 1].double(), scale)
+        torch.testing.assert_close(got[i : i + 1].double(), f64, rtol=1e-5, atol=1e-5)
+
+
 def test_attend_token_refuses_without_writing():
     G, D, max_len = 2, 8, 6
     q, k, v = torch.randn(1, 4, D), torch.randn(1, G, D), torch.randn(1, G, D)
@@ -92,5 +112,5 @@ def test_cache_views_only_of_caches_the_kernel_takes():
     assert cache_views(torch.zeros(G, L, D, dtype=torch.float16), torch.zeros(G, L, D, dtype=torch.float16)) is None
     assert cache_views(torch.zeros(G, D, L).transpose(1, 2), torch.zeros(G, L, D)) is None  # not contiguous
     assert cache_views(torch.zeros(G, L, D), torch.zeros(G, L, D, dtype=torch.bfloat16)) is None  # mixed dtypes
-    ck, cv = cache_views(torch.zeros(G, L, D, dtype=torch.bfloat16), torch.zeros(G, L, D, dtype=torch.bfloat16))
+    ck = cache_views(torch.zeros(G, L, D, dtype=torch.bfloat16), torch.zeros(G, L, D, dtype=torch.bfloat16)).k
     assert ck.dtype.name == "uint16" and ck.shape == (G, L, D)
