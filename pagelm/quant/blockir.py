@@ -162,3 +162,139 @@ def _q6k_scales16(typingctx, data, at, d, buf):
         return context.get_dummy_value()
 
     return types.void(data, at, d, buf), codegen
+
+
+# --- accumulators of several activation rows, kept in vector registers ----------------------
+#
+# A GEMV over several activation rows unpacks each block of W once into float32 values w and fuses
+# them into every row's accumulators: row i owns `vectors` <16 x float> accumulators, lane l of
+# which sums w[l] · x[i, l] over the blocks in order, then a fixed tree sums its lanes. Each row's
+# arithmetic is thus the same whatever the other rows are. The accumulators live in an alloca that
+# is only ever read and written as whole vectors at constant positions, so LLVM keeps them in registers.
+
+_F32 = ir.FloatType()
+_V16F = ir.VectorType(_F32, 16)
+_V16I8 = ir.VectorType(_I8, 16)
+
+
+def _vector(builder, ptr, k):
+    """The k-th <16 x float> at float pointer ptr (as a pointer)."""
+    return builder.gep(builder.bitcast(ptr, _V16F.as_pointer()), [_I32(k)])
+
+
+def _splat_f32(builder, value):
+    v = builder.insert_element(ir.Constant(_V16F, ir.Undefined), value, _I32(0))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+
+
+def _literals(*ns):
+    return all(isinstance(n, types.IntegerLiteral) for n in ns)
+
+
+@intrinsic
+def _acc_vectors(typingctx, n):
+    """n (a constant) <16 x float> accumulators on the stack, as a float32 pointer."""
+    if not _literals(n):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(cgutils.alloca_once(builder, _V16F, size=n.literal_value), _F32.as_pointer())
+
+    return types.CPointer(types.float32)(n), codegen
+
+
+@intrinsic
+def _acc_zero(typingctx, acc, rows, vectors):
+    """Zeroes the rows · vectors accumulators (constants)."""
+    if not _literals(rows, vectors):
+        return None
+
+    def codegen(context, builder, signature, args):
+        for k in range(rows.literal_value * vectors.literal_value):
+            builder.store(ir.Constant(_V16F, None), _vector(builder, args[0], k))
+        return context.get_dummy_value()
+
+    return types.void(acc, rows, vectors), codegen
+
+
+@intrinsic
+def _fma_rows(typingctx, acc, w, x, i0, n, xo, rows, vectors):
+    """For i < rows and v < vectors (constants): accumulator i · vectors + v = fma(w[16v : 16v + 16],
+    x[min(i0 + i, n - 1), xo + 16v : xo + 16v + 16], itself). Rows past n - 1 repeat the last
+    (computed, never stored); x is a C-contiguous 2-D float32 array."""
+    if not _literals(rows, vectors):
+        return None
+
+    def codegen(context, builder, signature, args):
+        accp, wp, xa, i0v, nv, xov = args[:6]
+        arr = context.make_array(signature.args[2])(context, builder, xa)
+        base = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
+        stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
+        last = builder.sub(nv, nv.type(1))
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
+        ws = [builder.load(_vector(builder, wp, v), align=4) for v in range(vectors.literal_value)]
+        col = builder.mul(xov, xov.type(4))
+        for i in range(rows.literal_value):
+            row = builder.add(i0v, i0v.type(i))
+            row = builder.select(builder.icmp_signed("<", row, last), row, last)
+            at = builder.add(builder.mul(row, stride), col)
+            for v, wv in enumerate(ws):
+                xp = builder.bitcast(builder.gep(base, [builder.add(at, at.type(64 * v))]), _V16F.as_pointer())
+                ap = _vector(builder, accp, i * vectors.literal_value + v)
+                builder.store(builder.call(fma, [wv, builder.load(xp, align=4), builder.load(ap)]), ap)
+        return context.get_dummy_value()
+
+    return types.void(acc, w, x, i0, n, xo, rows, vectors), codegen
+
+
+def _lane_sum(builder, vs):
+    """The lanes of <16 x float> vectors vs (a power of two of them) summed as one tree: the lower
+    half of the lanes plus the upper half, recursively (kernels._vsum's order)."""
+    while len(vs) > 1:
+        half = len(vs) // 2
+        vs = [builder.fadd(vs[k], vs[k + half]) for k in range(half)]
+    v, w = vs[0], 16
+    while w > 1:
+        w //= 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, w), list(range(w))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, w), list(range(w, 2 * w))))
+        v = builder.fadd(lo, hi)
+    return builder.extract_element(v, _I32(0))
+
+
+@intrinsic
+def _acc_store(typingctx, acc, rows, vectors, out, i0, n, col):
+    """out[i0 + i, col] = the lane sum (_lane_sum) of row i's accumulators, for i < rows (constants)
+    with i0 + i < n; out a C-contiguous 2-D float32 array."""
+    if not _literals(rows, vectors):
+        return None
+
+    def codegen(context, builder, signature, args):
+        accp, _, _, outa, i0v, nv, colv = args
+        arr = context.make_array(signature.args[3])(context, builder, outa)
+        base = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
+        stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
+        count = vectors.literal_value
+        for i in range(rows.literal_value):
+            row = builder.add(i0v, i0v.type(i))
+            with builder.if_then(builder.icmp_signed("<", row, nv)):
+                total = _lane_sum(builder, [builder.load(_vector(builder, accp, i * count + k)) for k in range(count)])
+                at = builder.add(builder.mul(row, stride), builder.mul(colv, colv.type(4)))
+                builder.store(total, builder.bitcast(builder.gep(base, [at]), _F32.as_pointer()))
+        return context.get_dummy_value()
+
+    return types.void(acc, rows, vectors, out, i0, n, col), codegen
+
+
+@intrinsic
+def _q8_0_values(typingctx, data, at, d, w):
+    """w[j] = d · int8 byte j of data[at:], j < 32 (a Q8_0 block's values: exact in float32)."""
+
+    def codegen(context, builder, signature, args):
+        scale = _splat_f32(builder, args[2])
+        for v in range(2):
+            q = _bytes_at(context, builder, signature.args[0], args[0], builder.add(args[1], args[1].type(16 * v)), 16)
+            builder.store(builder.fmul(builder.sitofp(q, _V16F), scale), _vector(builder, args[3], v), align=4)
+        return context.get_dummy_value()
+
+    return types.void(data, at, d, w), codegen

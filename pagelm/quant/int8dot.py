@@ -20,7 +20,17 @@ from numba.extending import intrinsic
 from pagelm.errors import UnsupportedError
 from pagelm.quant.blockir import _I8, _I32, _V32I8, _bytes_at, _nibbles16, _q5_group
 from pagelm.quant.kernels import _F16_TO_F32, _check_table, _wide_vectors
-from pagelm.quant.matmul import _ahead_rows, _chunk, _chunks, _half, _hint_block, _load, _readonly, _scale_min_k4
+from pagelm.quant.matmul import (
+    _ahead_rows,
+    _chunk,
+    _chunks,
+    _half,
+    _hint_block,
+    _load,
+    _readonly,
+    _row_at,
+    _scale_min_k4,
+)
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
 
 GROUP = 32  # activation values per float32 scale
@@ -295,12 +305,6 @@ def _block(kind, acc, data, o, b, xq, xd, xs, xm, f16):
             + _q6_group(acc, data, o, b, 2, d, xq, xd, xs) + _q6_group(acc, data, o, b, 3, d, xq, xd, xs)
             + _q6_group(acc, data, o, b, 4, d, xq, xd, xs) + _q6_group(acc, data, o, b, 5, d, xq, xd, xs)
             + _q6_group(acc, data, o, b, 6, d, xq, xd, xs) + _q6_group(acc, data, o, b, 7, d, xq, xd, xs))
-
-
-@njit(inline="always")
-def _row_at(offs, stride, r):
-    """Byte offset of row r: offs[r], or r * stride in a table (stride > 0)."""
-    return r * stride if stride > 0 else offs[r]
 
 
 def _kernel(kind: int, vb: int, bb: int):

@@ -179,25 +179,6 @@ def _prefetch_ahead(table, at):
 
 
 @njit(inline="always")
-def _head_q8_0_row(table, v, x, i0, g, n, f16, out, acc):
-    """out[i0 + i, v] for the g hidden states from x[i0] (those past the last repeat it, unstored)."""
-    row = table[v]
-    acc[: 32 * g] = 0
-    for b in range(len(row) // 34):
-        o = b * 34
-        # One hint per 68 bytes, about one per cache line; a burst of hints per row stalls.
-        if b % 2 == 0 and i0 == 0:
-            _prefetch_ahead(table, v * len(row) + o)
-        d = _f16(f16, row, o)
-        for i in range(g):
-            xi = min(i0 + i, n - 1)
-            for j in range(32):
-                acc[32 * i + j] += d * (np.float32(np.int8(row[o + 2 + j])) * x[xi, b * 32 + j])
-    for i in range(min(g, n - i0)):
-        out[i0 + i, v] = _vsum(acc[32 * i : 32 * i + 32], 32)
-
-
-@njit(inline="always")
 def _mac16(acc, at, s, q, n, x, xo):
     """acc[at : at + 16] += s · values n..n+15 of the block times x[xo + n:]."""
     for j in range(16):
@@ -242,30 +223,19 @@ def _head_q6_k_row(table, v, x, n, f16, out, acc, values, scales):
         out[i, v] = _vsum(acc[128 * i : 128 * i + 128], 128)
 
 
-def _head_kernel(kind: GGMLType, many: bool):
-    """The head GEMV of a Q8_0 or Q6_K table for one hidden state (many=False: n = 1) or up to
-    MAX_HEAD_ROWS; x (n, dim), out (n, vocab). Several states: Q6_K unpacks a block once for all of
-    them; Q8_0 takes 4 a pass over the row (accumulators that fit the registers, the row's later
-    passes from the caches, optsize so the 32-lane loops vectorize): one pass over all states took as
-    long as one pass per state (side by side, 1 thread, CPU time)."""
-    lanes = (32 if kind == _T.Q8_0 else 128) * (MAX_HEAD_ROWS if many else 1)
-    q6_k = kind == _T.Q6_K  # a bool in the closure, not the enum: numba's cache key pickles closure values
+def _head_kernel(many: bool):
+    """The head GEMV of a Q6_K table for one hidden state (many=False: n = 1) or up to
+    MAX_HEAD_ROWS, each block unpacked once for all of them; x (n, dim), out (n, vocab)."""
+    lanes = 128 * (MAX_HEAD_ROWS if many else 1)
 
     @njit(parallel=True, cache=True, fastmath={"contract"})
     def head(table, x, f16, out):
         n = x.shape[0] if many else 1
         for v in prange(table.shape[0]):
             _wide_vectors()
+            _keep_loops()
             acc = carray(_stack_f32(lanes), lanes)
-            if q6_k:
-                _keep_loops()
-                _head_q6_k_row(table, v, x, n, f16, out, acc, _stack_bytes(256), _stack_f32(16))
-            elif many:
-                _keep_loops()
-                for i0 in range(0, n, 4):
-                    _head_q8_0_row(table, v, x, i0, 4, n, f16, out, acc)
-            else:
-                _head_q8_0_row(table, v, x, 0, 1, 1, f16, out, acc)
+            _head_q6_k_row(table, v, x, n, f16, out, acc, _stack_bytes(256), _stack_f32(16))
 
     return head
 
@@ -325,7 +295,7 @@ def _gather_q6_k(table, ids, f16, out):
     return -1
 
 
-_HEAD = {t: (_head_kernel(t, many=False), _head_kernel(t, many=True)) for t in (_T.Q8_0, _T.Q6_K)}
+_HEAD = {_T.Q6_K: (_head_kernel(many=False), _head_kernel(many=True))}
 _GATHER = {_T.Q8_0: _gather_q8_0, _T.Q6_K: _gather_q6_k}
 
 
@@ -393,6 +363,11 @@ def head_logits(table: np.ndarray, ggml_type: int, x: np.ndarray, out: np.ndarra
                          f"got {x.shape}")
     out = _check_out(out, x.shape[:-1] + (table.shape[0],), np.float32)
     xs, outs = (x, out) if x.ndim == 2 else (x[None], out[None])
+    from pagelm.quant import matmul  # it builds on this module's helpers
+
+    if t in matmul.TABLE_TYPES:
+        matmul.table_matmul(table, t, _writeable(xs), outs)
+        return out
     kernels = _HEAD.get(t)
     if kernels is not None:
         kernels[len(xs) > 1](_readonly(table), _writeable(xs), _F16_TO_F32, outs)
@@ -435,7 +410,7 @@ def gather_rows_bf16(
 def warmup() -> None:
     """Compiles the kernels, or loads them from numba's cache, so that no request waits for it."""
     ids = np.zeros(1, np.int64)
-    for t in _HEAD:
+    for t in (_T.Q8_0, *_HEAD):
         values, nbytes = BLOCK_LAYOUT[t]
         table = np.zeros((1, nbytes), np.uint8)
         head_logits(table, t, np.zeros(values, np.float32))

@@ -3,6 +3,7 @@
 Kernels read the uint8 array they are handed (normally the read-only file map); they never open files, copy or write it.
 """
 
+import llvmlite.binding as llvm
 import numba
 import numpy as np
 from llvmlite import ir
@@ -11,7 +12,18 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from pagelm.errors import ModelFormatError, UnsupportedError
-from pagelm.quant.blockir import _k4_scales, _q5_values, _q6k_scales16, _q6k_values, _stack_bytes
+from pagelm.quant.blockir import (
+    _acc_store,
+    _acc_vectors,
+    _acc_zero,
+    _fma_rows,
+    _k4_scales,
+    _q5_values,
+    _q6k_scales16,
+    _q6k_values,
+    _q8_0_values,
+    _stack_bytes,
+)
 from pagelm.quant.codecs import DECODABLE
 from pagelm.quant.kernels import (
     _F16_TO_F32,
@@ -41,6 +53,11 @@ _Q4_K, _Q5_K, _Q6_K = int(_T.Q4_K), int(_T.Q5_K), int(_T.Q6_K)
 # 2 threads). The int8 GEMVs and the dequantizers follow, unmeasured apart (their passes level).
 _AHEAD = 8192
 _AHEAD_K = 16384
+
+# The most activation rows one pass over a row of W keeps in registers (blockir._fma_rows), each row
+# 2 vectors of 16 lanes: 16 of AVX-512's 32 registers at 8 rows; AVX2's 16 registers hold half as
+# many lanes, so 2 rows (8 of them) leave room for the block's values.
+_PASS_ROWS = 8 if "+avx512f" in llvm.get_host_cpu_features().flatten().split(",") else 2
 
 
 # --- loads --------------------------------------------------------------------------
@@ -253,12 +270,19 @@ def _ahead_rows(kind, rnb):
 
 
 @njit(inline="always")
-def _row_ahead(offs, r, ahead):
+def _row_at(offs, stride, r):
+    """Byte offset of row r: offs[r], or r · stride in a table (stride > 0: an output head, whose
+    rows need no offset array, which would be 8 bytes of anonymous memory a row)."""
+    return r * stride if stride > 0 else offs[r]
+
+
+@njit(inline="always")
+def _row_ahead(offs, stride, rows, r, ahead):
     """Where the hints of row r go: the row `ahead` rows after it, or row r itself past the last.
 
     Rows need not be contiguous (a row order, a fused projection): the hints follow the rows read.
     """
-    return offs[r + ahead] if r + ahead < len(offs) else offs[r]
+    return _row_at(offs, stride, r + ahead if r + ahead < rows else r)
 
 
 @njit(inline="always")
@@ -411,13 +435,56 @@ def _mac_block(kind, acc, w, data, o, x, xo, f16, i0, g, n):
 
 
 @njit(inline="always")
-def _gemv_rows(kind, vb, bb, data, offs, x, n, g, f16, out, lo, r0, r1, nblk, tail, rnb, acc, w):
-    """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W and the n rows of x, g rows of x a
-    pass over each row of W (its later passes read it from the caches)."""
+def _vector_pass(data, row, hint, nblk, bb, x, i0, n, rows, f16, out, col, acc, w):
+    """out[i0 + i, col] = x[i0 + i] · the Q8_0 row at byte `row`, for i < rows (a constant) with
+    i0 + i < n: each block unpacked once into w, fused into every row's accumulators (blockir._fma_rows)."""
+    _acc_zero(acc, rows, 2)
+    for b in range(nblk):
+        o = row + b * bb
+        if i0 == 0:
+            _hint_block(data, hint, b, bb)
+        _q8_0_values(data, o + 2, _half(f16, data, o), w)
+        _fma_rows(acc, w, x, i0, n, 32 * b, rows, 2)
+    _acc_store(acc, rows, 2, out, i0, n, col)
+
+
+@njit(inline="always")
+def _vector_rows(data, offs, stride, rows, x, n, f16, out, lo, r0, r1, nblk, bb, rnb):
+    """_gemv_rows for Q8_0: passes of _PASS_ROWS, then 4, 2, 1 rows of x over each row of W."""
+    ahead = _ahead_rows(_Q8_0, rnb)
+    acc, w = _acc_vectors(16), _stack_f32(32)
+    for r in range(r0, r1):
+        row, hint = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
+        if n == 1:
+            _vector_pass(data, row, hint, nblk, bb, x, 0, 1, 1, f16, out, lo + r, acc, w)
+            continue
+        i0 = 0
+        while i0 < n:
+            left = n - i0
+            if left >= 8 and _PASS_ROWS >= 8:
+                _vector_pass(data, row, hint, nblk, bb, x, i0, n, 8, f16, out, lo + r, acc, w)
+                i0 += 8
+            elif left >= 4 and _PASS_ROWS >= 4:
+                _vector_pass(data, row, hint, nblk, bb, x, i0, n, 4, f16, out, lo + r, acc, w)
+                i0 += 4
+            elif left >= 2:
+                _vector_pass(data, row, hint, nblk, bb, x, i0, n, 2, f16, out, lo + r, acc, w)
+                i0 += 2
+            else:
+                _vector_pass(data, row, hint, nblk, bb, x, i0, n, 1, f16, out, lo + r, acc, w)
+                i0 += 1
+
+
+@njit(inline="always")
+def _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, g, f16, out, lo, r0, r1, nblk, tail, rnb, acc, w):
+    """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W (at _row_at) and the n rows of x,
+    g rows of x a pass over each row of W (its later passes read it from the caches)."""
+    if kind == _Q8_0:
+        _vector_rows(data, offs, stride, rows, x, n, f16, out, lo, r0, r1, nblk, bb, rnb)
+        return
     ahead = _ahead_rows(kind, rnb)
     for r in range(r0, r1):
-        row = offs[r]
-        hint = _row_ahead(offs, r, ahead)
+        row, hint = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
         for i0 in range(0, n, g):
             acc[: 64 * g] = 0
             for b in range(nblk):
@@ -444,7 +511,7 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
     mv_keeps_loops = kind in (_F32, _F16, _BF16, _Q6_K)
     # Several rows: the Q4_K/Q5_K loops of 64 lanes vectorize without optsize, which then gave 1.3-2.1x
     # one row's throughput at 4-8 rows where optsize gave 0.5x; every other type was 2-10x slower without.
-    mm_keeps_loops = kind not in (_Q4_K, _Q5_K)
+    mm_keeps_loops = kind not in (_Q4_K, _Q5_K, _Q8_0)
     # The K-quants and Q6_K unpack a block once for every row; the 32-value types take 4 rows a pass
     # (accumulators that fit the registers): 1.5-1.8x one row's throughput at 4-16 rows, where one
     # pass over a buffer of unpacked values gave 0.5-1x (side by side, 1 thread, CPU time).
@@ -454,32 +521,34 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
     # Two functions, not two branches of one: a second parfor in the same function made the
     # one-row loop 5-13 % slower (measured side by side).
     @njit(parallel=True, cache=True, fastmath={"contract"})
-    def mv(data, offs, x, f16, out, lo, width, nch):
+    def mv(data, offs, stride, rows, x, f16, out, lo, width, nch):
         nblk, tail = width // vb, width % vb
         rnb = max(nblk * bb + tail * value_bytes, 1)
         for c in prange(nch):
             _wide_vectors()
             if mv_keeps_loops:
                 _keep_loops()
-            r0, r1 = _chunk(c, nch, len(offs))
+            r0, r1 = _chunk(c, nch, rows)
             acc, w = carray(_stack_f32(64), 64), carray(_stack_f32(256), 256)
-            _gemv_rows(kind, vb, bb, data, offs, x, 1, 1, f16, out, lo, r0, r1, nblk, tail, rnb, acc, w)
+            _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, 1, 1, f16, out, lo, r0, r1, nblk, tail, rnb, acc, w)
 
     @njit(parallel=True, cache=True, fastmath={"contract"})
-    def mm(data, offs, x, f16, out, lo, width, nch):
+    def mm(data, offs, stride, rows, x, f16, out, lo, width, nch):
         nblk, tail = width // vb, width % vb
         rnb = max(nblk * bb + tail * value_bytes, 1)
         for c in prange(nch):
             _wide_vectors()
             if mm_keeps_loops:
                 _keep_loops()
-            r0, r1 = _chunk(c, nch, len(offs))
+            r0, r1 = _chunk(c, nch, rows)
             acc, w = carray(_stack_f32(lanes), lanes), carray(_stack_f32(256), 256)
             n = x.shape[0]
             if k_rows:
-                _gemv_rows(kind, vb, bb, data, offs, x, n, n, f16, out, lo, r0, r1, nblk, tail, rnb, acc, w)
+                _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, n, f16, out, lo, r0, r1, nblk, tail, rnb, acc,
+                           w)
             else:  # 4, a constant: the 4 rows' loops unroll, their accumulators stay in registers
-                _gemv_rows(kind, vb, bb, data, offs, x, n, 4, f16, out, lo, r0, r1, nblk, tail, rnb, acc, w)
+                _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, 4, f16, out, lo, r0, r1, nblk, tail, rnb, acc,
+                           w)
 
     return mv, mm
 
@@ -557,7 +626,7 @@ def _dequant_kernel(kind: int, vb: int, bb: int):
             r0, r1 = _chunk(c, nch, rows)
             ahead = _ahead_rows(kind, rnb)
             for r in range(r0, r1):
-                row, hint = offs[r], _row_ahead(offs, r, ahead)
+                row, hint = offs[r], _row_ahead(offs, 0, rows, r, ahead)
                 for b in range(nblk):
                     o = row + b * bb
                     _hint_block(data, hint, b, bb)
@@ -597,7 +666,7 @@ def _dequant_kq_kernel(kind: int, bb: int):
             r0, r1 = _chunk(c, nch, rows)
             ahead = _ahead_rows(kind, rnb)
             for r in range(r0, r1):
-                hint = _row_ahead(offs, r, ahead)
+                hint = _row_ahead(offs, 0, rows, r, ahead)
                 for b in range(nblk):
                     o = offs[r] + b * bb
                     _hint_block(data, hint, b, bb)
@@ -687,9 +756,27 @@ def bound_rows_matmul(data: np.ndarray, ggml_type, row_offsets: np.ndarray, widt
     rows = len(offs)
 
     def run(x: np.ndarray, out: np.ndarray, out_lo: int) -> None:
-        (mv if x.shape[0] == 1 else mm)(data, offs, _readonly(x), _F16_TO_F32, out, out_lo, width, _chunks(rows))
+        (mv if x.shape[0] == 1 else mm)(data, offs, 0, rows, _readonly(x), _F16_TO_F32, out, out_lo, width, _chunks(rows))
 
     return run
+
+
+_NO_OFFSETS = np.zeros(0, np.int64)
+_NO_OFFSETS.flags.writeable = False
+
+# Types whose GEMV multiplies a whole table, its rows addressed by stride (an output head).
+TABLE_TYPES = frozenset({_T.Q8_0})
+
+
+def table_matmul(table: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray) -> None:
+    """out[i, v] = x[i] · dequant(table[v]) for a C-contiguous (rows, row_nbytes) uint8 table of one of
+    TABLE_TYPES, x float32 (n, width) and out float32 (n, rows), n <= MAX_GEMV_ROWS, as checked by
+    kernels.head_logits; row i of out is bit for bit what x[i] alone gives."""
+    (mv, mm), _, vb = _block(ggml_type)
+    rows, nbytes = table.shape
+    width = nbytes // BLOCK_LAYOUT[ggml_type][1] * vb
+    (mv if x.shape[0] == 1 else mm)(_readonly(table).reshape(-1), _NO_OFFSETS, nbytes, rows, _readonly(x),
+                                    _F16_TO_F32, out, 0, width, _chunks(rows))
 
 
 def rows_dequantize(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width: int, out: np.ndarray) -> None:

@@ -185,7 +185,7 @@ def test_gather_ids_forms():
 def test_head_kernel_gets_512_bit_vectors():
     # A fresh, uncached compile, so that its assembly can be read; without the function
     # attribute that _wide_vectors sets, LLVM emits no zmm register here.
-    head = njit(parallel=True)(kernels._HEAD[T.Q8_0][0].py_func)
-    table = readonly(random_table(T.Q8_0, 2, 2, seed=0))
-    head(table, np.zeros((1, 64), np.float32), kernels._F16_TO_F32, np.zeros((1, 2), np.float32))
+    head = njit(parallel=True)(kernels._HEAD[T.Q6_K][0].py_func)
+    table = readonly(random_table(T.Q6_K, 2, 1, seed=0))
+    head(table, np.zeros((1, 256), np.float32), kernels._F16_TO_F32, np.zeros((1, 2), np.float32))
     assert "zmm" in "".join(head.inspect_asm().values())
