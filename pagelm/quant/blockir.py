@@ -218,21 +218,22 @@ def _acc_zero(typingctx, acc, rows, vectors):
 
 
 @intrinsic
-def _fma_rows(typingctx, acc, w, x, i0, n, xo, rows, vectors):
-    """For i < rows and v < vectors (constants): accumulator i · vectors + v = fma(w[16v : 16v + 16],
-    x[min(i0 + i, n - 1), xo + 16v : xo + 16v + 16], itself). Rows past n - 1 repeat the last
-    (computed, never stored); x is a C-contiguous 2-D float32 array."""
-    if not _literals(rows, vectors):
+def _fma_rows(typingctx, acc, w, wo, x, i0, n, xo, rows, vectors):
+    """For i < rows and v < vectors (constants, wo too): accumulator i · vectors + v =
+    fma(w[wo + 16v : wo + 16v + 16], x[min(i0 + i, n - 1), xo + 16v : xo + 16v + 16], itself).
+    Rows past n - 1 repeat the last (computed, never stored); x is a 2-D float32 array, rows strided."""
+    if not _literals(wo, rows, vectors):
         return None
 
     def codegen(context, builder, signature, args):
-        accp, wp, xa, i0v, nv, xov = args[:6]
-        arr = context.make_array(signature.args[2])(context, builder, xa)
+        accp, wp, _, xa, i0v, nv, xov = args[:7]
+        arr = context.make_array(signature.args[3])(context, builder, xa)
         base = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
         stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
         last = builder.sub(nv, nv.type(1))
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
-        ws = [builder.load(_vector(builder, wp, v), align=4) for v in range(vectors.literal_value)]
+        first = wo.literal_value // 16
+        ws = [builder.load(_vector(builder, wp, first + v), align=4) for v in range(vectors.literal_value)]
         col = builder.mul(xov, xov.type(4))
         for i in range(rows.literal_value):
             row = builder.add(i0v, i0v.type(i))
@@ -244,12 +245,13 @@ def _fma_rows(typingctx, acc, w, x, i0, n, xo, rows, vectors):
                 builder.store(builder.call(fma, [wv, builder.load(xp, align=4), builder.load(ap)]), ap)
         return context.get_dummy_value()
 
-    return types.void(acc, w, x, i0, n, xo, rows, vectors), codegen
+    return types.void(acc, w, wo, x, i0, n, xo, rows, vectors), codegen
 
 
 def _lane_sum(builder, vs):
     """The lanes of <16 x float> vectors vs (a power of two of them) summed as one tree: the lower
-    half of the lanes plus the upper half, recursively (kernels._vsum's order)."""
+    half of the lanes plus the upper half, recursively, in vector adds (loops over the lanes compiled
+    to stack round trips and a jump table, ~25 ns a row of a Q6_K head)."""
     while len(vs) > 1:
         half = len(vs) // 2
         vs = [builder.fadd(vs[k], vs[k + half]) for k in range(half)]
@@ -286,15 +288,68 @@ def _acc_store(typingctx, acc, rows, vectors, out, i0, n, col):
     return types.void(acc, rows, vectors, out, i0, n, col), codegen
 
 
+# GGML type numbers of the 32-value layouts _values32 unpacks (as pagelm.quant.types.GGMLType).
+_F32_T, _F16_T, _Q4_0_T, _Q4_1_T, _Q5_0_T, _Q5_1_T, _Q8_0_T, _BF16_T = 0, 1, 2, 3, 6, 7, 8, 30
+_V32F = ir.VectorType(_F32, 32)
+
+
+def _splat32(builder, value):
+    v = builder.insert_element(ir.Constant(_V32F, ir.Undefined), value, _I32(0))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 32), [0] * 32))
+
+
 @intrinsic
-def _q8_0_values(typingctx, data, at, d, w):
-    """w[j] = d · int8 byte j of data[at:], j < 32 (a Q8_0 block's values: exact in float32)."""
+def _values32(typingctx, kind, data, at, qh, d, m, w):
+    """w[0:32] = the 32 values of a block of GGML type `kind` (a constant) as float32, decode_f32's
+    (q · d, then + m where the type has one): quants from data[at:] (Q5's fifth bits from uint32 qh),
+    or the 32 stored values of a float type from data[at:]."""
+    if not _literals(kind):
+        return None
 
     def codegen(context, builder, signature, args):
-        scale = _splat_f32(builder, args[2])
-        for v in range(2):
-            q = _bytes_at(context, builder, signature.args[0], args[0], builder.add(args[1], args[1].type(16 * v)), 16)
-            builder.store(builder.fmul(builder.sitofp(q, _V16F), scale), _vector(builder, args[3], v), align=4)
+        t, arrty = kind.literal_value, signature.args[1]
+        data, at, qh, d, m = args[1], args[2], args[3], args[4], args[5]
+        base = builder.gep(builder.bitcast(context.make_array(arrty)(context, builder, data).data, _I8.as_pointer()), [at])
+        if t == _F32_T:
+            values = builder.load(builder.bitcast(base, _V32F.as_pointer()), align=1)
+        elif t == _F16_T:
+            halves = builder.load(builder.bitcast(base, ir.VectorType(ir.HalfType(), 32).as_pointer()), align=1)
+            values = builder.fpext(halves, _V32F)
+        elif t == _BF16_T:
+            bits = builder.load(builder.bitcast(base, ir.VectorType(ir.IntType(16), 32).as_pointer()), align=1)
+            wide = builder.shl(builder.zext(bits, ir.VectorType(_I32, 32)), ir.Constant(ir.VectorType(_I32, 32), 16))
+            values = builder.bitcast(wide, _V32F)
+        else:
+            if t == _Q8_0_T:
+                q, signed = _bytes_at(context, builder, arrty, data, at), True
+            elif t in (_Q4_0_T, _Q4_1_T):
+                q, signed = _nibbles16(context, builder, arrty, data, at), t == _Q4_0_T
+            else:
+                q, signed = _q5_group(context, builder, arrty, data, at, qh), t == _Q5_0_T
+            if t == _Q4_0_T:
+                q = builder.sub(q, _splat8(32, 8))
+            elif t == _Q5_0_T:
+                q = builder.sub(q, _splat8(32, 16))
+            values = builder.fmul((builder.sitofp if signed else builder.uitofp)(q, _V32F), _splat32(builder, d))
+            if t in (_Q4_1_T, _Q5_1_T):
+                values = builder.fadd(values, _splat32(builder, m))
+        builder.store(values, builder.bitcast(args[6], _V32F.as_pointer()), align=4)
         return context.get_dummy_value()
 
-    return types.void(data, at, d, w), codegen
+    return types.void(kind, data, at, qh, d, m, w), codegen
+
+
+@intrinsic
+def _q6k_floats(typingctx, values, scales, w):
+    """w[16g + j] = int8 values[16g + j] · scales[g] for g < 16, j < 16 (a Q6_K block's 256 values
+    from _q6k_values and _q6k_scales16)."""
+
+    def codegen(context, builder, signature, args):
+        q = builder.bitcast(args[0], _V16I8.as_pointer())
+        for g in range(16):
+            s = builder.load(builder.gep(args[1], [_I32(g)]))
+            v = builder.sitofp(builder.load(builder.gep(q, [_I32(g)]), align=1), _V16F)
+            builder.store(builder.fmul(v, _splat_f32(builder, s)), _vector(builder, args[2], g), align=4)
+        return context.get_dummy_value()
+
+    return types.void(values, scales, w), codegen

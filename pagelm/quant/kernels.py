@@ -1,24 +1,21 @@
-"""Numba kernels over GGML block bytes: output-head logits (GEMV) and row gathers to bf16.
+"""Numba kernels over GGML block bytes: output-head logits (GEMV: matmul's kernels over the table
+for Q8_0 and Q6_K) and row gathers to bf16, and the codegen helpers the kernels share.
 
 Kernels read the uint8 (rows, row_nbytes) views they are handed; they never open files, copy or write the table.
 """
 
 import numpy as np
 from llvmlite import ir
-from numba import carray, njit, prange, types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from pagelm.errors import ModelFormatError, UnsupportedError
-from pagelm.quant.blockir import _q6k_scales16, _q6k_values, _stack_bytes
 from pagelm.quant.codecs import DECODABLE, decode_bf16, decode_f32
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
 
 _T = GGMLType
 
-# The head kernels hint the table this many bytes ahead of the block they multiply (about 7
-# rows of 1,024 Q8_0 values): the hardware prefetcher stops at each 4 KiB page, hints do not.
-_AHEAD = 8192
 # The fallback head decodes about this many values at a time.
 _CHUNK = 1 << 16
 
@@ -102,31 +99,6 @@ def _opaque(typingctx, ptr):
 
 
 @intrinsic
-def _vsum(typingctx, acc, n):
-    """acc[0] + ... + acc[n - 1] (n a constant power of two) as a tree: the lower half plus the
-    upper half, recursively, in vector adds. The same order as the loops it replaced, which
-    compiled to stack round trips and a jump table: with them a Q6_K head spent ~25 ns a row outside
-    its blocks (a quarter of a 1,024-wide row), ~11 ns with this (one thread, from the caches)."""
-    if not isinstance(n, types.IntegerLiteral):
-        return None
-    width = n.literal_value
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        i32 = ir.IntType(32)
-        v = builder.load(builder.bitcast(data, ir.VectorType(ir.FloatType(), width).as_pointer()), align=4)
-        w = width
-        while w > 1:
-            w //= 2
-            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, w), list(range(w))))
-            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, w), list(range(w, 2 * w))))
-            v = builder.fadd(lo, hi)
-        return builder.extract_element(v, i32(0))
-
-    return types.float32(acc, n), codegen
-
-
-@intrinsic
 def _f32_bits(typingctx, value):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.IntType(32))
@@ -163,81 +135,9 @@ def _q6(lo, hi, top):
     )
 
 
-# --- head: out[i, v] = sum_k dequant(table[v])[k] * x[i, k] ---------------------------
-#
-# Each kernel multiplies a row of the table into up to MAX_HEAD_ROWS hidden states, each into its
-# own accumulator lanes in the one-row order, so out[i] is bit for bit the one-row logits of x[i];
-# the one-row kernel is the same code with n = 1, a constant LLVM folds.
-
+# Hidden states one head_logits call multiplies at once: the head runs matmul's GEMV kernels
+# (matmul.MAX_GEMV_ROWS is this number) for Q8_0 and Q6_K tables.
 MAX_HEAD_ROWS = 16
-
-
-@njit(inline="always")
-def _prefetch_ahead(table, at):
-    if at + _AHEAD < table.size:
-        _prefetch(table, at + _AHEAD)
-
-
-@njit(inline="always")
-def _mac16(acc, at, s, q, n, x, xo):
-    """acc[at : at + 16] += s · values n..n+15 of the block times x[xo + n:]."""
-    for j in range(16):
-        acc[at + j] += s * (np.float32(np.int8(q[n + j])) * x[xo + n + j])
-
-
-@njit(inline="always")
-def _mac64(acc, at, s, q, n, x, xo):
-    """Values n..n+63 (scales n // 16 on) into acc[at : at + 64], 16 lanes per scale. Four calls,
-    not a loop: under optsize (_keep_loops) a loop stays one, and acc would live in memory."""
-    g = n // 16
-    _mac16(acc, at, s[g], q, n, x, xo)
-    _mac16(acc, at + 16, s[g + 1], q, n + 16, x, xo)
-    _mac16(acc, at + 32, s[g + 2], q, n + 32, x, xo)
-    _mac16(acc, at + 48, s[g + 3], q, n + 48, x, xo)
-
-
-@njit(inline="always")
-def _head_q6_k_row(table, v, x, n, f16, out, acc, values, scales):
-    """A block's 256 values are unpacked by 64-byte vector ops (blockir._q6k_values), its 16 scales
-    by one (the scales then read from memory: _opaque), into 8 accumulators of 16 lanes a hidden
-    state. Side by side with the previous kernel (16-byte unpacking, scalar scales, 2 accumulators,
-    _sum32's loop): 0.62-0.70 of the time from the caches, 0.68-0.73 from memory (248,320 x 1,024,
-    2 threads, one hidden state)."""
-    row = table[v]
-    acc[: 128 * n] = 0
-    q = carray(values, 256)
-    s = carray(_opaque(scales), 16)
-    for b in range(len(row) // 210):
-        o, xo = b * 210, 256 * b
-        for line in range(0, 256, 64):
-            _prefetch_ahead(table, v * len(row) + o + line)
-        _q6k_values(row, o, values)
-        _q6k_scales16(row, o + 192, _f16(f16, row, o + 208), scales)
-        for i in range(n):
-            xi = x[i]
-            _mac64(acc, 128 * i, s, q, 0, xi, xo)
-            _mac64(acc, 128 * i + 64, s, q, 64, xi, xo)
-            _mac64(acc, 128 * i, s, q, 128, xi, xo)
-            _mac64(acc, 128 * i + 64, s, q, 192, xi, xo)
-    for i in range(n):
-        out[i, v] = _vsum(acc[128 * i : 128 * i + 128], 128)
-
-
-def _head_kernel(many: bool):
-    """The head GEMV of a Q6_K table for one hidden state (many=False: n = 1) or up to
-    MAX_HEAD_ROWS, each block unpacked once for all of them; x (n, dim), out (n, vocab)."""
-    lanes = 128 * (MAX_HEAD_ROWS if many else 1)
-
-    @njit(parallel=True, cache=True, fastmath={"contract"})
-    def head(table, x, f16, out):
-        n = x.shape[0] if many else 1
-        for v in prange(table.shape[0]):
-            _wide_vectors()
-            _keep_loops()
-            acc = carray(_stack_f32(lanes), lanes)
-            _head_q6_k_row(table, v, x, n, f16, out, acc, _stack_bytes(256), _stack_f32(16))
-
-    return head
 
 
 # --- gather: out[i] = bf16(dequant(table[ids[i]])), bit-identical to decode_bf16 -----
@@ -295,7 +195,6 @@ def _gather_q6_k(table, ids, f16, out):
     return -1
 
 
-_HEAD = {_T.Q6_K: (_head_kernel(many=False), _head_kernel(many=True))}
 _GATHER = {_T.Q8_0: _gather_q8_0, _T.Q6_K: _gather_q6_k}
 
 
@@ -368,10 +267,6 @@ def head_logits(table: np.ndarray, ggml_type: int, x: np.ndarray, out: np.ndarra
     if t in matmul.TABLE_TYPES:
         matmul.table_matmul(table, t, _writeable(xs), outs)
         return out
-    kernels = _HEAD.get(t)
-    if kernels is not None:
-        kernels[len(xs) > 1](_readonly(table), _writeable(xs), _F16_TO_F32, outs)
-        return out
     step = max(1, _CHUNK // max(dim, 1))
     scratch = np.empty((min(step, len(table)), dim), np.float32)
     for lo in range(0, len(table), step):
@@ -410,7 +305,7 @@ def gather_rows_bf16(
 def warmup() -> None:
     """Compiles the kernels, or loads them from numba's cache, so that no request waits for it."""
     ids = np.zeros(1, np.int64)
-    for t in (_T.Q8_0, *_HEAD):
+    for t in (_T.Q8_0, _T.Q6_K):
         values, nbytes = BLOCK_LAYOUT[t]
         table = np.zeros((1, nbytes), np.uint8)
         head_logits(table, t, np.zeros(values, np.float32))

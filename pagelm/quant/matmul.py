@@ -8,7 +8,6 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from pagelm.errors import ModelFormatError, UnsupportedError
@@ -21,24 +20,24 @@ from pagelm.quant.blockir import (
     _q5_values,
     _q6k_scales16,
     _q6k_values,
-    _q8_0_values,
+    _q6k_floats,
     _stack_bytes,
+    _values32,
 )
 from pagelm.quant.codecs import DECODABLE
 from pagelm.quant.kernels import (
+    MAX_HEAD_ROWS,
     _F16_TO_F32,
     _f32_bits,
     _keep_loops,
-    _mac64,
     _opaque,
     _prefetch,
     _stack_f32,
-    _vsum,
     _wide_vectors,
 )
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
 
-MAX_GEMV_ROWS = 16
+MAX_GEMV_ROWS = MAX_HEAD_ROWS
 
 _T = GGMLType
 # Kernel kinds: compile-time constants inside the kernels (LLVM folds the chains of `kind ==`).
@@ -46,8 +45,8 @@ _F32, _F16, _BF16 = int(_T.F32), int(_T.F16), int(_T.BF16)
 _Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1 = int(_T.Q8_0), int(_T.Q4_0), int(_T.Q4_1), int(_T.Q5_0), int(_T.Q5_1)
 _Q4_K, _Q5_K, _Q6_K = int(_T.Q4_K), int(_T.Q5_K), int(_T.Q6_K)
 
-# Hint the rows about this many bytes ahead of the one being read: the hardware prefetcher stops at each
-# 4 KiB page, hints do not (see kernels._AHEAD). The K-quants, whose GEMVs spend the most
+# Hint the rows about this many bytes ahead of the one being read (about 7 rows of 1,024 Q8_0 values):
+# the hardware prefetcher stops at each 4 KiB page, hints do not. The K-quants, whose GEMVs spend the most
 # instructions per byte, hint twice as far: over every matrix of the q4_k_m mix, cold, most of their
 # GEMVs took 0.90-0.95 of the time with 16 KiB, where the Q8_0 file's took 1.05-1.08 (an AVX-512 Xeon,
 # 2 threads). The int8 GEMVs and the dequantizers follow, unmeasured apart (their passes level).
@@ -289,31 +288,29 @@ def _row_ahead(offs, stride, rows, r, ahead):
 def _hint_block(data, at, b, bb):
     """Hints the lines of the row at byte `at` that start in its block b: one hint per 64 bytes,
     spread over the row as it is read. All of a row's hints at once as its reading starts (a
-    burst) made cold rows 1.15-1.2x slower, side by side over every matrix of the 0.8B geometry."""
-    for pa in range((b * bb + 63) // 64 * 64, (b + 1) * bb, 64):
-        _prefetch(data, at + pa)
+    burst) made cold rows 1.15-1.2x slower, side by side over every matrix of the 0.8B geometry.
+    A loop of constant length (bb is): one of variable length compiled to ~40 instructions a block."""
+    first, end = (b * bb + 63) // 64 * 64, (b + 1) * bb
+    for k in range((bb + 63) // 64):  # the most lines that can start in a block
+        if first + 64 * k < end:
+            _prefetch(data, at + first + 64 * k)
 
 
 # --- kernels ------------------------------------------------------------------------
 
 
 # A GEMV multiplies each block of W into up to MAX_GEMV_ROWS activation rows: the block is unpacked
-# once, into the values its products take (w, on the stack), then every row i runs the one-row
-# product over them into its own 64 accumulator lanes, acc[64 i : 64 i + 64], in the same order.
-# Unpacking computes exactly what the one-row expression computed first, so column i of the product
-# is bit for bit the one-row product of row i (the contract of batched decode). The one-row kernel
-# is this code with n = 1, a constant LLVM folds.
+# once into float32 values w (decode_f32's values, on the stack), which are fused into the
+# accumulators of every row (blockir._fma_rows): row i's lane l sums w[l] · x[i, l] over the blocks
+# in order, then its lanes are summed as one tree. A row's arithmetic does not depend on the other
+# rows, so column i of the product is bit for bit the product of row i alone (the contract of batched
+# decode); the one-row kernel is this code with n = 1, a constant LLVM folds.
 
 
 @njit(inline="always")
 def _put8(out, r, at, kind, data, o, g, h, j0, s, m, f16):
     for j in range(8):
         _put(kind, out, r, np.uint64(at + j), _lane(kind, True, data, o, g, h, j0, j, s, m, f16))
-
-
-@njit(inline="always")
-def _xv(x, i, k):
-    return x[i, np.uint64(k)]
 
 
 @njit(inline="always")
@@ -339,184 +336,103 @@ def _q6k_block(data, o, f16):
 
 
 @njit(inline="always")
-def _scales32(kind, data, o, f16, values):
-    """(d, m) of a 32-value block at byte o (0 where it has none); for Q5_0/Q5_1 also its 32 values
-    (0..31) into the 32 bytes at `values`, unpacked as one byte vector (blockir._q5_values)."""
-    zero = np.float32(0)
-    if _is_float(kind):
-        return zero, zero
-    if kind == _Q5_0 or kind == _Q5_1:
-        qh_at = o + 2 if kind == _Q5_0 else o + 4
-        _q5_values(data, qh_at + 4, _load(data, qh_at, np.uint32), values)
-    two = kind == _Q4_1 or kind == _Q5_1
-    return _half(f16, data, o), (_half(f16, data, o + 2) if two else zero)
-
-
-@njit(inline="always")
-def _value32(kind, data, o, j, q, d, m, f16):
-    """Value j of a 32-value block (not Q4_0/Q4_1) as its product takes it: Q8_0's int8 alone (its
-    product is d · (q · x)), Q5's q · d (+ m), a float type's value as stored."""
-    if kind == _Q8_0:
-        return np.float32(_load(data, o + 2 + j, np.int8))
-    if kind == _Q5_0:
-        return np.float32(np.int8(q[j] - 16)) * d
-    if kind == _Q5_1:
-        return np.float32(q[j]) * d + m
-    return _val(kind, data, o, j, f16)
-
-
-@njit(inline="always")
-def _nibble_pair(kind, data, o, j, d, m):
-    """Values j and 16 + j of a Q4_0/Q4_1 block (the low and high nibbles of byte j) as q · d (+ m)."""
-    if kind == _Q4_0:
-        b = _u8(data, o + 2 + j)
-        return np.float32(np.int8((b & 15) - 8)) * d, np.float32(np.int8((b >> 4) - 8)) * d
-    b = _u8(data, o + 4 + j)
-    return np.float32(np.uint8(b & 15)) * d + m, np.float32(np.uint8(b >> 4)) * d + m
-
-
-@njit(inline="always")
-def _product(kind, d, v, xv):
-    return d * (v * xv) if kind == _Q8_0 else v * xv
-
-
-@njit(inline="always")
-def _mac32(kind, acc, data, o, x, xo, f16, i0, g, n):
-    """acc[64 i : 64 i + 32] += the 32-value block at byte o times x[min(i0 + i, n - 1), xo:], i < g.
-
-    Each value is taken as it is unpacked, in registers: unpacked into a buffer first, the one-row
-    GEMVs of these types took 4-8x the time, and several rows from the buffer no less than one row
-    each (side by side). Q4_0/Q4_1 loop over bytes, both nibbles of each at once, so each loop vectorizes."""
-    values = _stack_bytes(32)
-    d, m = _scales32(kind, data, o, f16, values)
-    q = carray(values, 32)
-    for i in range(g):
-        xi = min(i0 + i, n - 1)
-        if kind == _Q4_0 or kind == _Q4_1:
-            for j in range(16):
-                lo, hi = _nibble_pair(kind, data, o, j, d, m)
-                acc[64 * i + j] += lo * _xv(x, xi, xo + j)
-                acc[64 * i + 16 + j] += hi * _xv(x, xi, xo + 16 + j)
-        else:
-            for j in range(32):
-                acc[64 * i + j] += _product(kind, d, _value32(kind, data, o, j, q, d, m, f16), _xv(x, xi, xo + j))
-
-
-@njit(inline="always")
-def _mac_block(kind, acc, w, data, o, x, xo, f16, i0, g, n):
-    """acc[64 i : 64 i + 64] += the block at byte o times x[min(i0 + i, n - 1), xo:], for i < g (the
-    K-quants and Q6_K take every row at once: i0 = 0, g = n).
-
-    A Q4_K/Q5_K block is unpacked into w (both nibbles of each byte at once, its 16 scales and mins
-    from one byte-vector decode, blockir._k4_scales), then multiplied into each row: for one row as
-    fast as in registers (side by side). Q6_K is the head's loop (kernels._mac64 over _q6k_block)."""
-    if kind == _Q6_K:
-        q, s = _q6k_block(data, o, f16)
-        for i in range(n):
-            xi = x[i]
-            _mac64(acc, 64 * i, s, q, 0, xi, xo)
-            _mac64(acc, 64 * i, s, q, 64, xi, xo)
-            _mac64(acc, 64 * i, s, q, 128, xi, xo)
-            _mac64(acc, 64 * i, s, q, 192, xi, xo)
-    elif kind == _Q4_K or kind == _Q5_K:
+def _unpack(kind, data, o, f16, w, q6, s6):
+    """w[0 : values of a block] = the values of the block at byte o as float32. Float types and the
+    32-value quants are unpacked in vector ops (blockir._values32), a Q6_K block's values and scales
+    too (q6, s6: its bytes and scales, on the stack); Q4_K/Q5_K take both nibbles of each byte at
+    once, with the 16 scales and mins of the block from one byte-vector decode (blockir._k4_scales)."""
+    if kind == _Q4_K or kind == _Q5_K:
         sm = _k4_block_scales(data, o, f16)
+        wa = carray(w, 256)
         for p in range(4):  # groups 2p and 2p + 1: the low and high nibbles of the same 32 bytes
             s0, m0, s1, m1 = sm[2 * p], sm[8 + 2 * p], sm[2 * p + 1], sm[9 + 2 * p]
             for j in range(32):
                 lo, hi = _kq_pair(kind, data, o, p, j)
-                w[64 * p + j] = np.float32(lo) * s0 - m0
-                w[64 * p + 32 + j] = np.float32(hi) * s1 - m1
-        for i in range(n):
-            for p in range(4):
-                for j in range(64):
-                    acc[64 * i + j] += w[64 * p + j] * _xv(x, i, xo + 64 * p + j)
-    else:
-        _mac32(kind, acc, data, o, x, xo, f16, i0, g, n)
+                wa[64 * p + j] = np.float32(lo) * s0 - m0
+                wa[64 * p + 32 + j] = np.float32(hi) * s1 - m1
+    elif kind == _Q6_K:
+        _q6k_values(data, o, q6)
+        _q6k_scales16(data, o + 192, _half(f16, data, o + 208), s6)
+        _q6k_floats(q6, s6, w)
+    elif _is_float(kind):
+        _values32(kind, data, o, np.uint32(0), np.float32(0), np.float32(0), w)
+    elif kind == _Q5_0 or kind == _Q5_1:
+        qh = o + 2 if kind == _Q5_0 else o + 4
+        m = _half(f16, data, o + 2) if kind == _Q5_1 else np.float32(0)
+        _values32(kind, data, qh + 4, _load(data, qh, np.uint32), _half(f16, data, o), m, w)
+    else:  # Q8_0, Q4_0, Q4_1
+        at = o + 4 if kind == _Q4_1 else o + 2
+        m = _half(f16, data, o + 2) if kind == _Q4_1 else np.float32(0)
+        _values32(kind, data, at, np.uint32(0), _half(f16, data, o), m, w)
 
 
 @njit(inline="always")
-def _vector_pass(data, row, hint, nblk, bb, x, i0, n, rows, f16, out, col, acc, w):
-    """out[i0 + i, col] = x[i0 + i] · the Q8_0 row at byte `row`, for i < rows (a constant) with
-    i0 + i < n: each block unpacked once into w, fused into every row's accumulators (blockir._fma_rows)."""
-    _acc_zero(acc, rows, 2)
+def _pass(kind, vb, bb, data, row, hint, nblk, tail, x, i0, n, rows, f16, out, col, acc, w, q6, s6):
+    """out[i0 + i, col] = x[i0 + i] · the row of W at byte `row`, for i < rows (a constant) with
+    i0 + i < n: each block unpacked once into w and fused into every row's accumulators, 2 vectors
+    of 16 lanes a row for 32-value blocks, 4 for 256-value blocks (64 lanes, a chunk at a time)."""
+    if vb == 256:
+        _acc_zero(acc, rows, 4)
+    else:
+        _acc_zero(acc, rows, 2)
     for b in range(nblk):
         o = row + b * bb
         if i0 == 0:
             _hint_block(data, hint, b, bb)
-        _q8_0_values(data, o + 2, _half(f16, data, o), w)
-        _fma_rows(acc, w, x, i0, n, 32 * b, rows, 2)
-    _acc_store(acc, rows, 2, out, i0, n, col)
+        _unpack(kind, data, o, f16, w, q6, s6)
+        if vb == 256:
+            _fma_rows(acc, w, 0, x, i0, n, 256 * b, rows, 4)
+            _fma_rows(acc, w, 64, x, i0, n, 256 * b + 64, rows, 4)
+            _fma_rows(acc, w, 128, x, i0, n, 256 * b + 128, rows, 4)
+            _fma_rows(acc, w, 192, x, i0, n, 256 * b + 192, rows, 4)
+        else:
+            _fma_rows(acc, w, 0, x, i0, n, 32 * b, rows, 2)
+    if vb == 256:
+        _acc_store(acc, rows, 4, out, i0, n, col)
+    else:
+        _acc_store(acc, rows, 2, out, i0, n, col)
+    for i in range(min(rows, n - i0)):  # a float row's last width % 32 values
+        for k in range(tail):
+            out[i0 + i, col] += _val(kind, data, row + nblk * bb, k, f16) * x[i0 + i, nblk * vb + k]
 
 
 @njit(inline="always")
-def _vector_rows(data, offs, stride, rows, x, n, f16, out, lo, r0, r1, nblk, bb, rnb):
-    """_gemv_rows for Q8_0: passes of _PASS_ROWS, then 4, 2, 1 rows of x over each row of W."""
-    ahead = _ahead_rows(_Q8_0, rnb)
-    acc, w = _acc_vectors(16), _stack_f32(32)
+def _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, f16, out, lo, r0, r1, nblk, tail, rnb):
+    """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W (at _row_at) and the n rows of x:
+    passes of up to _PASS_ROWS (32-value blocks) or _PASS_ROWS // 2 rows of x over each row of W,
+    the largest that fit the rows left (a row's later passes read it from the caches)."""
+    ahead = _ahead_rows(kind, rnb)
+    acc, w, q6, s6 = _acc_vectors(16), _stack_f32(256), _stack_bytes(256), _stack_f32(16)
+    most = _PASS_ROWS // 2 if vb == 256 else _PASS_ROWS
     for r in range(r0, r1):
-        row, hint = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
+        row, hint, col = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead), lo + r
         if n == 1:
-            _vector_pass(data, row, hint, nblk, bb, x, 0, 1, 1, f16, out, lo + r, acc, w)
+            _pass(kind, vb, bb, data, row, hint, nblk, tail, x, 0, 1, 1, f16, out, col, acc, w, q6, s6)
             continue
         i0 = 0
         while i0 < n:
             left = n - i0
-            if left >= 8 and _PASS_ROWS >= 8:
-                _vector_pass(data, row, hint, nblk, bb, x, i0, n, 8, f16, out, lo + r, acc, w)
+            if left >= 8 and most >= 8:
+                _pass(kind, vb, bb, data, row, hint, nblk, tail, x, i0, n, 8, f16, out, col, acc, w, q6, s6)
                 i0 += 8
-            elif left >= 4 and _PASS_ROWS >= 4:
-                _vector_pass(data, row, hint, nblk, bb, x, i0, n, 4, f16, out, lo + r, acc, w)
+            elif left >= 4 and most >= 4:
+                _pass(kind, vb, bb, data, row, hint, nblk, tail, x, i0, n, 4, f16, out, col, acc, w, q6, s6)
                 i0 += 4
-            elif left >= 2:
-                _vector_pass(data, row, hint, nblk, bb, x, i0, n, 2, f16, out, lo + r, acc, w)
+            elif left >= 2 and most >= 2:
+                _pass(kind, vb, bb, data, row, hint, nblk, tail, x, i0, n, 2, f16, out, col, acc, w, q6, s6)
                 i0 += 2
             else:
-                _vector_pass(data, row, hint, nblk, bb, x, i0, n, 1, f16, out, lo + r, acc, w)
+                _pass(kind, vb, bb, data, row, hint, nblk, tail, x, i0, n, 1, f16, out, col, acc, w, q6, s6)
                 i0 += 1
-
-
-@njit(inline="always")
-def _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, g, f16, out, lo, r0, r1, nblk, tail, rnb, acc, w):
-    """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W (at _row_at) and the n rows of x,
-    g rows of x a pass over each row of W (its later passes read it from the caches)."""
-    if kind == _Q8_0:
-        _vector_rows(data, offs, stride, rows, x, n, f16, out, lo, r0, r1, nblk, bb, rnb)
-        return
-    ahead = _ahead_rows(kind, rnb)
-    for r in range(r0, r1):
-        row, hint = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
-        for i0 in range(0, n, g):
-            acc[: 64 * g] = 0
-            for b in range(nblk):
-                o, xo = row + b * bb, b * vb
-                if i0 == 0:
-                    _hint_block(data, hint, b, bb)
-                _mac_block(kind, acc, w, data, o, x, xo, f16, i0, g, n)
-            for i in range(min(g, n - i0)):
-                total = _vsum(acc[64 * i : 64 * i + 64], 64)
-                for k in range(tail):
-                    total += _val(kind, data, row + nblk * bb, k, f16) * x[i0 + i, nblk * vb + k]
-                out[i0 + i, lo + r] = total
 
 
 def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
     """(mv, mm): out[:, lo + r] = x @ dequant(row r) for one activation row (mv: _gemv_rows with
     n = 1) or up to MAX_GEMV_ROWS (mm), for a block type of vb values in bb bytes (32 in 32 x size
-    for floats); mm's column i is mv's product of row i, bit for bit."""
+    for floats); mm's column i is mv's product of row i, bit for bit. Rows are at offs[r], or at
+    r · stride when stride > 0 (a table)."""
     # Rows of float types end in a partial "block" of width % 32 values, each of bb // 32 bytes.
     value_bytes = bb // 32 if kind in (_F32, _F16, _BF16) else 0
-    # A bool, not a function, in the closure: numba's cache key pickles closure values, and a
-    # dispatcher pickles differently in every process (the cache would never hit); the constant
-    # branch is pruned before lowering. Q6_K's 16-lane loops must stay loops until vectorized (_mac64).
-    mv_keeps_loops = kind in (_F32, _F16, _BF16, _Q6_K)
-    # Several rows: the Q4_K/Q5_K loops of 64 lanes vectorize without optsize, which then gave 1.3-2.1x
-    # one row's throughput at 4-8 rows where optsize gave 0.5x; every other type was 2-10x slower without.
-    mm_keeps_loops = kind not in (_Q4_K, _Q5_K, _Q8_0)
-    # The K-quants and Q6_K unpack a block once for every row; the 32-value types take 4 rows a pass
-    # (accumulators that fit the registers): 1.5-1.8x one row's throughput at 4-16 rows, where one
-    # pass over a buffer of unpacked values gave 0.5-1x (side by side, 1 thread, CPU time).
-    k_rows = vb == 256
-    lanes = 64 * MAX_GEMV_ROWS
 
     # Two functions, not two branches of one: a second parfor in the same function made the
     # one-row loop 5-13 % slower (measured side by side).
@@ -526,11 +442,8 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
         rnb = max(nblk * bb + tail * value_bytes, 1)
         for c in prange(nch):
             _wide_vectors()
-            if mv_keeps_loops:
-                _keep_loops()
             r0, r1 = _chunk(c, nch, rows)
-            acc, w = carray(_stack_f32(64), 64), carray(_stack_f32(256), 256)
-            _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, 1, 1, f16, out, lo, r0, r1, nblk, tail, rnb, acc, w)
+            _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, 1, f16, out, lo, r0, r1, nblk, tail, rnb)
 
     @njit(parallel=True, cache=True, fastmath={"contract"})
     def mm(data, offs, stride, rows, x, f16, out, lo, width, nch):
@@ -538,17 +451,8 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
         rnb = max(nblk * bb + tail * value_bytes, 1)
         for c in prange(nch):
             _wide_vectors()
-            if mm_keeps_loops:
-                _keep_loops()
             r0, r1 = _chunk(c, nch, rows)
-            acc, w = carray(_stack_f32(lanes), lanes), carray(_stack_f32(256), 256)
-            n = x.shape[0]
-            if k_rows:
-                _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, n, f16, out, lo, r0, r1, nblk, tail, rnb, acc,
-                           w)
-            else:  # 4, a constant: the 4 rows' loops unroll, their accumulators stay in registers
-                _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, 4, f16, out, lo, r0, r1, nblk, tail, rnb, acc,
-                           w)
+            _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, x.shape[0], f16, out, lo, r0, r1, nblk, tail, rnb)
 
     return mv, mm
 
@@ -765,7 +669,7 @@ _NO_OFFSETS = np.zeros(0, np.int64)
 _NO_OFFSETS.flags.writeable = False
 
 # Types whose GEMV multiplies a whole table, its rows addressed by stride (an output head).
-TABLE_TYPES = frozenset({_T.Q8_0})
+TABLE_TYPES = frozenset({_T.Q8_0, _T.Q6_K})
 
 
 def table_matmul(table: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray) -> None:

@@ -7,6 +7,7 @@ from numba.core import config as numba_config
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.quant import BLOCK_LAYOUT, DECODABLE, GGMLType, decode_bf16, decode_f32, encode
 from pagelm.quant import kernels
+from pagelm.quant import matmul
 from pagelm.quant.kernels import gather_rows_bf16, head_logits
 
 from pagelm.quant.types import SCALE_FIELDS
@@ -182,10 +183,11 @@ def test_gather_ids_forms():
     or "+avx512f" not in llvm.get_host_cpu_features().flatten(),
     reason="needs numba compiling for an AVX-512 host",
 )
-def test_head_kernel_gets_512_bit_vectors():
+def test_gemv_kernel_gets_512_bit_vectors():
     # A fresh, uncached compile, so that its assembly can be read; without the function
-    # attribute that _wide_vectors sets, LLVM emits no zmm register here.
-    head = njit(parallel=True)(kernels._HEAD[T.Q6_K][0].py_func)
+    # attribute that _wide_vectors sets, LLVM splits each 16-lane accumulator in two ymm registers.
+    mv = njit(parallel=True)(matmul._KERNELS[T.Q6_K][0][0].py_func)
     table = readonly(random_table(T.Q6_K, 2, 1, seed=0))
-    head(table, np.zeros((1, 256), np.float32), kernels._F16_TO_F32, np.zeros((1, 2), np.float32))
-    assert "zmm" in "".join(head.inspect_asm().values())
+    mv(table.reshape(-1), readonly(np.zeros(0, np.int64)), table.shape[1], 2, readonly(np.zeros((1, 256), np.float32)),
+       kernels._F16_TO_F32, np.zeros((1, 2), np.float32), 0, 256, 1)
+    assert "zmm" in "".join(mv.inspect_asm().values())
