@@ -92,6 +92,7 @@ class Level:
     wall_s: float
     queue_wait_s: float | None  # mean, from the server's histogram (pagelm only)
     differing: int = 0
+    engine: dict[str, tuple[float, int]] = field(default_factory=dict)  # histogram: (seconds, count) in the level
 
     @property
     def tokens_per_s(self) -> float:
@@ -104,11 +105,15 @@ class Level:
         return _percentile([g for a in self.answers for g in a.gaps], q)
 
 
-def _queue_wait(target: ServerProcess) -> tuple[float, int] | None:
+ENGINE_HISTOGRAMS = ("queue_wait_seconds", "decode_step_seconds", "prefill_segment_seconds")
+
+
+def _engine_sums(target: ServerProcess) -> dict[str, tuple[float, int]]:
+    """(sum, count) of the server's engine histograms (pagelm only)."""
     if isinstance(target, LlamaServer):
-        return None
-    h = target.stats().get("histograms", {}).get("queue_wait_seconds")
-    return None if h is None else (h["sum"], h["count"])
+        return {}
+    found = target.stats().get("histograms", {})
+    return {name: (found[name]["sum"], found[name]["count"]) for name in ENGINE_HISTOGRAMS if name in found}
 
 
 def run_level(target: ServerProcess, prompts: list[str], new_tokens: int, clients: int) -> Level:
@@ -129,7 +134,7 @@ def run_level(target: ServerProcess, prompts: list[str], new_tokens: int, client
             except Exception as e:  # noqa: BLE001 - reported after the level
                 failures.append(e)
 
-    before = _queue_wait(target)
+    before = _engine_sums(target)
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         for _ in range(clients):
@@ -137,10 +142,11 @@ def run_level(target: ServerProcess, prompts: list[str], new_tokens: int, client
     wall = time.perf_counter() - start
     if failures:
         raise PagelmError(f"{clients} clients: a request failed: {failures[0]}")
-    after = _queue_wait(target)
-    wait = None if before is None or after is None or after[1] == before[1] else \
-        (after[0] - before[0]) / (after[1] - before[1])
-    return Level(clients, answers, wall, wait)
+    after = _engine_sums(target)
+    engine = {name: (after[name][0] - before[name][0], after[name][1] - before[name][1])
+              for name in after if name in before}
+    wait = engine.get("queue_wait_seconds", (0.0, 0))
+    return Level(clients, answers, wall, wait[0] / wait[1] if wait[1] else None, engine=engine)
 
 
 @dataclass
@@ -289,6 +295,16 @@ class ConcurrencyReport:
         lines.append("")
         for lv in self.levels[1:]:
             lines.append(f"clients {lv.clients}: {lv.tokens_per_s / self.levels[0].tokens_per_s:.2f}× 1 client")
+        for lv in self.levels:
+            (decode_s, steps), (prefill_s, segments) = (lv.engine.get("decode_step_seconds", (0.0, 0)),
+                                                       lv.engine.get("prefill_segment_seconds", (0.0, 0)))
+            if steps or segments:
+                tokens = sum(a.tokens for a in lv.answers)
+                lines.append(f"engine, {lv.clients} client(s): {steps} decode steps ({tokens / max(steps, 1):.2f} "
+                             f"completion tokens per step) {decode_s:.1f} s ({decode_s / max(steps, 1) * 1000:.0f} ms each), "
+                             f"{segments} prefill segments {prefill_s:.1f} s "
+                             f"({prefill_s / max(segments, 1) * 1000:.0f} ms each), other "
+                             f"{lv.wall_s - decode_s - prefill_s:.1f} s of {lv.wall_s:.1f} s")
         if not self.llama_levels:
             lines.append("llama-server: not on PATH, not compared")
         if self.long_prompt is not None:

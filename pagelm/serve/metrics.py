@@ -39,13 +39,16 @@ class Histogram:
 
 class EngineHistograms:
     """What one worker records: sequences per batched decode step, seconds a request waited for a
-    slot, to its first token, and between its tokens."""
+    slot, to its first token, and between its tokens; and where the engine's time goes: seconds of
+    each batched decode step and of each prefill segment."""
 
     def __init__(self):
         self.batch_size = Histogram(SEQUENCES)
         self.queue_wait_seconds = Histogram(SECONDS)
         self.time_to_first_token_seconds = Histogram(SECONDS)
         self.inter_token_latency_seconds = Histogram(SECONDS)
+        self.decode_step_seconds = Histogram(SECONDS)
+        self.prefill_segment_seconds = Histogram(SECONDS)
 
     def snapshot(self) -> dict:
         return {name: h.snapshot() for name, h in vars(self).items()}

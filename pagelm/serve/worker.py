@@ -186,7 +186,7 @@ class Worker:
         self.queue_size, self.parallel = queue_size, parallel
         self.prefill_chunk = prefill_chunk if parallel > 1 else 0
         # slot 0's session is kept from start to end (one request at a time needs no other);
-        # the others are made when a slot is taken and dropped when it is left with nothing waiting
+        # the others are made when a slot is taken and dropped when the whole engine goes idle
         self._sessions: list[Session | None] = [model.session(ctx_len)] + [None] * (parallel - 1)
         self._slots: list[_Running | None] = [None] * parallel
         self._waiting: collections.deque[Job] = collections.deque()
@@ -359,7 +359,9 @@ class Worker:
         try:
             prompt = r.job.prompt
             cursor, point = len(r.session.tokens), r.cuts.pop(0)
+            start = time.perf_counter()
             r.session.prefill(prompt.tokens[cursor:point], prompt.images_in(cursor, point))
+            self.histograms.prefill_segment_seconds.observe(time.perf_counter() - start)
             if point in r.stores:
                 r.base = self.cache.store(r.session, r.base) or r.base
             if not r.cuts:
@@ -401,7 +403,9 @@ class Worker:
         for lo in range(0, len(going), MAX_BATCH):
             part = going[lo: lo + MAX_BATCH]
             try:
+                start = time.perf_counter()
                 logits = decode_batch([r.session for _, r, _ in part], [token for _, _, token in part])
+                self.histograms.decode_step_seconds.observe(time.perf_counter() - start)
             except Exception as e:  # noqa: BLE001 - a failed step fails the requests it held
                 for index, r, _ in part:
                     self._fail(index, r.job, e)
@@ -478,8 +482,12 @@ class Worker:
         with self._lock:
             self._slots[index] = None
             self._busy -= 1
-            if index and not self._waiting:
-                self._sessions[index] = None  # its state goes back; slot 0's stays
+            if not self._busy and not self._waiting:
+                # the engine is idle: the other slots' states go back (slot 0's stays); while it is
+                # busy, a freed slot keeps its state for the next request (no new allocation and
+                # page faults per request)
+                for i in range(1, self.parallel):
+                    self._sessions[i] = None
             self._end(job, event)
 
     def _end(self, job: Job, event) -> None:
