@@ -108,6 +108,16 @@ def test_a_full_batch_of_sessions_at_different_lengths(qwen_tiny):
     step(model, pairs[::-1])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fixture", ["smollm2_gguf", "gemma3_gguf"])
+def test_a_full_batch_of_real_sessions(request, fixture, dtype):
+    """SmolLM2's 9 heads: 8 sequences make 72 q rows, more than one token's kernel row limit."""
+    model = pagelm.load(request.getfixturevalue(fixture), dtype=dtype)
+    pairs = [Pair(model, PROMPTS[i % 4][: 1 + i % 5] + [i]) for i in range(MAX_BATCH)]
+    step(model, pairs)
+    step(model, pairs[::-1])
+
+
 def test_seeded_sampling_is_the_same_alone_and_batched(qwen_tiny):
     model = pagelm.load(qwen_tiny, dtype="bfloat16")
     params = [SamplingParams(temperature=0.9, top_p=0.95, seed=1, max_tokens=12),

@@ -17,9 +17,10 @@ import torch.nn.functional as F
 from pagelm.errors import PagelmError
 from pagelm.models.decoder import nbytes
 from pagelm.models.qwen35 import apply_rope_, rms_norm
-from pagelm.models.token_ops import attend_token, cache_views
+from pagelm.models.token_ops import attend_token, attend_tokens, cache_views, RopeRows, token_ropes
 
-__all__ = ["KVCheckpoint", "KVState", "apply_rope_", "attention", "inv_freq", "rms_norm", "rope_tables"]
+__all__ = ["KVCheckpoint", "KVState", "RopeRows", "apply_rope_", "attend_spans", "attention", "inv_freq", "rms_norm", "rope_tables",
+           "token_ropes"]
 
 
 
@@ -139,3 +140,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[to
             mask &= qi - kj < window
         o = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1).reshape(T, H * D)
+
+
+def attend_spans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list, i: int,
+                 rope: tuple[torch.Tensor, torch.Tensor], scale: float, window: int | None = None) -> torch.Tensor | None:
+    """Rope, then layer i's attention, of one token of each span's sequence (q (n, H, D), k and v
+    (n, G, D), row j span j's, its state a KVState) in one kernel call (token_ops.attend_tokens),
+    each row's bits those of its sequence alone; None, with nothing touched, where the kernels do
+    not take them (then each sequence goes through apply_rope_ and `attention`)."""
+    positions = [s.state.pos for s in spans]
+    los = [0 if window is None else max(0, p + 1 - window) for p in positions]
+    return attend_tokens(q, k, v, [s.state.views[i] for s in spans], positions, scale, los, rope)

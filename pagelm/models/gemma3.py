@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from pagelm.errors import ModelFormatError, UnsupportedError
-from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, rms_norm, rope_tables
+from pagelm.models.base import (KVState, RopeRows, apply_rope_, attend_spans, attention, inv_freq, rms_norm, rope_tables,
+                                token_ropes)
 from pagelm.models.decoder import Decoder, Span, advance, per_sequence
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, layer_period,
                                rope_scaling, shift_norms, tensor_maps)
@@ -215,6 +216,12 @@ class Gemma3Model(Decoder):
         self.output_norm = model.tensor("output_norm.weight", (config.hidden,))
         self.inv_freq_global = inv_freq(config.rope_base, config.head_dim, self.device)
         self.inv_freq_local = inv_freq(config.rope_local_base, config.head_dim, self.device)
+        self.token_rope = RopeRows(lambda pos: self._ropes(pos, 1))
+
+    def _ropes(self, pos: int, T: int):
+        """The global and the local layers' rope tables of positions pos..pos+T-1."""
+        return (rope_tables(self.inv_freq_global, pos, T, self.config.rope_scale),
+                rope_tables(self.inv_freq_local, pos, T))
 
     def new_state(self, max_len: int) -> KVState:
         c = self.config
@@ -224,10 +231,14 @@ class Gemma3Model(Decoder):
         c, T = self.config, x.shape[0]
         H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
         h = x.to(device=self.device, dtype=torch.float32, copy=True).mul_(c.embedding_scale)
-        ropes = [(rope_tables(self.inv_freq_global, s.state.pos, s.hi - s.lo, c.rope_scale),
-                  rope_tables(self.inv_freq_local, s.state.pos, s.hi - s.lo)) for s in spans]
+        ropes = [self.token_rope(s.state.pos) if s.hi - s.lo == 1 else self._ropes(s.state.pos, s.hi - s.lo)
+                 for s in spans]
+        tokens = None
+        if T == len(spans):  # one token each: the batched kernels
+            tokens = token_ropes([g for g, _ in ropes]), token_ropes([loc for _, loc in ropes])
         for i, w in enumerate(self.layers):
             is_global = c.is_global_layer(i)
+            window = None if is_global else c.sliding_window
             y = rms_norm(h, w.attn_norm, c.rms_eps)
             proj = w.qkv(y, alone).float()
 
@@ -241,10 +252,17 @@ class Gemma3Model(Decoder):
                 apply_rope_(q, cos, sin)
                 apply_rope_(k, cos, sin)
                 kv = s.state
-                return attention(q, k, v, kv.layers[i], kv.pos, c.query_scale,
-                                 None if is_global else c.sliding_window, kv.views[i])
+                return attention(q, k, v, kv.layers[i], kv.pos, c.query_scale, window, kv.views[i])
 
-            o = per_sequence(attend, spans, ropes)
+            o = None
+            if tokens is not None:  # each token's q/k rows normed as alone (contiguous, per-token row limit)
+                q = rms_norm(proj[:, : H * D].view(T, H, D).contiguous(), w.q_norm, c.rms_eps, tokens_alone=True)
+                k = rms_norm(proj[:, H * D : (H + G) * D].view(T, G, D).contiguous(), w.k_norm, c.rms_eps,
+                             tokens_alone=True)
+                o = attend_spans(q, k, proj[:, (H + G) * D :].view(T, G, D), spans, i,
+                                 tokens[0] if is_global else tokens[1], c.query_scale, window)
+            if o is None:
+                o = per_sequence(attend, spans, ropes)
             h += rms_norm(w.out(o, alone).float(), w.post_attn_norm, c.rms_eps)
             y = rms_norm(h, w.ffn_norm, c.rms_eps)
             gate, up = w.gate_up(y, alone).chunk(2, -1)

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 import numpy as np
 
 from pagelm.errors import ModelFormatError, UnsupportedError
-from pagelm.models.base import KVState, apply_rope_, attention, inv_freq, rms_norm, rope_tables
+from pagelm.models.base import (KVState, RopeRows, apply_rope_, attend_spans, attention, inv_freq, rms_norm, rope_tables,
+                                token_ropes)
 from pagelm.models.decoder import Decoder, Span, advance, per_sequence
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, rope_scaling,
                                tensor_maps)
@@ -158,6 +159,7 @@ class LlamaModel(Decoder):
         if model.has_tensor("rope_freqs.weight"):  # llama3-style rope scaling, per pair
             factors = model.tensor("rope_freqs.weight", (config.head_dim // 2,))
         self.inv_freq = inv_freq(config.rope_base, config.head_dim, self.device, factors)
+        self.token_rope = RopeRows(lambda pos: rope_tables(self.inv_freq, pos, 1, self.config.rope_scale))
 
     def new_state(self, max_len: int) -> KVState:
         c = self.config
@@ -167,8 +169,10 @@ class LlamaModel(Decoder):
         c, T = self.config, x.shape[0]
         H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
         h = x.to(device=self.device, dtype=torch.float32, copy=True)
-        ropes = [rope_tables(self.inv_freq, s.state.pos, s.hi - s.lo, c.rope_scale) for s in spans]
+        ropes = [self.token_rope(s.state.pos) if s.hi - s.lo == 1 else
+                 rope_tables(self.inv_freq, s.state.pos, s.hi - s.lo, c.rope_scale) for s in spans]
         scale = D**-0.5
+        tokens = token_ropes(ropes) if T == len(spans) else None  # one token each: the batched kernels
         for i, w in enumerate(self.layers):
             y = rms_norm(h, w.attn_norm, c.rms_eps)
             proj = w.qkv(y, alone).float()
@@ -183,7 +187,8 @@ class LlamaModel(Decoder):
                 kv = s.state
                 return attention(qs, ks, v[s.lo : s.hi], kv.layers[i], kv.pos, scale, views=kv.views[i])
 
-            h += w.out(per_sequence(attend, spans, ropes), alone)
+            o = None if tokens is None else attend_spans(q, k, v, spans, i, tokens, scale)
+            h += w.out(per_sequence(attend, spans, ropes) if o is None else o, alone)
             y = rms_norm(h, w.ffn_norm, c.rms_eps)
             gate, up = w.gate_up(y, alone).chunk(2, -1)
             h += w.down(F.silu(gate).mul_(up), alone)

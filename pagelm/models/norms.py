@@ -27,12 +27,15 @@ def _rms_rows(x, w, eps, out):
             out[r, i] = x[r, i] * scale * w[i]
 
 
-def rms_norm_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+def rms_norm_rows(x: torch.Tensor, w: torch.Tensor, eps: float, tokens_alone: bool = False) -> torch.Tensor | None:
     """x · rsqrt(mean(x²) + eps) · w over the last axis for a contiguous float32 CPU `x` of at most
-    MAX_ROWS rows of w's width (as a view of any leading shape); None when `x` is not such a tensor."""
+    MAX_ROWS rows of w's width (as a view of any leading shape); None when `x` is not such a tensor.
+    `tokens_alone`: x's leading axis is one token each of sequences of a batched step, and the row
+    limit is each token's, the one it has decoding alone."""
     n = w.shape[0]
+    tokens = x.shape[0] if tokens_alone and x.dim() > 1 else 1
     if not (x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
-            and x.is_contiguous() and x.shape[-1] == n and x.numel() <= MAX_ROWS * n and not x.requires_grad):
+            and x.is_contiguous() and x.shape[-1] == n and x.numel() <= MAX_ROWS * n * tokens and not x.requires_grad):
         return None
     out = torch.empty_like(x)
     _rms_rows(x.numpy().reshape(-1, n), w.numpy(), eps, out.numpy().reshape(-1, n))

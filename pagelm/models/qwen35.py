@@ -20,7 +20,7 @@ from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.models.decoder import Decoder, Span, advance, nbytes, per_sequence
 from pagelm.models.delta_rule import delta_rule_step, deltanet_tokens
 from pagelm.models.norms import rms_norm_rows
-from pagelm.models.token_ops import attend_token, cache_views, rope_rows_
+from pagelm.models.token_ops import attend_token, attend_tokens, cache_views, rope_rows_, RopeRows, token_ropes
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, heads_tiled, hf_rope,
                                layer_period, rope_scaling, shift_norms, tensor_maps)
 from pagelm.weights.linear import Linear
@@ -236,9 +236,10 @@ class Qwen35State:
 # ---------------------------------------------------------------------------------- math
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x²) + eps) * w over the last axis (GGUF form: any +1 is already in w)."""
-    few = rms_norm_rows(x, w, eps)
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, tokens_alone: bool = False) -> torch.Tensor:
+    """x * rsqrt(mean(x²) + eps) * w over the last axis (GGUF form: any +1 is already in w);
+    `tokens_alone` as norms.rms_norm_rows'."""
+    few = rms_norm_rows(x, w, eps, tokens_alone)
     return F.rms_norm(x, w.shape, w, eps) if few is None else few
 
 
@@ -486,27 +487,35 @@ class Qwen35Model(Decoder):
         # as transformers computes it, in fp32
         self.inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, rd, 2, dtype=torch.float32, device=self.device) / rd))
         self.rope_axes = mrope_axes(config.rope_sections, rd // 2).to(self.device)
+        self.token_rope = RopeRows(lambda pos: self._text_rope(pos, 1))
 
     def new_state(self, max_len: int) -> Qwen35State:
         return Qwen35State(self.config, max_len, self.dtype, self.device)
 
     def _rope(self, s: Span) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (rows, rope_dim / 2) of a span's positions."""
-        if s.positions is None:
-            pos = s.state.pos
-            freqs = torch.arange(pos, pos + s.hi - s.lo, dtype=torch.float32, device=self.device)[:, None] * self.inv_freq
-        else:  # frequency pair i turns by position rope_axes[i]: for text (t = h = w) the same numbers
-            freqs = s.positions.to(self.device)[self.rope_axes].T.to(torch.float32) * self.inv_freq
+        if s.positions is None and s.hi - s.lo == 1:
+            return self.token_rope(s.state.pos)
+        return self._text_rope(s.state.pos, s.hi - s.lo) if s.positions is None else self._mrope(s.positions)
+
+    def _text_rope(self, pos: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.arange(pos, pos + T, dtype=torch.float32, device=self.device)[:, None] * self.inv_freq
+        return freqs.cos(), freqs.sin()
+
+    def _mrope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # frequency pair i turns by position rope_axes[i]: for text (t = h = w) the same numbers
+        freqs = positions.to(self.device)[self.rope_axes].T.to(torch.float32) * self.inv_freq
         return freqs.cos(), freqs.sin()
 
     def _step(self, x: torch.Tensor, spans: list[Span], alone: bool) -> torch.Tensor:
         c = self.config
         h = x.to(device=self.device, dtype=torch.float32, copy=True)
         ropes = [self._rope(s) for s in spans]
+        tokens = token_ropes(ropes) if x.shape[0] == len(spans) else None  # one token each: the batched kernels
         for i, layer in enumerate(self.layers):
             y = rms_norm(h, layer.attn_norm, c.rms_eps)
             if c.is_attention_layer(i):
-                h += self._attention(layer.mixer, y, i, spans, ropes, alone)
+                h += self._attention(layer.mixer, y, i, spans, ropes, tokens, alone)
             else:
                 h += self._deltanet(layer.mixer, y, i, spans, alone)
             y = rms_norm(h, layer.post_norm, c.rms_eps)
@@ -519,10 +528,23 @@ class Qwen35Model(Decoder):
         gate, up = gu.chunk(2, -1)
         return w.down(F.silu(gate).mul_(up), alone)
 
-    def _attention(self, w: AttentionWeights, y, i: int, spans: list[Span], ropes: list, alone: bool) -> torch.Tensor:
+    def _attention(self, w: AttentionWeights, y, i: int, spans: list[Span], ropes: list, tokens, alone: bool) -> torch.Tensor:
+        """`tokens`: with one token of each span's sequence, their rope tables as one (token_ropes)."""
         c = self.config
         H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
         proj = w.qkv(y, alone).float()
+        n = proj.shape[0]
+        if tokens is not None:
+            qg = proj[:, : 2 * H * D].view(n, H, 2, D)
+            q = rms_norm(qg[:, :, 0], w.q_norm, c.rms_eps)  # torch's, as alone: a strided view
+            k = rms_norm(proj[:, 2 * H * D : (2 * H + G) * D].view(n, G, D).contiguous(), w.k_norm, c.rms_eps,
+                         tokens_alone=True)
+            caches = [s.state.layers[i] for s in spans]
+            positions = [s.state.pos for s in spans]
+            o = attend_tokens(q, k, proj[:, (2 * H + G) * D :].view(n, G, D), [m.views for m in caches], positions,
+                              D**-0.5, [0] * n, tokens)
+            if o is not None:
+                return w.out(o * torch.sigmoid(qg[:, :, 1].reshape(n, H * D)), alone)
 
         def attend(s: Span, rope) -> torch.Tensor:
             T, pos, cache = s.hi - s.lo, s.state.pos, s.state.layers[i]

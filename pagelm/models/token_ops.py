@@ -40,16 +40,50 @@ def _rope(x, cos, sin):
                 x[t, r, half + i] = b * cos[t, i] + a * sin[t, i]
 
 
-def rope_rows_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+def _rope_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tokens_alone: bool) -> bool:
+    rows = x.shape[1] if tokens_alone else x.shape[0] * x.shape[1]  # x.dim() checked first
+    return (_cpu_f32(x, cos, sin) and x.dim() == 3 and x.stride(-1) == 1 and rows <= MAX_ROWS
+            and cos.shape == sin.shape == (x.shape[0], cos.shape[-1]) and 2 * cos.shape[-1] <= x.shape[-1]
+            and cos.is_contiguous() and sin.is_contiguous())
+
+
+def rope_rows_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tokens_alone: bool = False) -> bool:
     """NeoX rope in place on the first 2·cos.shape[-1] dims of x (T, heads, D), qwen35.apply_rope_'s
     formula in float32 (torch fuses one multiply-add, so the two differ in the last bit), when x
     is a float32 CPU tensor of at most MAX_ROWS rows with unit stride in its last axis; False
-    otherwise."""
-    if not (_cpu_f32(x, cos, sin) and x.dim() == 3 and x.stride(-1) == 1 and x.shape[0] * x.shape[1] <= MAX_ROWS
-            and cos.shape == sin.shape == (x.shape[0], cos.shape[-1]) and cos.is_contiguous() and sin.is_contiguous()):
+    otherwise. `tokens_alone`: each of the T tokens is a sequence's one token of a batched step,
+    and the row limit is each token's (heads ≤ MAX_ROWS), the one it has decoding alone."""
+    if not (x.dim() == 3 and _rope_takes(x, cos, sin, tokens_alone)):
         return False
     _rope(x.numpy(), cos.numpy(), sin.numpy())
     return True
+
+
+class RopeRows:
+    """One token's rope tables (cos, sin) by position, `table(pos)` computed once per position and
+    kept (the same tensors every time: read, never written): a decode step's torch sin and cos
+    (~4 small ops per sequence per step, each a dispatch and, on a busy host, a wait on the thread
+    pool) leave the step once the position has been seen, by any sequence."""
+
+    LIMIT = 1 << 14  # positions kept; past it the memo starts over
+
+    def __init__(self, table):
+        self.table, self.rows = table, {}
+
+    def __call__(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        row = self.rows.get(pos)
+        if row is None:
+            if len(self.rows) >= self.LIMIT:
+                self.rows.clear()
+            row = self.rows[pos] = self.table(pos)
+        return row
+
+
+def token_ropes(ropes: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (cos, sin) tables (1, half) of one token of each of n sequences as one pair (n, half)."""
+    if len(ropes) == 1:
+        return ropes[0]
+    return torch.cat([c for c, _ in ropes]), torch.cat([s for _, s in ropes])
 
 
 # --- one query's attention over the KV cache ----------------------------------------
@@ -180,24 +214,37 @@ def cache_views(cache_k: torch.Tensor, cache_v: torch.Tensor) -> CacheViews | No
 
 
 def attend_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, views: list[CacheViews | None],
-                  positions: list[int], scale: float, los: list[int]) -> torch.Tensor | None:
+                  positions: list[int], scale: float, los: list[int],
+                  rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """One token's GQA attention for each of n sequences at once, row i of each input sequence i's:
     writes k[i] and v[i] (G, D) at positions[i] of the caches behind views[i] (cache_views; bf16
     rounded as torch's cast rounds), then softmax(q[i]·Kᵀ·scale)·V over keys los[i]..positions[i]
-    for q[i] (H, D), in float32 from the cache's exact values, each row as it is alone. Returns
-    (n, H·D) float32, or None (nothing written) for inputs the kernel does not take: a missing
-    view, caches of other dtypes or shapes, not float32 CPU tokens, positions outside a cache."""
+    for q[i] (H, D), in float32 from the cache's exact values, each row as it is alone. With
+    `rope` (cos, sin), each (n, rope_dim / 2): rope_rows_ on q and k first (in place where they are
+    contiguous), each token as alone (tokens_alone), once every input is known to be taken. Returns (n, H·D) float32, or
+    None (nothing written, q and k untouched) for inputs the kernels do not take: a missing view,
+    caches of other dtypes or shapes, not float32 CPU tokens, positions outside a cache, rope
+    tables rope_rows_ refuses."""
     if any(w is None for w in views) or not (q.dtype == k.dtype == v.dtype == torch.float32
                                              and q.is_cpu and k.is_cpu and v.is_cpu):
         return None
     first = views[0].k
     n, (G, _, D) = len(views), first.shape
-    qn, kn, vn = q.numpy(), k.numpy(), v.numpy()
+    # C-contiguous (copies of a batch's strided views of a projection; one token's rows already are):
+    # the kernels are compiled per array layout, and fastmath's reassociation may order a layout's
+    # sums otherwise, so a batch must reach the very code one token alone does
+    qn, kn, vn = (np.ascontiguousarray(t.numpy()) for t in (q, k, v))
     if not (qn.ndim == 3 and qn.shape[0] == n and qn.shape[2] == D and qn.shape[1] % G == 0
             and kn.shape == vn.shape == (n, G, D) and len(positions) == len(los) == n
             and all(w.k.dtype == first.dtype and w.k.shape[::2] == (G, D) and 0 <= lo <= pos < w.k.shape[1]
                     for w, pos, lo in zip(views, positions, los))):
         return None
+    if rope is not None:
+        if not (_rope_takes(q, *rope, True) and _rope_takes(k, *rope, True)):
+            return None
+        cos, sin = rope[0].numpy(), rope[1].numpy()
+        _rope(qn, cos, sin)
+        _rope(kn, cos, sin)
     out = np.empty((n, qn.shape[1] * D), np.float32)
     _attend(qn, kn, vn, np.array([w.k_at for w in views], np.int64), np.array([w.v_at for w in views], np.int64),
             first, np.array([w.k.shape[1] for w in views], np.int64), np.array(positions, np.int64),

@@ -114,3 +114,65 @@ def test_cache_views_only_of_caches_the_kernel_takes():
     assert cache_views(torch.zeros(G, L, D), torch.zeros(G, L, D, dtype=torch.bfloat16)) is None  # mixed dtypes
     ck = cache_views(torch.zeros(G, L, D, dtype=torch.bfloat16), torch.zeros(G, L, D, dtype=torch.bfloat16)).k
     assert ck.dtype.name == "uint16" and ck.shape == (G, L, D)
+
+
+def test_rope_of_tokens_alone_has_each_tokens_row_limit_and_bits():
+    heads, D, half, n = 9, 14, 5, 8  # SmolLM2's 9 heads: 8 tokens make 72 rows, more than one token's MAX_ROWS
+    assert n * heads > MAX_ROWS
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(n, heads + 1, D, generator=g)
+    angles = torch.rand(n, half, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    want = _rope_f64(base[:, 1:], cos, sin)
+    alone = [base[i : i + 1, 1:].clone() for i in range(n)]
+    assert not rope_rows_(base[:, 1:], cos, sin)  # a prefill of 8 tokens keeps torch's
+    assert rope_rows_(base[:, 1:], cos, sin, tokens_alone=True)
+    for i, x in enumerate(alone):
+        assert rope_rows_(x, cos[i : i + 1], sin[i : i + 1])
+        assert torch.equal(base[i, 1:].view(torch.int32), x[0].view(torch.int32))
+    torch.testing.assert_close(base[:, 1:].double(), want, rtol=1e-6, atol=1e-6)
+    assert not rope_rows_(torch.ones(2, MAX_ROWS + 1, 8), torch.ones(2, 4), torch.ones(2, 4), tokens_alone=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attend_tokens_with_rope_are_rope_then_attention_alone(dtype):
+    H, G, D, half, scale = 9, 3, 22, 7, 0.25  # partial rope (2·7 of 22 dims), odd shapes
+    g = torch.Generator().manual_seed(11)
+    spots = [(13, 0, 20), (0, 0, 3), (40, 29, 41), (7, 2, 9), (5, 0, 6), (2, 1, 30), (9, 9, 10), (1, 0, 2)]
+    n = len(spots)
+    caches = [(torch.randn(G, m, D, generator=g).to(dtype), torch.randn(G, m, D, generator=g).to(dtype))
+              for _, _, m in spots]
+    alone = [(ck.clone(), cv.clone()) for ck, cv in caches]
+    proj = torch.randn(n, (H + 2 * G) * D, generator=g)  # q, k, v as strided views of one projection
+    q, k = proj[:, : H * D].view(n, H, D), proj[:, H * D : (H + G) * D].view(n, G, D)
+    v = proj[:, (H + G) * D :].view(n, G, D)
+    angles = torch.rand(n, half, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    qs, ks = [q[i : i + 1].clone() for i in range(n)], [k[i : i + 1].clone() for i in range(n)]
+    q64, k64 = _rope_f64(q, cos, sin), _rope_f64(k, cos, sin)
+    got = attend_tokens(q, k, v, [cache_views(*c) for c in caches], [p for p, _, _ in spots], scale,
+                        [lo for _, lo, _ in spots], (cos, sin))
+    assert got.shape == (n, H * D)
+    for i, ((pos, lo, _), (ck, cv), (ak, av)) in enumerate(zip(spots, caches, alone)):
+        assert rope_rows_(qs[i], cos[i : i + 1], sin[i : i + 1]) and rope_rows_(ks[i], cos[i : i + 1], sin[i : i + 1])
+        want = attend_token(qs[i], ks[i], v[i : i + 1], cache_views(ak, av), pos, scale, lo)
+        assert torch.equal(got[i].view(torch.int32), want[0].view(torch.int32))
+        assert torch.equal(ck, ak) and torch.equal(cv, av)
+        f64 = _attend_f64(q64[i], ck[:, lo : pos + 1].double(), cv[:, lo : pos + 1].double(), scale)
+        torch.testing.assert_close(got[i : i + 1].double(), f64, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ck[:, pos].double(), k64[i].to(dtype).double(), rtol=1e-2, atol=1e-5)
+
+
+def test_attend_tokens_refusing_leaves_q_and_k_unroped():
+    G, D, n = 2, 8, 3
+    q, k, v = torch.randn(n, 4, D), torch.randn(n, G, D), torch.randn(n, G, D)
+    caches = [(torch.zeros(G, 6, D), torch.zeros(G, 6, D)) for _ in range(n)]
+    views = [cache_views(*c) for c in caches]
+    q0, k0 = q.clone(), k.clone()
+    rope = torch.rand(n, 4), torch.rand(n, 4)
+    assert attend_tokens(q, k, v, views[:2] + [None], [1] * n, 1.0, [0] * n, rope) is None  # a missing view
+    assert attend_tokens(q, k, v, views, [1, 1, 6], 1.0, [0] * n, rope) is None  # past a cache
+    assert attend_tokens(q, k, v, views, [1] * n, 1.0, [0] * n, (rope[0][:2], rope[1][:2])) is None  # tables
+    assert attend_tokens(q, k, v, views, [1] * n, 1.0, [0] * n, (torch.rand(n, 5), torch.rand(n, 5))) is None
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+    assert not any(c.any() for pair in caches for c in pair)
