@@ -14,9 +14,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagelm import heap
 from pagelm.bench.report import Panel, bar_chart, markdown_table
+from pagelm.measure.memory import MIB, read_memory
 
 PROMPT_TOKENS = 16  # each sequence's own prompt; sequence i's is PROMPT_TOKENS + 3 i tokens long
+MEMORY_CTX = 4096  # the context each session of the memory measurement holds
 
 
 def _prompts(vocab: int, n: int) -> list[list[int]]:
@@ -62,6 +65,8 @@ class BatchReport:
     differing: int = 0
     llama_cpp: dict[int, float] = field(default_factory=dict)  # size -> aggregate tok/s
     llama_cpp_note: str = ""
+    added_anonymous: float = 0.0  # anonymous bytes per sequence added to a batch of MEMORY_CTX-token sessions
+    state_bytes: int = 0  # one such session's state (Session.nbytes)
 
     def aggregate(self, n: int) -> float:
         """Median aggregate tokens per second of batch size n."""
@@ -90,6 +95,9 @@ class BatchReport:
                  table, ""]
         if self.llama_cpp_note:
             lines += [f"llama.cpp: {self.llama_cpp_note}", ""]
+        if self.state_bytes:
+            lines += [f"anonymous memory per added sequence: {self.added_anonymous / MIB:.1f} MiB "
+                      f"(its state: {self.state_bytes / MIB:.1f} MiB, context {MEMORY_CTX})", ""]
         lines += [f"batch {n}: {self.aggregate(n) / base:.2f}× batch 1" for n in self.sizes]
         lines.append(f"differing sequences: {self.differing} of {self.checked}")
         return "\n".join(lines)
@@ -128,6 +136,25 @@ def _differs_alone(model, prompt: list[int], fed: list[int], digests: list[bytes
     session = model.session(max_len=len(prompt) + len(fed) + 2)
     session.prefill(prompt)
     return any(_digest(session.decode(token)) != digest for token, digest in zip(fed, digests))
+
+
+def _added_anonymous(model, prompts: list[list[int]]) -> tuple[float, int]:
+    """(anonymous bytes per sequence added to a batch, one session's state bytes): the process's
+    anonymous memory with one MEMORY_CTX-token session after a decode step, then with len(prompts)
+    sessions after a batched step of all of them, the heap's free pages returned both times."""
+    sessions: list = []
+
+    def grow_and_step(n: int) -> int:
+        while len(sessions) < n:
+            session = model.session(max_len=MEMORY_CTX)
+            session.prefill(prompts[len(sessions)])
+            sessions.append(session)
+        model.decode_batch(sessions, [1] * n)
+        heap.trim()
+        return read_memory().anonymous
+
+    one = grow_and_step(1)
+    return (grow_and_step(len(prompts)) - one) / (len(prompts) - 1), sessions[0].nbytes
 
 
 def _llama_cpp_aggregate(path: str, prompts: list[list[int]], tokens: int, threads: int) -> float:
@@ -196,6 +223,8 @@ def run_batch(name: str, path: str, sizes: list[int], tokens: int, runs: int, th
             if run == 0:
                 report.checked += n
                 report.differing += sum(_differs_alone(model, prompts[i], fed[i], digests[i]) for i in range(n))
+    if max(sizes) > 1:
+        report.added_anonymous, report.state_bytes = _added_anonymous(model, prompts)
     try:
         import llama_cpp  # noqa: F401
     except ImportError:

@@ -53,10 +53,20 @@ _Q4_K, _Q5_K, _Q6_K = int(_T.Q4_K), int(_T.Q5_K), int(_T.Q6_K)
 _AHEAD = 8192
 _AHEAD_K = 16384
 
+
+def _compiles_avx512() -> bool:
+    """Whether numba compiles for a CPU with AVX-512: the host's, unless NUMBA_CPU_NAME or
+    NUMBA_CPU_FEATURES name another (as `NUMBA_CPU_NAME=haswell` does to try the AVX2 code here)."""
+    features = numba.config.CPU_FEATURES
+    if features is None:
+        features = llvm.get_host_cpu_features().flatten() if numba.config.CPU_NAME in (None, "host") else ""
+    return "+avx512f" in features.split(",")
+
+
 # The most activation rows one pass over a row of W keeps in registers (blockir._fma_rows), each row
 # 2 vectors of 16 lanes: 16 of AVX-512's 32 registers at 8 rows; AVX2's 16 registers hold half as
 # many lanes, so 2 rows (8 of them) leave room for the block's values.
-_PASS_ROWS = 8 if "+avx512f" in llvm.get_host_cpu_features().flatten().split(",") else 2
+_PASS_ROWS = 8 if _compiles_avx512() else 2
 
 
 # --- loads --------------------------------------------------------------------------
