@@ -164,6 +164,8 @@ class LongPrompt:
 
 def run_long_prompt(target: ServerProcess, prompts: list[str], long_prompt: str) -> LongPrompt:
     """STREAMS streams decode; once each has WARM + WINDOW tokens the long prompt is sent (one token)."""
+    if len(prompts) < STREAMS:
+        raise PagelmError(f"{STREAMS} streams need {STREAMS} prompts, got {len(prompts)}")
     stop = threading.Event()
     answers = [Answer() for _ in range(STREAMS)]
     threads = [threading.Thread(target=complete, args=(target, p, 100_000, a, stop), daemon=True)
@@ -366,7 +368,8 @@ def run_concurrency(name: str, path: str, command: str, clients: list[int], requ
         long_run = None
         if long_prompt:
             progress(f"{name}: a {LONG_PROMPT_TOKENS}-token prompt while {STREAMS} streams decode")
-            long_run = run_long_prompt(server, prompts, text_of_tokens(path, LONG_PROMPT_TOKENS, seed=10_000))
+            streams = prompts + [text_of_tokens(path, int(lengths[0]), seed=i) for i in range(len(prompts), STREAMS)]
+            long_run = run_long_prompt(server, streams, text_of_tokens(path, LONG_PROMPT_TOKENS, seed=10_000))
     llama_levels = []
     if shutil.which("llama-server"):
         with LlamaServer(path, max(clients), ctx_len, threads) as llama:
