@@ -138,14 +138,11 @@ def _half(f16, data, at):
 # A block holds 1 (32-value types) or 8 (K-quants) groups of 32 values; each group is two halves
 # of 16 lanes, value 16 h + j, whose bytes are consecutive in j so that loops over j vectorize.
 # The float ops follow codecs.py (gguf-py's order); _lane and _prep are compiled on their own,
-# without contraction, so they give decode_f32's values bit for bit in every kernel. The matmul
-# kernels contract their own products (and _mac_block's, which they inline).
+# without contraction, so they give decode_f32's values bit for bit in every kernel.
 #
 # The helpers that branch on `kind` are functions of their own, which LLVM inlines with `kind` a
 # constant, not inline="always": numba's inliner copies every branch of every kind into each call site,
 # again for each nested call, and that made one type's kernels take ~75 s to compile (now ~25 s).
-# _mac_block stays inlined: as a function of its own the one-row GEMV took 1.5-5x the time (why
-# was not looked into). Measured side by side with the inlined helpers: the same time and bits.
 
 
 @njit
@@ -503,8 +500,8 @@ def _put_q4(kind, out, r, at, data, o, f16):
 
 @njit(inline="always")
 def _put_q5(kind, out, r, at, data, o, f16):
-    """out[r, at : at + 32] = the Q5_0/Q5_1 block at byte o, unpacked as one byte vector (as
-    _mac_block's): 1.6-1.7x the rate of _lane's per-value fifth bits, the same values."""
+    """out[r, at : at + 32] = the Q5_0/Q5_1 block at byte o, unpacked as one byte vector
+    (_q5_block): 1.6-1.7x the rate of _lane's per-value fifth bits, the same values."""
     q, d, m = _q5_block(kind, data, o, f16)
     for j in range(32):
         if kind == _Q5_0:
