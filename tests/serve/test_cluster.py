@@ -209,13 +209,17 @@ def test_each_turn_of_a_chat_goes_back_to_the_replica_holding_its_prefix(cluster
 
 
 def test_killing_a_replica_loses_no_request_that_had_not_started(cluster):
-    n = 12  # each replica: 4 running in its slots (--parallel 4), 2 waiting
+    # Every replica full: 4 running in its slots (--parallel 4) and 3 waiting (max_ongoing). Answers
+    # of 400 tokens (SmolLM2 tells each story for longer) keep them waiting long enough for /api/ps,
+    # which is slow on a loaded machine, to see it: with 160-token answers and 12 requests a loaded
+    # run once finished every request before any poll saw one wait.
+    n = 14
     replies: list = [None] * n
 
     def ask(i: int) -> None:
         body = {"model": cluster.model, "messages": [{"role": "user", "content": f"Story number {i}, please."}],
-                "max_tokens": 160, "temperature": 0}
-        replies[i] = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=240)
+                "max_tokens": 400, "temperature": 0}
+        replies[i] = httpx.post(f"{cluster.url}/v1/chat/completions", json=body, timeout=900)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
     for thread in threads:
