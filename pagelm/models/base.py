@@ -19,8 +19,8 @@ from pagelm.models.decoder import nbytes
 from pagelm.models.qwen35 import apply_rope_, rms_norm
 from pagelm.models.token_ops import attend_token, attend_tokens, cache_views, RopeRows, token_ropes
 
-__all__ = ["KVCheckpoint", "KVState", "RopeRows", "apply_rope_", "attend_spans", "attention", "inv_freq", "rms_norm", "rope_tables",
-           "token_ropes"]
+__all__ = ["KVCheckpoint", "KVState", "RopeRows", "apply_rope_", "attend_spans", "attention", "inv_freq", "rms_norm",
+           "rope_tables", "token_ropes"]
 
 
 
