@@ -4,7 +4,7 @@ shapes, and the inputs they refuse."""
 import pytest
 import torch
 
-from pagelm.models.token_ops import MAX_ROWS, attend_token, attend_tokens, cache_views, rope_rows_
+from pagelm.models.token_ops import MAX_ROWS, RopeRows, attend_token, attend_tokens, cache_views, rope_rows_
 
 
 def _rope_f64(x, cos, sin):
@@ -29,6 +29,22 @@ def test_rope_matches_f64_and_leaves_the_rest(T, heads, D, half):
     assert rope_rows_(x, cos, sin)
     torch.testing.assert_close(x.double(), want, rtol=1e-6, atol=1e-6)
     assert torch.equal(base[:, 0], before[:, 0]) and torch.equal(base[:, -1], before[:, -1])
+
+
+def test_rope_memo_returns_its_tables_and_stays_bounded():
+    computed = []
+
+    def table(pos):
+        computed.append(pos)
+        return torch.full((1, 3), float(pos)), torch.full((1, 3), -float(pos))
+
+    rows = RopeRows(table)
+    for pos in list(range(RopeRows.LIMIT + 5)) + [7, RopeRows.LIMIT + 2]:
+        cos, sin = rows(pos)
+        assert cos[0, 0] == pos and sin[0, 0] == -pos
+        assert len(rows.rows) <= RopeRows.LIMIT
+    assert computed.count(RopeRows.LIMIT + 2) == 1  # seen again: the memo's
+    assert computed.count(7) == 2  # dropped when the memo started over
 
 
 def test_rope_refuses_what_it_does_not_take():
