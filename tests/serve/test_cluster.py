@@ -209,11 +209,13 @@ def test_each_turn_of_a_chat_goes_back_to_the_replica_holding_its_prefix(cluster
 
 
 def test_killing_a_replica_loses_no_request_that_had_not_started(cluster):
-    # Every replica full: 4 running in its slots (--parallel 4) and 3 waiting (max_ongoing). Answers
-    # of 400 tokens (SmolLM2 tells each story for longer) keep them waiting long enough for /api/ps,
-    # which is slow on a loaded machine, to see it: with 160-token answers and 12 requests a loaded
-    # run once finished every request before any poll saw one wait.
-    n = 14
+    # More requests than both replicas hold (4 running in each one's slots, --parallel 4, and 3 waiting,
+    # max_ongoing): the rest wait in the ingress, so a replica's own queue is refilled as it drains and
+    # still holds requests when it is killed. With exactly as many requests as the replicas hold, a
+    # loaded run saw a replica's queue empty between the /api/ps that showed it and the kill (its
+    # waiting requests had started), and nothing was left to send again. Answers of up to 400 tokens
+    # keep them waiting long enough for /api/ps, which is slow on a loaded machine, to see them.
+    n = 20
     replies: list = [None] * n
 
     def ask(i: int) -> None:
@@ -224,8 +226,8 @@ def test_killing_a_replica_loses_no_request_that_had_not_started(cluster):
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
     for thread in threads:
         thread.start()
-    ps = _wait(cluster, lambda ps: sum(r["requests"]["queued"] for r in ps["replicas"]) >= 1,
-               "no request waited on a replica")
+    ps = _wait(cluster, lambda ps: max(r["requests"]["queued"] for r in ps["replicas"]) >= 2,
+               "no replica had two requests waiting")
     victim = max(ps["replicas"], key=lambda r: r["requests"]["queued"])
     os.kill(victim["pid"], signal.SIGKILL)
     for thread in threads:
