@@ -157,11 +157,18 @@ def _added_anonymous(model, prompts: list[list[int]]) -> tuple[float, int]:
     return (grow_and_step(len(prompts)) - one) / (len(prompts) - 1), sessions[0].nbytes
 
 
+_llama_quiet = None  # llama.cpp's log callback, kept alive while llama.cpp may call it
+
+
 def _llama_cpp_aggregate(path: str, prompts: list[list[int]], tokens: int, threads: int) -> float:
     """llama.cpp's aggregate decode tokens per second for the same sequences: each prompt decoded
     as its own sequence, then `tokens` greedy steps of all of them in one llama_batch a step."""
     from llama_cpp import llama_cpp as c
 
+    global _llama_quiet
+    if _llama_quiet is None:  # its log (a few hundred lines a model) would bury the progress lines
+        _llama_quiet = c.llama_log_callback(lambda level, text, user_data: None)
+        c.llama_log_set(_llama_quiet, None)
     n = len(prompts)
     model_params = c.llama_model_default_params()
     model_params.use_extra_bufts = False  # peers.md: the AMX matmul path crashes on these machines

@@ -244,14 +244,17 @@ def _idle_memory(target: ServerProcess) -> int:
 
 
 class LlamaServer(ServerProcess):
-    """`llama-server -np N` on the same file, for comparison (same wire: /health, /v1/completions)."""
+    """`llama-server -np N` on the same file, for comparison (same wire: /health, /v1/completions),
+    its prompt caches off as pagelm's prefix cache is: a level after the first would otherwise find
+    every prompt already processed."""
 
     def __init__(self, model_path: str, parallel: int, ctx_len: int, threads: int):
         self.model_path, self.config = model_path, ServerConfig()
         self.port = free_port()
         self._log = tempfile.TemporaryFile(mode="w+")
         command = [shutil.which("llama-server"), "-m", model_path, "--host", "127.0.0.1", "--port", str(self.port),
-                   "-np", str(parallel), "-c", str(ctx_len * parallel), "-t", str(threads)]
+                   "-np", str(parallel), "-c", str(ctx_len * parallel), "-t", str(threads),
+                   "--no-cache-prompt", "--cache-ram", "0"]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self._log)
         self.load_s = 0.0
 
