@@ -573,7 +573,7 @@ class _ByteBPE:
         return tuple(c[i] for i in range(size) if alive[i])
 
     def decode(self, ids: list[int], skip_special: bool) -> str:
-        n, region, starts, respelled, added = self._n, self._region, self._starts, self._respelled, self._added_by_id
+        n, region, starts, respelled = self._n, self._region, self._starts, self._respelled
         skip = self.special_ids if skip_special else ()
         chunks: list[bytes] = []
         run: list[bytes] = []  # UTF-8 of byte-alphabet spellings, unspelled together

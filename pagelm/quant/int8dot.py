@@ -19,7 +19,8 @@ from numba.extending import intrinsic
 
 from pagelm.errors import UnsupportedError
 from pagelm.quant.blockir import _I8, _I32, _V32I8, _bytes_at, _nibbles16, _q5_group
-from pagelm.quant.kernels import _F16_TO_F32, _check_table, _wide_vectors
+from pagelm.quant.codegen import _F16_TO_F32, _wide_vectors
+from pagelm.quant.kernels import _check_table
 from pagelm.quant.matmul import (
     _ahead_rows,
     _chunk,

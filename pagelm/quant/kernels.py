@@ -1,110 +1,22 @@
 """Numba kernels over GGML block bytes: output-head logits (GEMV: matmul's kernels over the table
-for Q8_0 and Q6_K) and row gathers to bf16, and the codegen helpers the kernels share.
+for Q8_0 and Q6_K) and row gathers to bf16.
 
 Kernels read the uint8 (rows, row_nbytes) views they are handed; they never open files, copy or write the table.
 """
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.quant.codecs import DECODABLE, decode_bf16, decode_f32
+from pagelm.quant.codegen import _F16_TO_F32, _f32_bits, _wide_vectors
+from pagelm.quant.matmul import MAX_GEMV_ROWS, TABLE_TYPES, table_matmul
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
 
 _T = GGMLType
 
 # The fallback head decodes about this many values at a time.
 _CHUNK = 1 << 16
-
-# fp16 bits -> float32, exactly as numpy converts (the same conversion decode_* uses).
-_F16_TO_F32 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
-_F16_TO_F32.flags.writeable = False
-
-
-# --- codegen helpers ----------------------------------------------------------------
-
-
-@intrinsic
-def _wide_vectors(typingctx):
-    """Lets LLVM vectorize the calling function with 512-bit registers.
-
-    LLVM's tuning for AVX-512 cores prefers 256-bit vectors. This sets the function attribute
-    that overrides it for one function, so no environment variable (which numba would only read
-    at its import) is involved and import order does not matter. Call it inside each prange
-    body: parfors compile the body as a function of its own.
-    """
-
-    def codegen(context, builder, signature, args):
-        # llvmlite only accepts its list of known attributes; string attributes are valid IR.
-        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
-        return context.get_dummy_value()
-
-    return types.void(), codegen
-
-
-@intrinsic
-def _prefetch(typingctx, array, offset):
-    """Hints the cache line at byte `offset` of `array`'s data into cache; never faults."""
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(array)(context, builder, args[0]).data
-        ptr = builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [args[1]])
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]), "llvm.prefetch.p0"
-        )
-        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])  # read, keep in all levels, data
-        return context.get_dummy_value()
-
-    return types.void(array, types.intp), codegen
-
-
-@intrinsic
-def _keep_loops(typingctx):
-    """Marks the calling function optsize, so LLVM does not fully unroll its small fixed loops
-    before the loop vectorizer sees them (numba runs no SLP vectorizer). Call it in each prange body."""
-
-    def codegen(context, builder, signature, args):
-        builder.function.attributes.add("optsize")
-        return context.get_dummy_value()
-
-    return types.void(), codegen
-
-
-@intrinsic
-def _stack_f32(typingctx, n):
-    """n (a constant) float32 on the stack: unlike a heap array, LLVM can keep them in registers."""
-    if not isinstance(n, types.IntegerLiteral):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return cgutils.alloca_once(builder, ir.FloatType(), size=n.literal_value)
-
-    return types.CPointer(types.float32)(n), codegen
-
-
-@intrinsic
-def _opaque(typingctx, ptr):
-    """`ptr` through an empty asm statement. LLVM then cannot forward what an intrinsic stored
-    there into registers, so each use stays a load, which x86 folds into the instruction using
-    it (a scale broadcast from memory instead of a shuffle, on the port the FMAs need)."""
-
-    def codegen(context, builder, signature, args):
-        return builder.asm(ir.FunctionType(args[0].type, [args[0].type]), "", "=r,0", [args[0]], side_effect=False)
-
-    return ptr(ptr), codegen
-
-
-@intrinsic
-def _f32_bits(typingctx, value):
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(types.float32), codegen
-
 
 @njit(inline="always")
 def _bf16(f):
@@ -135,9 +47,9 @@ def _q6(lo, hi, top):
     )
 
 
-# Hidden states one head_logits call multiplies at once: the head runs matmul's GEMV kernels
-# (matmul.MAX_GEMV_ROWS is this number) for Q8_0 and Q6_K tables.
-MAX_HEAD_ROWS = 16
+# Hidden states one head_logits call multiplies at once: the head runs matmul's GEMV kernels for
+# Q8_0 and Q6_K tables.
+MAX_HEAD_ROWS = MAX_GEMV_ROWS
 
 
 # --- gather: out[i] = bf16(dequant(table[ids[i]])), bit-identical to decode_bf16 -----
@@ -262,10 +174,8 @@ def head_logits(table: np.ndarray, ggml_type: int, x: np.ndarray, out: np.ndarra
                          f"got {x.shape}")
     out = _check_out(out, x.shape[:-1] + (table.shape[0],), np.float32)
     xs, outs = (x, out) if x.ndim == 2 else (x[None], out[None])
-    from pagelm.quant import matmul  # it builds on this module's helpers
-
-    if t in matmul.TABLE_TYPES:
-        matmul.table_matmul(table, t, _writeable(xs), outs)
+    if t in TABLE_TYPES:
+        table_matmul(table, t, _writeable(xs), outs)
         return out
     step = max(1, _CHUNK // max(dim, 1))
     scratch = np.empty((min(step, len(table)), dim), np.float32)

@@ -25,8 +25,7 @@ from pagelm.quant.blockir import (
     _values32,
 )
 from pagelm.quant.codecs import DECODABLE
-from pagelm.quant.kernels import (
-    MAX_HEAD_ROWS,
+from pagelm.quant.codegen import (
     _F16_TO_F32,
     _f32_bits,
     _keep_loops,
@@ -37,7 +36,7 @@ from pagelm.quant.kernels import (
 )
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
 
-MAX_GEMV_ROWS = MAX_HEAD_ROWS
+MAX_GEMV_ROWS = 16  # activation rows one call multiplies
 
 _T = GGMLType
 # Kernel kinds: compile-time constants inside the kernels (LLVM folds the chains of `kind ==`).
@@ -335,7 +334,7 @@ def _q5_block(kind, data, o, f16):
 def _q6k_block(data, o, f16):
     """(values, scales) of the Q6_K block at byte o: its 256 values (-32..31, as int8 bits) and the 16
     scales (d · int8 scale, one per 16 values), each in one set of vector ops (blockir._q6k_values,
-    _q6k_scales16); the scales read back from memory (kernels._opaque)."""
+    _q6k_scales16); the scales read back from memory (codegen._opaque)."""
     values, scales = _stack_bytes(256), _stack_f32(16)
     _q6k_values(data, o, values)
     _q6k_scales16(data, o + 192, _half(f16, data, o + 208), scales)

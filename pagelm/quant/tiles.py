@@ -24,7 +24,7 @@ from numba import carray, njit, prange
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.quant.codecs import bf16_to_f32, f32_to_bf16, k_scale_codes
-from pagelm.quant.kernels import _prefetch, _stack_f32
+from pagelm.quant.codegen import _prefetch, _stack_f32
 from pagelm.quant.matmul import MAX_GEMV_ROWS, _bf16_bits, _load, _u32_as_f32
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType
 

@@ -33,7 +33,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import numpy as np
 

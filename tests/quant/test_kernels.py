@@ -8,6 +8,7 @@ from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.quant import BLOCK_LAYOUT, DECODABLE, GGMLType, decode_bf16, decode_f32, encode
 from pagelm.quant import kernels
 from pagelm.quant import matmul
+from pagelm.quant.codegen import _F16_TO_F32
 from pagelm.quant.kernels import gather_rows_bf16, head_logits
 
 from pagelm.quant.types import SCALE_FIELDS
@@ -189,5 +190,5 @@ def test_gemv_kernel_gets_512_bit_vectors():
     mv = njit(parallel=True)(matmul._KERNELS[T.Q6_K][0][0].py_func)
     table = readonly(random_table(T.Q6_K, 2, 1, seed=0))
     mv(table.reshape(-1), readonly(np.zeros(0, np.int64)), table.shape[1], 2, readonly(np.zeros((1, 256), np.float32)),
-       kernels._F16_TO_F32, np.zeros((1, 2), np.float32), 0, 256, 1)
+       _F16_TO_F32, np.zeros((1, 2), np.float32), 0, 256, 1)
     assert "zmm" in "".join(mv.inspect_asm().values())

@@ -4,7 +4,6 @@ weight bound, the vendored libraries at the versions the fetch script pins, and 
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
 import re
 from pathlib import Path
