@@ -237,6 +237,9 @@ def run_batch(name: str, path: str, sizes: list[int], tokens: int, runs: int, th
     except ImportError:
         report.llama_cpp_note = "not installed (pip install llama-cpp-python), not measured"
         return report
+    except Exception as e:  # noqa: BLE001 - installed but its library did not load (e.g. LLAMA_CPP_LIB_PATH unset)
+        report.llama_cpp_note = f"installed but not loadable ({type(e).__name__}: {e}), not measured"
+        return report
     for n in sizes:
         try:
             report.llama_cpp[n] = statistics.median(_llama_cpp_aggregate(path, prompts[:n], tokens, threads)

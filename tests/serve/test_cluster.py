@@ -91,6 +91,47 @@ def test_a_serve_config_file_builds_the_application(qwen35_chat_gguf):
         app_builder({"model": qwen35_chat_gguf, "no_such_setting": 1})
 
 
+def test_the_ingress_sends_again_what_a_lost_replica_had_not_started_and_fails_what_it_had():
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.exceptions import RayActorError
+
+    from pagelm.sampling import SamplingParams
+    from pagelm.serve.cluster.deployments import RemoteWorker
+    from pagelm.serve.worker import Delta, Failed, Job, Result
+
+    def engine(*attempts):  # each call of generate streams the next attempt's events; an exception is raised there
+        left = list(attempts)
+
+        async def stream(events):
+            for event in events:
+                if isinstance(event, Exception):
+                    raise event
+                yield event
+
+        remote = lambda wire, prefix: stream(left.pop(0))  # noqa: E731 - generate.remote's shape
+        return SimpleNamespace(options=lambda stream: SimpleNamespace(generate=SimpleNamespace(remote=remote)))
+
+    async def run(worker):
+        job = Job(Prompt([1, 2, 3]), SamplingParams())
+        worker.submit(job)
+        events = [await job.events.get()]
+        while not isinstance(events[-1], (Result, Failed)):
+            events.append(await job.events.get())
+        return events
+
+    lost = RayActorError(error_msg="the replica died")
+    worker = RemoteWorker(engine([lost], [Delta("", "Hi"), Result(prompt_tokens=3)]), limit=4)
+    events = asyncio.run(run(worker))
+    assert [type(e) for e in events] == [Delta, Result] and worker.resent == 1
+
+    worker = RemoteWorker(engine([Delta("", "Hi"), lost], [Delta("", "again"), Result(prompt_tokens=3)]), limit=4)
+    events = asyncio.run(run(worker))
+    assert [type(e) for e in events] == [Delta, Failed] and worker.resent == 0  # its answer had begun
+    assert events[-1].error.status == 500 and "replica" in str(events[-1].error)
+
+
 def test_check_health_fails_when_the_engine_thread_is_dead_or_stuck():
     from types import SimpleNamespace
 
@@ -237,7 +278,10 @@ def test_killing_a_replica_loses_no_request_that_had_not_started(cluster):
     for r in failed:
         assert r.status_code == 500 and "replica" in r.json()["error"]["message"]
     assert all(r.json()["usage"]["completion_tokens"] > 0 for r in replies if r.status_code == 200)
-    assert cluster.ps()["ingress"]["resent"] >= 1  # what waited on the victim went elsewhere
+    # What waited on the victim went elsewhere: sent again by Serve's router (a stream that had not
+    # reached the ingress yet) or by the ingress (a stream that had, before its first token; counted
+    # in /api/ps as "resent", and tested alone below). Which of the two does it depends on timing:
+    # loaded runs saw every waiting request resent by the router, so only the outcome is asserted.
     after = httpx.post(f"{cluster.url}/v1/chat/completions", timeout=120,
                        json={"model": cluster.model, "messages": CATS, "max_tokens": 4})
     assert after.status_code == 200  # the survivor answers while Serve replaces the victim
