@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Generator, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from pagelm import heap
 from pagelm import threads as threads_module
 from pagelm.errors import PagelmError, UnsupportedError
 from pagelm.models import ARCHITECTURES, architecture_module
+from pagelm.models.decoder import finish
 from pagelm.sampling import SamplingParams
 from pagelm.weights import EmbeddingMode
 from pagelm.weights.loader import WeightLoader, WeightsMode
@@ -222,10 +223,16 @@ class Session:
                               f"{[image.tokens for image in images][:8]} tokens")
         return [(offset, image) for (offset, _), image in zip(runs, images)]
 
-    @torch.inference_mode()
     def prefill(self, tokens: Sequence[int], images: Sequence[ImageInput] = ()) -> np.ndarray:
         """Feed tokens (a prompt, or the rest of one after restore); returns the last position's
         logits. `images`: those whose pad tokens (each image's full run) are among the tokens, in order."""
+        return finish(self.prefill_layers(tokens, images))
+
+    @torch.inference_mode()
+    def prefill_layers(self, tokens: Sequence[int], images: Sequence[ImageInput] = ()) -> Generator:
+        """`prefill` one layer at a time: yields after each layer, returns prefill's result, bit for
+        bit (a server steps other sessions between two layers). Until it has returned, the session
+        is half-updated: drop it (reset or restore) if the generator is not run to its end."""
         ids = self._check_tokens(tokens)
         if ids.size == 0:
             raise PagelmError("prefill needs at least one token")
@@ -242,7 +249,7 @@ class Session:
             first = len(self.tokens) + self.position_delta
             positions, after = self.model.network.image_positions(first, ids.size, [(offset, *image.merged)
                                                                                     for offset, image in runs])
-        hidden = self.model.network.forward(x, self.state, positions)
+        hidden = yield from self.model.network.forward_layers(x, self.state, positions)
         self.tokens.extend(ids.tolist())
         self.images.extend(image.key for image in images)
         if positions is not None:

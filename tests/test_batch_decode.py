@@ -161,3 +161,44 @@ def test_session_state_bytes_are_its_state_and_logits(qwen_tiny):
     assert empty == session.state.nbytes > 0
     session.prefill([1, 2])
     assert session.nbytes == empty + model.head.vocab_size * 4
+
+
+@pytest.mark.parametrize("fixture", ["qwen_tiny", "smollm2_gguf", "gemma3_gguf"])
+def test_a_prefill_paused_between_layers_while_others_decode_gets_its_own_bits(request, fixture):
+    """What a server does with a long prompt while other streams run: between two layers of its
+    prefill, another session decodes; the prompt's logits and what follows are bit for bit alone's."""
+    model = pagelm.load(request.getfixturevalue(fixture), dtype="bfloat16")
+    other = Pair(model, PROMPTS[0])
+    prompt = PROMPTS[1] + PROMPTS[3]
+    alone, paused = model.session(max_len=64), model.session(max_len=64)
+    want = alone.prefill(prompt)
+    steps, layers = paused.prefill_layers(prompt), 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            got = done.value
+            break
+        layers += 1
+        step(model, [other])
+    assert layers == len(model.network.layers)
+    assert same_bits(got, want) and paused.tokens == alone.tokens
+    assert same_bits(paused.decode(7), alone.decode(7))
+
+
+def test_a_prefill_dropped_half_way_leaves_nothing_behind_a_reset_or_restore(qwen_tiny):
+    """A request cancelled in the middle of a prefill: its session, reset or restored, computes as new."""
+    model = pagelm.load(qwen_tiny, dtype="bfloat16")
+    fresh = model.session(max_len=64)
+    want = fresh.prefill(PROMPTS[1])
+    checkpoint = fresh.checkpoint()
+    want_next = fresh.decode(9)
+    session = model.session(max_len=64)
+    for recover in (session.reset, lambda: session.restore(checkpoint)):
+        steps = session.prefill_layers(PROMPTS[3])
+        next(steps), next(steps)
+        del steps
+        recover()
+        if not session.tokens:
+            assert same_bits(session.prefill(PROMPTS[1]), want)
+        assert same_bits(session.decode(9), want_next)

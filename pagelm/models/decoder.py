@@ -1,9 +1,10 @@
 """What every decoder stack shares: input checks, inference mode, long prompts cut into segments,
-and a decode step of several sequences. Owns no model math: each architecture implements
-`_step(x, spans, alone)` over the rows of one or more sequences."""
+a forward pass that can pause between layers, and a decode step of several sequences. Owns no model
+math: each architecture implements `_layers(x, spans, alone)` over the rows of one or more sequences."""
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,15 @@ def per_sequence(fn, spans: list, extras: list) -> torch.Tensor:
     return torch.cat([fn(s, e) for s, e in zip(spans, extras)])
 
 
+def finish(steps: Generator):
+    """Run a generator of steps to its end; what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 def advance(spans: list) -> None:
     """Each span's state now holds its rows' tokens."""
     for s in spans:
@@ -42,11 +52,13 @@ def advance(spans: list) -> None:
 
 
 class Decoder:
-    """Base of the architecture models: needs `config.hidden`, `device`, `segment` and `_step`.
+    """Base of the architecture models: needs `config.hidden`, `device`, `segment` and `_layers`.
 
-    `_step(x, spans, alone)`: final hidden states of the rows of x, each span's rows one sequence's,
-    advancing each span's state; with `alone` (a batch: one row per span), every row's arithmetic is
-    what it would be with its sequence alone."""
+    `_layers(x, spans, alone)`: a generator that yields after each layer and returns the final hidden
+    states of the rows of x, each span's rows one sequence's, advancing each span's state; with
+    `alone` (a batch: one row per span), every row's arithmetic is what it would be with its
+    sequence alone. Between two layers only the spans' own states are half-updated, so other
+    sequences may be stepped meanwhile and the result does not change by a bit."""
 
     segment: int
 
@@ -59,6 +71,12 @@ class Decoder:
         """Final hidden states of input embeddings x (T, hidden). `positions` (3, T): the rope
         positions (t, h, w) of multimodal rope, for the architectures that have it; None: the
         state's next T positions."""
+        return finish(self.forward_layers(x, state, positions))
+
+    @torch.inference_mode()
+    def forward_layers(self, x: torch.Tensor, state, positions: torch.Tensor | None = None) -> Generator:
+        """`forward` one layer at a time: yields after each layer, returns forward's result. Until it
+        has returned, `state` is half-updated and must not be used otherwise."""
         self._check_input(x)
         T = x.shape[0]
         if state.pos + T > state.max_len:
@@ -68,16 +86,15 @@ class Decoder:
         if T == 0:
             return torch.empty(0, self.config.hidden, dtype=torch.float32, device=self.device)
 
-        def segment(lo: int, hi: int) -> torch.Tensor:
+        def segment(lo: int, hi: int) -> Generator:
             part = None if positions is None else positions[:, lo:hi]
-            return self._step(x[lo:hi], [Span(state, 0, hi - lo, part)], alone=False)
+            return self._layers(x[lo:hi], [Span(state, 0, hi - lo, part)], alone=False)
 
-        with torch.inference_mode():
-            if T <= self.segment:
-                return segment(0, T)
-            out = torch.empty(T, self.config.hidden, dtype=torch.float32, device=self.device)
-            for lo in range(0, T, self.segment):
-                out[lo : lo + self.segment] = segment(lo, min(lo + self.segment, T))
+        if T <= self.segment:
+            return (yield from segment(0, T))
+        out = torch.empty(T, self.config.hidden, dtype=torch.float32, device=self.device)
+        for lo in range(0, T, self.segment):
+            out[lo : lo + self.segment] = yield from segment(lo, min(lo + self.segment, T))
         return out
 
     __call__ = forward
@@ -96,4 +113,5 @@ class Decoder:
             if p is not None and tuple(p.shape) != (3, 1):
                 raise PagelmError(f"decode_batch: positions of sequence {i} of shape {tuple(p.shape)}, expected (3, 1)")
         with torch.inference_mode():
-            return self._step(x, [Span(s, i, i + 1, p) for i, (s, p) in enumerate(zip(states, positions))], alone=True)
+            return finish(self._layers(x, [Span(s, i, i + 1, p) for i, (s, p) in enumerate(zip(states, positions))],
+                                       alone=True))

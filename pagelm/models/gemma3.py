@@ -25,6 +25,7 @@ GGUF conventions handled here:
 from __future__ import annotations
 
 import math
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import numpy as np
@@ -227,7 +228,7 @@ class Gemma3Model(Decoder):
         c = self.config
         return KVState(c.n_layers, c.n_kv_heads, c.head_dim, max_len, self.dtype, self.device)
 
-    def _step(self, x: torch.Tensor, spans: list[Span], alone: bool) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, spans: list[Span], alone: bool) -> Generator:
         c, T = self.config, x.shape[0]
         H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
         h = x.to(device=self.device, dtype=torch.float32, copy=True).mul_(c.embedding_scale)
@@ -268,6 +269,7 @@ class Gemma3Model(Decoder):
             gate, up = w.gate_up(y, alone).chunk(2, -1)
             m = w.down(F.gelu(gate, approximate="tanh").mul_(up), alone)
             h += rms_norm(m.float(), w.post_ffn_norm, c.rms_eps)
+            yield
         advance(spans)
         return rms_norm(h, self.output_norm, c.rms_eps)
 

@@ -16,6 +16,7 @@ GGUF conventions handled here:
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, replace
 
 import torch
@@ -165,7 +166,7 @@ class LlamaModel(Decoder):
         c = self.config
         return KVState(c.n_layers, c.n_kv_heads, c.head_dim, max_len, self.dtype, self.device)
 
-    def _step(self, x: torch.Tensor, spans: list[Span], alone: bool) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, spans: list[Span], alone: bool) -> Generator:
         c, T = self.config, x.shape[0]
         H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
         h = x.to(device=self.device, dtype=torch.float32, copy=True)
@@ -192,6 +193,7 @@ class LlamaModel(Decoder):
             y = rms_norm(h, w.ffn_norm, c.rms_eps)
             gate, up = w.gate_up(y, alone).chunk(2, -1)
             h += w.down(F.silu(gate).mul_(up), alone)
+            yield
         advance(spans)
         return rms_norm(h, self.output_norm, c.rms_eps)
 

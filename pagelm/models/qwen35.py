@@ -9,7 +9,7 @@ computes the output head.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -507,7 +507,7 @@ class Qwen35Model(Decoder):
         freqs = positions.to(self.device)[self.rope_axes].T.to(torch.float32) * self.inv_freq
         return freqs.cos(), freqs.sin()
 
-    def _step(self, x: torch.Tensor, spans: list[Span], alone: bool) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, spans: list[Span], alone: bool) -> Generator:
         c = self.config
         h = x.to(device=self.device, dtype=torch.float32, copy=True)
         ropes = [self._rope(s) for s in spans]
@@ -520,6 +520,7 @@ class Qwen35Model(Decoder):
                 h += self._deltanet(layer.mixer, y, i, spans, alone)
             y = rms_norm(h, layer.post_norm, c.rms_eps)
             h += self._mlp(layer.mlp, y, alone)  # the mixers and the MLP return `dtype`, h stays fp32
+            yield
         advance(spans)
         return rms_norm(h, self.output_norm, c.rms_eps)
 

@@ -40,7 +40,8 @@ class Histogram:
 class EngineHistograms:
     """What one worker records: sequences per batched decode step, seconds a request waited for a
     slot, to its first token, and between its tokens; and where the engine's time goes: seconds of
-    each batched decode step and of each prefill segment."""
+    each batched decode step, of each prefill segment, and of each step's part of a segment (a
+    segment is run a few layers per step while other slots decode)."""
 
     def __init__(self):
         self.batch_size = Histogram(SEQUENCES)
@@ -49,6 +50,7 @@ class EngineHistograms:
         self.inter_token_latency_seconds = Histogram(SECONDS)
         self.decode_step_seconds = Histogram(SECONDS)
         self.prefill_segment_seconds = Histogram(SECONDS)
+        self.prefill_slice_seconds = Histogram(SECONDS)
 
     def snapshot(self) -> dict:
         return {name: h.snapshot() for name, h in vars(self).items()}

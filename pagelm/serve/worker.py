@@ -8,9 +8,11 @@ compute the same segments; with the cache on, the whole prompt is checkpointed t
 request again), stop strings and the reasoning split. HTTP shapes belong to the protocol modules.
 
 Answers do not depend on the load: a prompt is also cut every `prefill_chunk` tokens counted from
-its start (so that a long prefill only takes a bounded share of each step), the same places
-whatever else runs, and a decode step gives each sequence bit for bit the logits it would get
-alone (`pagelm.batch.decode_batch`). With one slot, prompts are not chunked: today's arithmetic.
+its start, the same places whatever else runs, and a decode step gives each sequence bit for bit
+the logits it would get alone (`pagelm.batch.decode_batch`). With one slot, prompts are not
+chunked: today's arithmetic. While other slots decode, a segment is computed a few layers per step
+(`Session.prefill_layers`), about as long as the step's decode took, so that a long prompt arriving
+slows the running streams' tokens by a bounded factor; where a segment pauses changes no bit.
 
 After a chat answer has gone out, the cache keeps the answer as the next request will render it
 (`Prompt.answered`), not as it was generated: Qwen3.5's template writes a past answer without the
@@ -32,6 +34,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Generator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -50,6 +53,7 @@ from pagelm.serve.prefix_cache import Checkpoint, PrefixCache
 
 log = logging.getLogger("pagelm.serve")
 PREFILL_CHUNK = 64  # prompt tokens per prefill segment when several slots share the engine
+PREFILL_SHARE = 1.0  # a step's prefill time while slots decode, over the step's decode time
 
 
 @dataclass
@@ -147,6 +151,8 @@ class _Running:
         self.last_token_at = 0.0
         self.reasoning: list[str] = []
         self.content: list[str] = []
+        self.segment: Generator | None = None  # the prefill segment in progress
+        self.segment_s = 0.0
         self.chooser: Chooser | None = None  # set once the prompt is prefilled
         self.logits: np.ndarray | None = None
         self.stops: tuple[int, ...] = ()
@@ -270,8 +276,8 @@ class Worker:
 
     def _step(self) -> None:
         self._admit()
-        self._decode()
-        self._prefill_one_segment()
+        decode_s = self._decode()
+        self._prefill(decode_s * PREFILL_SHARE if decode_s else None)
         if not self._busy and not self._waiting:
             if self._kept:
                 self._keep_answer(self._kept.pop())
@@ -341,9 +347,9 @@ class Worker:
             cuts.update(p for p in range(first, end, self.prefill_chunk) if not prompt.cuts_image(p))
         return sorted(cuts) + ([end] if start < end else []), stores
 
-    def _prefill_one_segment(self) -> None:
-        """The next segment of the prompt of the earliest-admitted slot still prefilling (those
-        cancelled end first, whatever their turn)."""
+    def _prefill(self, allowance: float | None) -> None:
+        """About `allowance` seconds (None: all) of the current segment of the prompt of the
+        earliest-admitted slot still prefilling (those cancelled end first, whatever their turn)."""
         prefilling = [(s.job.submitted, i) for i, s in enumerate(self._slots) if s is not None and not s.decoding]
         for submitted, index in list(prefilling):
             r = self._slots[index]
@@ -353,14 +359,18 @@ class Worker:
                 prefilling.remove((submitted, index))
         if not prefilling:
             return
-        index = min(prefilling)[1]
+        in_progress = [i for _, i in prefilling if self._slots[i].segment is not None]
+        index = in_progress[0] if in_progress else min(prefilling)[1]  # one half-done segment at a time
         r = self._slots[index]
         try:
-            prompt = r.job.prompt
-            cursor, point = len(r.session.tokens), r.cuts.pop(0)
-            start = time.perf_counter()
-            r.session.prefill(prompt.tokens[cursor:point], prompt.images_in(cursor, point))
-            self.histograms.prefill_segment_seconds.observe(time.perf_counter() - start)
+            if r.segment is None:
+                prompt, cursor = r.job.prompt, len(r.session.tokens)
+                r.segment = r.session.prefill_layers(prompt.tokens[cursor:r.cuts[0]], prompt.images_in(cursor, r.cuts[0]))
+                r.segment_s = 0.0
+            if not self._advance(r, allowance):
+                return
+            point, r.segment = r.cuts.pop(0), None
+            self.histograms.prefill_segment_seconds.observe(r.segment_s)
             if point in r.stores:
                 r.base = self.cache.store(r.session, r.base) or r.base
             if not r.cuts:
@@ -369,6 +379,24 @@ class Worker:
                 self._begin_decode(r)
         except Exception as e:  # noqa: BLE001 - the worker must outlive any one request
             self._fail(index, r.job, e)
+
+    def _advance(self, r: _Running, allowance: float | None) -> bool:
+        """Run r's segment for at least one layer, then as long as another layer of the same
+        length fits in `allowance` seconds (None: to its end); whether the segment ended."""
+        spent, ended = 0.0, False
+        while not ended:
+            start = time.perf_counter()
+            try:
+                next(r.segment)
+            except StopIteration:
+                ended = True
+            layer = time.perf_counter() - start
+            spent += layer
+            if allowance is not None and spent + layer > allowance:
+                break
+        r.segment_s += spent
+        self.histograms.prefill_slice_seconds.observe(spent)
+        return ended
 
     def _begin_decode(self, r: _Running) -> None:
         job = r.job
@@ -381,9 +409,9 @@ class Worker:
         r.decoder = StreamDecoder(self.tokenizer)
         r.result.finish_reason = "length"
 
-    def _decode(self) -> None:
+    def _decode(self) -> float:
         """Each decoding slot chooses its next token and passes it on; those that go on are fed
-        theirs in batched decode steps."""
+        theirs in batched decode steps. Returns the seconds those steps took."""
         going: list[tuple[int, _Running, int]] = []
         for index, r in enumerate(self._slots):
             if r is None or not r.decoding:
@@ -399,18 +427,22 @@ class Worker:
                 going.append((index, r, token))
         if going:
             self.histograms.batch_size.observe(len(going))
+        took = 0.0
         for lo in range(0, len(going), MAX_BATCH):
             part = going[lo: lo + MAX_BATCH]
             try:
                 start = time.perf_counter()
                 logits = decode_batch([r.session for _, r, _ in part], [token for _, _, token in part])
-                self.histograms.decode_step_seconds.observe(time.perf_counter() - start)
+                step_s = time.perf_counter() - start
+                took += step_s
+                self.histograms.decode_step_seconds.observe(step_s)
             except Exception as e:  # noqa: BLE001 - a failed step fails the requests it held
                 for index, r, _ in part:
                     self._fail(index, r.job, e)
                 continue
             for (_, r, _), row in zip(part, logits):
                 r.logits = row
+        return took
 
     def _next_token(self, r: _Running) -> int | None:
         """Choose and pass on one token; the token to feed next, or None when the answer ends

@@ -1,0 +1,52 @@
+"""A long prompt arriving while another stream decodes is prefilled a few layers per step, beside
+that stream's decode steps (in process, on the engine worker): with the prefill's share of a step
+set to nothing, one layer per step; both answers are still each one's alone."""
+
+import asyncio
+
+from pagelm.chat.model import Prompt
+from pagelm.sampling import SamplingParams
+from pagelm.serve import worker as worker_module
+from pagelm.serve.prefix_cache import PrefixCache
+from pagelm.serve.worker import Delta, Job, Result, Worker
+
+STORY = "Write a very long story about a dragon who lives in a castle, chapter by chapter."
+LONG = " ".join(f"Item {i}: a lamp, a map and {i % 7} coins." for i in range(14)) + " Which item has the most coins?"
+
+
+async def _answer(worker: Worker, job: Job, streaming: asyncio.Event | None = None) -> str:
+    worker.submit(job)
+    parts = []
+    while not isinstance(event := await job.events.get(), Result):
+        assert isinstance(event, Delta), event
+        parts.append(event.content)
+        if streaming is not None:
+            streaming.set()
+    return "".join(parts)
+
+
+async def _alone_then_together(worker: Worker, story: list[int], long: list[int]):
+    alone = [await _answer(worker, Job(Prompt(story), SamplingParams(max_tokens=160))),
+             await _answer(worker, Job(Prompt(long), SamplingParams(max_tokens=8)))]
+    slices_before = worker.histograms.prefill_slice_seconds.snapshot()["count"]
+    streaming = asyncio.Event()
+    first = asyncio.ensure_future(_answer(worker, Job(Prompt(story), SamplingParams(max_tokens=160)), streaming))
+    await streaming.wait()  # the stream is decoding before the long prompt arrives
+    second = await _answer(worker, Job(Prompt(long), SamplingParams(max_tokens=8)))
+    together = [await first, second]
+    return alone, together, worker.histograms.prefill_slice_seconds.snapshot()["count"] - slices_before
+
+
+def test_a_long_prompt_beside_a_decoding_stream_is_prefilled_a_layer_a_step(smollm2_chat, monkeypatch):
+    monkeypatch.setattr(worker_module, "PREFILL_SHARE", 0.0)
+    tokenizer = smollm2_chat.tokenizer
+    story, long = tokenizer.encode(STORY), tokenizer.encode(LONG)
+    assert len(long) > 2 * worker_module.PREFILL_CHUNK
+    worker = Worker(smollm2_chat.model, tokenizer, ctx_len=512, cache=PrefixCache(0, 0), parallel=2)
+    try:
+        alone, together, slices = asyncio.run(_alone_then_together(worker, story, long))
+    finally:
+        worker.close()
+    assert together == alone
+    layers = len(smollm2_chat.model.network.layers)
+    assert slices >= layers, f"{slices} prefill slices for a prompt of {len(long)} tokens beside a stream"
