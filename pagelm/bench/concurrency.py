@@ -235,11 +235,10 @@ class _MemorySampler:
 
 def _idle_memory(target: ServerProcess) -> int:
     deadline = time.perf_counter() + 120
-    while (ps := target.stats())["slots"]["busy"] or ps["requests"]["queued"]:
+    while target.stats()["slots"]["working"]:
         if time.perf_counter() > deadline:
             raise PagelmError("the server did not go idle")
         time.sleep(0.1)
-    time.sleep(0.5)  # the engine trims the heap once idle
     return target.stats()["memory"]["anonymous_bytes"]
 
 

@@ -200,6 +200,7 @@ class Worker:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._busy = 0  # slots taken (changed under the lock, read by submit)
+        self._working = False  # the engine thread has work: requests, answers to keep, the idle trim
         self._closed = False
         self.served = self.cancelled = self.failed = 0
         self.histograms = EngineHistograms()
@@ -219,6 +220,7 @@ class Worker:
                 raise QueueFull(f"the request queue is full ({self.queue_size} waiting)")
             self._waiting.append(job)
             self._jobs[job.id] = job
+            self._working = True
             self._wake.notify()
 
     def cancel(self, request_id: str) -> bool:
@@ -243,7 +245,9 @@ class Worker:
     def slot_stats(self) -> dict:
         slots = list(self._slots)
         busy = sum(s is not None for s in slots)
-        return {"total": self.parallel, "busy": busy, "idle": self.parallel - busy,
+        # working: 1 until the engine has also kept the last answers and trimmed the heap (what
+        # memory readings of an idle server wait for)
+        return {"total": self.parallel, "busy": busy, "idle": self.parallel - busy, "working": int(self._working),
                 "state_bytes": sum(s.nbytes for s in self._sessions if s is not None),
                 "per_slot_state_bytes": [0 if s is None else s.nbytes for s in self._sessions]}
 
@@ -266,7 +270,9 @@ class Worker:
         while True:
             with self._lock:
                 while not (self._closed or self._waiting or self._busy or self._kept):
+                    self._working = False
                     self._wake.wait()
+                self._working = True
                 if self._closed and not (self._waiting or self._busy):
                     return
             try:

@@ -9,8 +9,9 @@ TOPICS = ["cats", "dogs", "the sea", "mountains", "rain", "bread", "music", "tra
 
 
 def _wait_idle(server, deadline_s=600):
+    """Until the engine has nothing left to do: no request, the answers kept, the heap trimmed."""
     end = time.monotonic() + deadline_s
-    while (ps := server.ps())["requests"]["running"] or ps["requests"]["queued"]:
+    while (ps := server.ps())["slots"]["working"]:
         assert time.monotonic() < end, ps
         time.sleep(0.05)
     return ps

@@ -44,7 +44,8 @@ def _wait(server, done, what: str, deadline_s: float = 600) -> dict:
 
 
 def _idle(ps: dict) -> bool:
-    return not ps["requests"]["running"] and ps["requests"]["queued"] == 0
+    """Nothing left to do: no request, the answers kept, the heap trimmed."""
+    return not ps["slots"]["working"]
 
 
 # -- eight different requests at once -------------------------------------------------------
