@@ -10,9 +10,10 @@ request again), stop strings and the reasoning split. HTTP shapes belong to the 
 Answers do not depend on the load: a prompt is also cut every `prefill_chunk` tokens counted from
 its start, the same places whatever else runs, and a decode step gives each sequence bit for bit
 the logits it would get alone (`pagelm.batch.decode_batch`). With one slot, prompts are not
-chunked: today's arithmetic. While other slots decode, a segment is computed a few layers per step
-(`Session.prefill_layers`), about as long as the step's decode took, so that a long prompt arriving
-slows the running streams' tokens by a bounded factor; where a segment pauses changes no bit.
+chunked: today's arithmetic. While other slots decode, a segment of a long prompt is computed a few
+layers per step (`Session.prefill_layers`), about as long as the step's decode took, so that a long
+prompt arriving slows the running streams' tokens by a bounded factor; where a segment pauses
+changes no bit.
 
 After a chat answer has gone out, the cache keeps the answer as the next request will render it
 (`Prompt.answered`), not as it was generated: Qwen3.5's template writes a past answer without the
@@ -54,6 +55,9 @@ from pagelm.serve.prefix_cache import Checkpoint, PrefixCache
 log = logging.getLogger("pagelm.serve")
 PREFILL_CHUNK = 64  # prompt tokens per prefill segment when several slots share the engine
 PREFILL_SHARE = 1.0  # a step's prefill time while slots decode, over the step's decode time
+# Prompts up to this long run a whole segment a step: they delay the streams a few steps and start
+# decoding (joining the batch) sooner; longer ones would stall the streams for many steps, so they share.
+SHARED_PROMPT_TOKENS = 512
 
 
 @dataclass
@@ -373,7 +377,7 @@ class Worker:
                 prompt, cursor = r.job.prompt, len(r.session.tokens)
                 r.segment = r.session.prefill_layers(prompt.tokens[cursor:r.cuts[0]], prompt.images_in(cursor, r.cuts[0]))
                 r.segment_s = 0.0
-            if not self._advance(r, allowance):
+            if not self._advance(r, allowance if len(r.job.prompt.tokens) > SHARED_PROMPT_TOKENS else None):
                 return
             point, r.segment = r.cuts.pop(0), None
             self.histograms.prefill_segment_seconds.observe(r.segment_s)

@@ -39,9 +39,10 @@ async def _alone_then_together(worker: Worker, story: list[int], long: list[int]
 
 def test_a_long_prompt_beside_a_decoding_stream_is_prefilled_a_layer_a_step(smollm2_chat, monkeypatch):
     monkeypatch.setattr(worker_module, "PREFILL_SHARE", 0.0)
+    monkeypatch.setattr(worker_module, "SHARED_PROMPT_TOKENS", 100)
     tokenizer = smollm2_chat.tokenizer
     story, long = tokenizer.encode(STORY), tokenizer.encode(LONG)
-    assert len(long) > 2 * worker_module.PREFILL_CHUNK
+    assert len(long) > 2 * worker_module.PREFILL_CHUNK and len(story) < 100 < len(long)
     worker = Worker(smollm2_chat.model, tokenizer, ctx_len=512, cache=PrefixCache(0, 0), parallel=2)
     try:
         alone, together, slices = asyncio.run(_alone_then_together(worker, story, long))
