@@ -1,5 +1,5 @@
 """The leak check: 200 requests mixing normal, cancelled and malformed ones leave the server
-answering, with anonymous memory within 32 MiB of where it was after the first request."""
+answering, with anonymous memory within 32 MiB of where it was after 50 of them."""
 
 import json
 import time
@@ -71,24 +71,29 @@ def _malformed(client, server, i):
 
 
 KINDS = [_normal_openai, _disconnect, _malformed, _cancel_by_id, _normal_ollama]
+WARM = 50
 
 
 def test_mixed_requests_do_not_leak_anonymous_memory(leaky):
+    """The baseline is taken after a warm-up of the same mix: by then the prefix cache has reached its
+    bound and the slots a load's timing happens to take have been used once (what is left of them in
+    the heap depends on that timing); a leak grows with every request after it."""
     with leaky.client() as client:
-        _normal_openai(client, leaky, 0)
+        for i in range(WARM):
+            KINDS[i % len(KINDS)](client, leaky, i)
         first = _wait_idle(leaky)["memory"]["anonymous_bytes"]
-        for i in range(200):
+        for i in range(WARM, WARM + 200):
             KINDS[i % len(KINDS)](client, leaky, i)
         after = _wait_idle(leaky)
         _normal_openai(client, leaky, 1000)
     stats = leaky.ps()
     growth = after["memory"]["anonymous_bytes"] - first
-    print(f"\nleak check: anonymous after first request {first / MIB:.1f} MiB, after 200 requests "
+    print(f"\nleak check: anonymous after {WARM} warm-up requests {first / MIB:.1f} MiB, after 200 more "
           f"{after['memory']['anonymous_bytes'] / MIB:.1f} MiB (growth {growth / MIB:+.1f} MiB), "
           f"rss {after['memory']['rss_bytes'] / MIB:.1f} MiB, peak {after['memory']['peak_rss_bytes'] / MIB:.1f} MiB, "
           f"cache {after['prefix_cache']['bytes_held'] / MIB:.1f} MiB in {after['prefix_cache']['entries']} entries, "
           f"requests {stats['requests']}")
-    assert stats["requests"]["cancelled"] >= 40
+    assert stats["requests"]["cancelled"] >= 50
     assert stats["requests"]["failed"] == 0
     assert after["prefix_cache"]["bytes_held"] <= 8 * MIB
     assert growth <= 32 * MIB, f"anonymous memory grew by {growth / MIB:.1f} MiB"
