@@ -11,6 +11,7 @@ from pagelm.serve.prefix_cache import PrefixCache
 from pagelm.serve.worker import Delta, Job, Result, Worker
 
 STORY = "Write a very long story about a dragon who lives in a castle, chapter by chapter."
+CHUNK = 64  # prompt tokens per segment here, so that the long prompt is several segments
 LONG = " ".join(f"Item {i}: a lamp, a map and {i % 7} coins." for i in range(14)) + " Which item has the most coins?"
 
 
@@ -42,8 +43,9 @@ def test_a_long_prompt_beside_a_decoding_stream_is_prefilled_a_layer_a_step(smol
     monkeypatch.setattr(worker_module, "SHARED_PROMPT_TOKENS", 100)
     tokenizer = smollm2_chat.tokenizer
     story, long = tokenizer.encode(STORY), tokenizer.encode(LONG)
-    assert len(long) > 2 * worker_module.PREFILL_CHUNK and len(story) < 100 < len(long)
-    worker = Worker(smollm2_chat.model, tokenizer, ctx_len=512, cache=PrefixCache(0, 0), parallel=2)
+    assert len(long) > 2 * CHUNK and len(story) < 100 < len(long)
+    worker = Worker(smollm2_chat.model, tokenizer, ctx_len=512, cache=PrefixCache(0, 0), parallel=2,
+                    prefill_chunk=CHUNK)
     try:
         alone, together, slices = asyncio.run(_alone_then_together(worker, story, long))
     finally:
