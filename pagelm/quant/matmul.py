@@ -62,10 +62,11 @@ def _compiles_avx512() -> bool:
     return "+avx512f" in features.split(",")
 
 
-# The most activation rows one pass over a row of W keeps in registers (blockir._fma_rows), each row
-# 2 vectors of 16 lanes: 16 of AVX-512's 32 registers at 8 rows; AVX2's 16 registers hold half as
-# many lanes, so 2 rows (8 of them) leave room for the block's values.
-_PASS_ROWS = 8 if _compiles_avx512() else 2
+# Under AVX-512 a pass over several rows of x goes over two rows of W at once (blockir._fma_rows'
+# pair), so that each vector of x loaded serves two FMAs: 4 rows of x (2 for 256-value blocks) keep
+# 16 accumulators, 2 vectors of 16 lanes (4) a row. AVX2's 16 registers hold no pair beside the
+# block's values: one row of W, 2 rows of x (1).
+_PAIRS = _compiles_avx512()
 
 
 # --- loads --------------------------------------------------------------------------
@@ -373,68 +374,98 @@ def _unpack(kind, data, o, f16, w, q6, s6):
 
 
 @njit(inline="always")
-def _pass(kind, vb, bb, data, row, hint, nblk, tail, x, i0, n, rows, f16, out, col, acc, w, q6, s6):
+def _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, rows, pair, f16, out, col, col2,
+          acc, acc2, w, w2, q6, s6):
     """out[i0 + i, col] = x[i0 + i] · the row of W at byte `row`, for i < rows (a constant) with
-    i0 + i < n: each block unpacked once into w and fused into every row's accumulators, 2 vectors
-    of 16 lanes a row for 32-value blocks, 4 for 256-value blocks (64 lanes, a chunk at a time)."""
+    i0 + i < n, and when pair (a constant) is 2 also out[i0 + i, col2] = x[i0 + i] · the row at byte
+    row2: each block unpacked once into w (w2) and fused into every row's accumulators (acc, acc2), 2
+    vectors of 16 lanes a row for 32-value blocks, 4 for 256-value blocks (64 lanes, a chunk at a
+    time); in a pair each vector of x is loaded once for both rows of W. A pair of one row with itself
+    (col2 == col) stores it once."""
     if vb == 256:
         _acc_zero(acc, rows, 4)
+        _acc_zero(acc2, rows, 4)
     else:
         _acc_zero(acc, rows, 2)
+        _acc_zero(acc2, rows, 2)
     for b in range(nblk):
-        o = row + b * bb
         if i0 == 0:
             _hint_block(data, hint, b, bb)
-        _unpack(kind, data, o, f16, w, q6, s6)
+            if pair == 2:
+                _hint_block(data, hint2, b, bb)
+        _unpack(kind, data, row + b * bb, f16, w, q6, s6)
+        if pair == 2:
+            _unpack(kind, data, row2 + b * bb, f16, w2, q6, s6)
         if vb == 256:
-            _fma_rows(acc, w, 0, x, i0, n, 256 * b, rows, 4)
-            _fma_rows(acc, w, 64, x, i0, n, 256 * b + 64, rows, 4)
-            _fma_rows(acc, w, 128, x, i0, n, 256 * b + 128, rows, 4)
-            _fma_rows(acc, w, 192, x, i0, n, 256 * b + 192, rows, 4)
+            _fma_rows(acc, w, acc2, w2, pair, 0, x, i0, n, 256 * b, rows, 4)
+            _fma_rows(acc, w, acc2, w2, pair, 64, x, i0, n, 256 * b + 64, rows, 4)
+            _fma_rows(acc, w, acc2, w2, pair, 128, x, i0, n, 256 * b + 128, rows, 4)
+            _fma_rows(acc, w, acc2, w2, pair, 192, x, i0, n, 256 * b + 192, rows, 4)
         else:
-            _fma_rows(acc, w, 0, x, i0, n, 32 * b, rows, 2)
-    if vb == 256:
-        _acc_store(acc, rows, 4, out, i0, n, col)
-    else:
-        _acc_store(acc, rows, 2, out, i0, n, col)
-    for i in range(min(rows, n - i0)):  # a float row's last width % 32 values
-        for k in range(tail):
-            out[i0 + i, col] += _val(kind, data, row + nblk * bb, k, f16) * x[i0 + i, nblk * vb + k]
+            _fma_rows(acc, w, acc2, w2, pair, 0, x, i0, n, 32 * b, rows, 2)
+    for p in range(1 if col2 == col else pair):
+        at, c, a = (row, col, acc) if p == 0 else (row2, col2, acc2)
+        if vb == 256:
+            _acc_store(a, rows, 4, out, i0, n, c)
+        else:
+            _acc_store(a, rows, 2, out, i0, n, c)
+        for i in range(min(rows, n - i0)):  # a float row's last width % 32 values
+            for k in range(tail):
+                out[i0 + i, c] += _val(kind, data, at + nblk * bb, k, f16) * x[i0 + i, nblk * vb + k]
+
+
+@njit(inline="always")
+def _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, nblk, tail, rnb):
+    """out[0, lo + r] = x[0] · dequant(row r) for rows r0..r1 of W (at _row_at): a pass over each."""
+    ahead = _ahead_rows(kind, rnb)
+    acc, w = _acc_vectors(16), _stack_f32(256)
+    q6, s6 = _stack_bytes(256), _stack_f32(16)
+    for r in range(r0, r1):
+        row, hint = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
+        _pass(kind, vb, bb, data, row, row, hint, hint, nblk, tail, x, 0, 1, 1, 1, f16, out, lo + r, lo + r,
+              acc, acc, w, w, q6, s6)
 
 
 @njit(inline="always")
 def _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, f16, out, lo, r0, r1, nblk, tail, rnb):
-    """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W (at _row_at) and the n rows of x:
-    passes of up to _PASS_ROWS (32-value blocks) or _PASS_ROWS // 2 rows of x over each row of W,
-    the largest that fit the rows left (a row's later passes read it from the caches)."""
+    """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W (at _row_at) and the n >= 2 rows
+    of x. Under AVX-512: passes of 4 rows of x (2 for 256-value blocks; 2 for the last 1-2 rows)
+    over pairs of rows of W (an odd last row pairs with itself); under AVX2 passes of 2 rows (1 for
+    256-value blocks) over each row of W. Rows of x past the last repeat it (computed, never stored);
+    a row of W's later passes read it from the caches. Row i's arithmetic is _gemv_one's."""
     ahead = _ahead_rows(kind, rnb)
-    acc, w, q6, s6 = _acc_vectors(16), _stack_f32(256), _stack_bytes(256), _stack_f32(16)
-    most = _PASS_ROWS // 2 if vb == 256 else _PASS_ROWS
-    for r in range(r0, r1):
-        row, hint, col = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead), lo + r
-        if n == 1:
-            _pass(kind, vb, bb, data, row, hint, nblk, tail, x, 0, 1, 1, f16, out, col, acc, w, q6, s6)
-            continue
-        i0 = 0
-        while i0 < n:
-            left = n - i0
-            if left >= 8 and most >= 8:
-                _pass(kind, vb, bb, data, row, hint, nblk, tail, x, i0, n, 8, f16, out, col, acc, w, q6, s6)
-                i0 += 8
-            elif left >= 4 and most >= 4:
-                _pass(kind, vb, bb, data, row, hint, nblk, tail, x, i0, n, 4, f16, out, col, acc, w, q6, s6)
-                i0 += 4
-            elif left >= 2 and most >= 2:
-                _pass(kind, vb, bb, data, row, hint, nblk, tail, x, i0, n, 2, f16, out, col, acc, w, q6, s6)
-                i0 += 2
-            else:
-                _pass(kind, vb, bb, data, row, hint, nblk, tail, x, i0, n, 1, f16, out, col, acc, w, q6, s6)
-                i0 += 1
+    acc, acc2, w, w2 = _acc_vectors(16), _acc_vectors(16), _stack_f32(256), _stack_f32(256)
+    q6, s6 = _stack_bytes(256), _stack_f32(16)
+    if _PAIRS:
+        for r in range(r0, r1, 2):
+            r2 = min(r + 1, r1 - 1)
+            row, hint = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
+            row2, hint2 = _row_at(offs, stride, r2), _row_ahead(offs, stride, rows, r2, ahead)
+            i0 = 0
+            while i0 < n:
+                if vb != 256 and n - i0 > 2:
+                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 4, 2, f16, out,
+                          lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
+                    i0 += 4
+                else:
+                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 2, 2, f16, out,
+                          lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
+                    i0 += 2
+    else:
+        for r in range(r0, r1):
+            row, hint = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
+            for i0 in range(0, n, 1 if vb == 256 else 2):
+                if vb == 256:
+                    _pass(kind, vb, bb, data, row, row, hint, hint, nblk, tail, x, i0, n, 1, 1, f16, out,
+                          lo + r, lo + r, acc, acc2, w, w2, q6, s6)
+                else:
+                    _pass(kind, vb, bb, data, row, row, hint, hint, nblk, tail, x, i0, n, 2, 1, f16, out,
+                          lo + r, lo + r, acc, acc2, w, w2, q6, s6)
 
 
 def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
-    """(mv, mm): out[:, lo + r] = x @ dequant(row r) for one activation row (mv: _gemv_rows with
-    n = 1) or up to MAX_GEMV_ROWS (mm), for a block type of vb values in bb bytes (32 in 32 x size
+    """(mv, mm): out[:, lo + r] = x @ dequant(row r) for one activation row (mv: _gemv_one) or
+    2 to MAX_GEMV_ROWS (mm: _gemv_rows), for a block type of vb values in bb bytes (32 in 32 x size
     for floats); mm's column i is mv's product of row i, bit for bit. Rows are at offs[r], or at
     r · stride when stride > 0 (a table)."""
     # Rows of float types end in a partial "block" of width % 32 values, each of bb // 32 bytes.
@@ -449,7 +480,7 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
         for c in prange(nch):
             _wide_vectors()
             r0, r1 = _chunk(c, nch, rows)
-            _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, 1, f16, out, lo, r0, r1, nblk, tail, rnb)
+            _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, nblk, tail, rnb)
 
     @njit(parallel=True, cache=True, fastmath={"contract"})
     def mm(data, offs, stride, rows, x, f16, out, lo, width, nch):
