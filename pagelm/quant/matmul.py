@@ -63,8 +63,9 @@ def _compiles_avx512() -> bool:
 
 
 # Under AVX-512 a pass over several rows of x goes over two rows of W at once (blockir._fma_rows'
-# pair), so that each vector of x loaded serves two FMAs: 4 rows of x (2 for 256-value blocks) keep
-# 16 accumulators, 2 vectors of 16 lanes (4) a row. AVX2's 16 registers hold no pair beside the
+# pair), so that each vector of x loaded serves two FMAs: 4 rows of x keep 16 accumulators, 2 vectors
+# of 16 lanes a row (32-value blocks; a 256-value block's unpacking costs more than the loads saved:
+# `pagelm bench batch` on the q4_k_m mix, 4 sequences, 1.73x batch 1 in pairs of 2 rows of x). AVX2's 16 registers hold no pair beside the
 # block's values: one row of W, 2 rows of x (1).
 _PAIRS = _compiles_avx512()
 
@@ -429,21 +430,22 @@ def _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, n
 @njit(inline="always")
 def _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, f16, out, lo, r0, r1, nblk, tail, rnb):
     """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W (at _row_at) and the n >= 2 rows
-    of x. Under AVX-512: passes of 4 rows of x (2 for 256-value blocks; 2 for the last 1-2 rows)
-    over pairs of rows of W (an odd last row pairs with itself); under AVX2 passes of 2 rows (1 for
+    of x. Under AVX-512, 32-value blocks: passes of 4 rows of x (2 for the last 1-2 rows) over pairs
+    of rows of W (an odd last row pairs with itself); 256-value blocks, whose unpacking costs more than
+    the loads a pair saves: the same passes over each row of W. Under AVX2 passes of 2 rows (1 for
     256-value blocks) over each row of W. Rows of x past the last repeat it (computed, never stored);
     a row of W's later passes read it from the caches. Row i's arithmetic is _gemv_one's."""
     ahead = _ahead_rows(kind, rnb)
     acc, acc2, w, w2 = _acc_vectors(16), _acc_vectors(16), _stack_f32(256), _stack_f32(256)
     q6, s6 = _stack_bytes(256), _stack_f32(16)
-    if _PAIRS:
+    if _PAIRS and vb != 256:
         for r in range(r0, r1, 2):
             r2 = min(r + 1, r1 - 1)
             row, hint = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
             row2, hint2 = _row_at(offs, stride, r2), _row_ahead(offs, stride, rows, r2, ahead)
             i0 = 0
             while i0 < n:
-                if vb != 256 and n - i0 > 2:
+                if n - i0 > 2:
                     _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 4, 2, f16, out,
                           lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
                     i0 += 4
@@ -454,13 +456,20 @@ def _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, f16, out, lo, r0, r
     else:
         for r in range(r0, r1):
             row, hint = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
-            for i0 in range(0, n, 1 if vb == 256 else 2):
-                if vb == 256:
-                    _pass(kind, vb, bb, data, row, row, hint, hint, nblk, tail, x, i0, n, 1, 1, f16, out,
+            i0 = 0
+            while i0 < n:
+                if _PAIRS and n - i0 > 2:
+                    _pass(kind, vb, bb, data, row, row, hint, hint, nblk, tail, x, i0, n, 4, 1, f16, out,
                           lo + r, lo + r, acc, acc2, w, w2, q6, s6)
-                else:
+                    i0 += 4
+                elif _PAIRS or vb != 256:
                     _pass(kind, vb, bb, data, row, row, hint, hint, nblk, tail, x, i0, n, 2, 1, f16, out,
                           lo + r, lo + r, acc, acc2, w, w2, q6, s6)
+                    i0 += 2
+                else:
+                    _pass(kind, vb, bb, data, row, row, hint, hint, nblk, tail, x, i0, n, 1, 1, f16, out,
+                          lo + r, lo + r, acc, acc2, w, w2, q6, s6)
+                    i0 += 1
 
 
 def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
