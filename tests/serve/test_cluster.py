@@ -24,6 +24,7 @@ from pagelm.chat.model import Prompt  # noqa: E402
 from pagelm.errors import PagelmError  # noqa: E402
 from pagelm.serve.cluster import require_ray  # noqa: E402
 from pagelm.serve.cluster.router import AffinityTable  # noqa: E402
+from pagelm.serve.cluster.run import stop_on_signals  # noqa: E402
 from pagelm.serve.cluster.wire import prefix_hashes  # noqa: E402
 
 CATS = [{"role": "user", "content": "Tell me about cats."}]
@@ -72,6 +73,21 @@ def test_prefix_hashes_are_equal_up_to_where_two_prompts_part():
     a, b = prefix_hashes(one), prefix_hashes(two)
     assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
     assert prefix_hashes(Prompt([1, 2, 3])) == []
+
+
+def test_a_first_interrupt_asks_for_shutdown_and_a_second_stops_waiting(capfd):
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = stop_on_signals()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.wait(10)  # the handler runs in the main thread; wait returns at once when it has
+        assert "again to stop without waiting" in capfd.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(10)  # interrupted well before this ends
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def test_a_missing_ray_is_a_clear_error(monkeypatch):

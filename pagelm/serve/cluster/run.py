@@ -27,6 +27,24 @@ def replica_cpus(ray, replicas: int, threads: int | None) -> int:
     return max(1, min(int(total // replicas), int(max(nodes, default=1))))
 
 
+def stop_on_signals() -> threading.Event:
+    """An event the first SIGINT or SIGTERM sets: shut down, letting running generations finish.
+    A second one raises KeyboardInterrupt where the main thread is (waiting for them in
+    `serve.delete`), so the local Ray is shut down at once."""
+    stop = threading.Event()
+
+    def handle(signum: int, frame) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        print("pagelm serve: interrupted; again to stop without waiting for running generations",
+              file=sys.stderr, flush=True)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handle)
+    return stop
+
+
 def serve_cluster(settings: ServeSettings, replicas: int, ray_address: str | None, host: str, port: int,
                   niceness: int | None = None) -> int:
     local = ray_address is None
@@ -51,9 +69,7 @@ def serve_cluster(settings: ServeSettings, replicas: int, ray_address: str | Non
         _progress(f"local Ray at {address} (workers at nice {os.environ[NICENESS_ENV]})", started)
     else:
         ray.init(address=ray_address, logging_level=logging.WARNING)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     try:
         cpus = replica_cpus(ray, replicas, settings.threads)
         serve.start(http_options={"host": host, "port": port})
