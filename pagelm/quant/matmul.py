@@ -427,49 +427,45 @@ def _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, n
               acc, acc, w, w, q6, s6)
 
 
-@njit(inline="always")
-def _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, f16, out, lo, r0, r1, nblk, tail, rnb):
-    """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W (at _row_at) and the n >= 2 rows
-    of x. Under AVX-512, 32-value blocks: passes of 4 rows of x (2 for the last 1-2 rows) over pairs
-    of rows of W (an odd last row pairs with itself); 256-value blocks, whose unpacking costs more than
-    the loads a pair saves: the same passes over each row of W. Under AVX2 passes of 2 rows (1 for
-    256-value blocks) over each row of W. Rows of x past the last repeat it (computed, never stored);
-    a row of W's later passes read it from the caches. Row i's arithmetic is _gemv_one's."""
-    ahead = _ahead_rows(kind, rnb)
-    acc, acc2, w, w2 = _acc_vectors(16), _acc_vectors(16), _stack_f32(256), _stack_f32(256)
-    q6, s6 = _stack_bytes(256), _stack_f32(16)
-    if _PAIRS and vb != 256:
-        for r in range(r0, r1, 2):
-            r2 = min(r + 1, r1 - 1)
+def _rows_kernel(w_rows: int):
+    """_gemv_rows over `w_rows` (1 or 2, a constant) rows of W a pass: one source for both, and each
+    kernel types only its own passes (a runtime choice between them doubled the few-row compile)."""
+
+    @njit(inline="always")
+    def gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, f16, out, lo, r0, r1, nblk, tail, rnb):
+        ahead = _ahead_rows(kind, rnb)
+        acc, acc2, w, w2 = _acc_vectors(16), _acc_vectors(16), _stack_f32(256), _stack_f32(256)
+        q6, s6 = _stack_bytes(256), _stack_f32(16)
+        for r in range(r0, r1, w_rows):
+            r2 = min(r + w_rows - 1, r1 - 1)
             row, hint = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
             row2, hint2 = _row_at(offs, stride, r2), _row_ahead(offs, stride, rows, r2, ahead)
             i0 = 0
             while i0 < n:
-                if n - i0 > 2:
-                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 4, 2, f16, out,
-                          lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
-                    i0 += 4
-                else:
-                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 2, 2, f16, out,
-                          lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
-                    i0 += 2
-    else:
-        for r in range(r0, r1):
-            row, hint = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
-            i0 = 0
-            while i0 < n:
                 if _PAIRS and n - i0 > 2:
-                    _pass(kind, vb, bb, data, row, row, hint, hint, nblk, tail, x, i0, n, 4, 1, f16, out,
-                          lo + r, lo + r, acc, acc2, w, w2, q6, s6)
+                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 4, w_rows, f16, out,
+                          lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
                     i0 += 4
                 elif _PAIRS or vb != 256:
-                    _pass(kind, vb, bb, data, row, row, hint, hint, nblk, tail, x, i0, n, 2, 1, f16, out,
-                          lo + r, lo + r, acc, acc2, w, w2, q6, s6)
+                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 2, w_rows, f16, out,
+                          lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
                     i0 += 2
                 else:
-                    _pass(kind, vb, bb, data, row, row, hint, hint, nblk, tail, x, i0, n, 1, 1, f16, out,
-                          lo + r, lo + r, acc, acc2, w, w2, q6, s6)
+                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 1, w_rows, f16, out,
+                          lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
                     i0 += 1
+
+    return gemv_rows
+
+
+# out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W (at _row_at) and the n >= 2 rows of x.
+# Under AVX-512, 32-value blocks: passes of 4 rows of x (2 for the last 1-2 rows) over pairs of rows
+# of W (an odd last row pairs with itself); 256-value blocks, whose unpacking costs more than the loads
+# a pair saves: the same passes over each row of W. Under AVX2 passes of 2 rows (1 for 256-value
+# blocks) over each row of W. Rows of x past the last repeat it (computed, never stored); a row of W's
+# later passes read it from the caches. Row i's arithmetic is _gemv_one's.
+_gemv_rows_paired = _rows_kernel(2)
+_gemv_rows_single = _rows_kernel(1)
 
 
 def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
@@ -498,7 +494,12 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
         for c in prange(nch):
             _wide_vectors()
             r0, r1 = _chunk(c, nch, rows)
-            _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, x.shape[0], f16, out, lo, r0, r1, nblk, tail, rnb)
+            if _PAIRS and vb != 256:
+                _gemv_rows_paired(kind, vb, bb, data, offs, stride, rows, x, x.shape[0], f16, out, lo, r0, r1, nblk,
+                                  tail, rnb)
+            else:
+                _gemv_rows_single(kind, vb, bb, data, offs, stride, rows, x, x.shape[0], f16, out, lo, r0, r1, nblk,
+                                  tail, rnb)
 
     return mv, mm
 
