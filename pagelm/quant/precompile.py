@@ -5,7 +5,8 @@ needs it, one at a time, in each process that needs it first (a server, a subpro
 one cache index per kernel function, holding all its specializations, and two processes adding to
 one index at once lose one of the entries; so each process here compiles whole functions: one the
 one-row GEMVs (exact and int8), the tile and the head kernels, the other the few-row GEMVs and the dequantizers
-(cold, ~150 s and ~190 s of compiling on this project's 2-core machine).
+(cold, 150–200 s for both on this project's 2-core machine, half what it was before each few-row
+kernel was built for one pass shape).
 """
 
 from __future__ import annotations
