@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from llama_cpp_oracle import import_llama_cpp
 from qwen35_hf import VARIANTS, build_hf_model, hf_logits, hf_to_gguf
 
 import pagelm
@@ -48,7 +49,7 @@ def test_prefill_decode_and_restore_match_transformers(case, embedding):
 
 
 def _greedy_llama_cpp(path: str, prompt: list[int], steps: int) -> list[int]:
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = import_llama_cpp()
     defaults = llama_cpp.llama_cpp.llama_model_default_params
 
     def without_amx():  # peers.md: llama.cpp's AMX matmul path crashes on these machines

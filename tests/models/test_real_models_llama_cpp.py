@@ -5,12 +5,13 @@ import contextlib
 
 import numpy as np
 import pytest
+from llama_cpp_oracle import import_llama_cpp
 
 import pagelm
 from pagelm.chat.tokenizer import Tokenizer
 from pagelm.sampling import SamplingParams
 
-llama_cpp = pytest.importorskip("llama_cpp")
+llama_cpp = import_llama_cpp()
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
            "Water boils at a temperature of", "The three primary colors are"]
