@@ -1,0 +1,30 @@
+"""The GEMVs' AVX2 code (one row of W a pass, 2 rows of x; 1 for 256-value blocks) on any x86-64
+host: numba compiles for Haswell in a subprocess with its own cache, where every batch size must
+still give each row its one-row bits, close to a float64 reference. On an AVX-512 host the rest of
+the suite runs only the paired passes."""
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+CHECK = """
+from pagelm.quant import GGMLType, matmul
+assert not matmul._PAIRS, "numba compiled for AVX-512, not for Haswell"
+import test_batched_gemv
+for name in ("Q8_0", "Q4_K", "F16"):  # a 32-value block, a 256-value block, a float row with a tail
+    test_batched_gemv.test_every_batch_size_gives_each_row_its_one_row_bits(GGMLType[name])
+print("checked")
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="Haswell is an x86-64 CPU")
+def test_the_avx2_kernels_give_every_row_its_one_row_bits(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CPU_FEATURES"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    env.update(NUMBA_CPU_NAME="haswell", NUMBA_CACHE_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]
