@@ -428,8 +428,8 @@ def _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, n
 
 
 def _rows_kernel(w_rows: int):
-    """_gemv_rows over `w_rows` (1 or 2, a constant) rows of W a pass: one source for both, and each
-    kernel types only its own passes (a runtime choice between them doubled the few-row compile)."""
+    """The few-row GEMV over `w_rows` (1 or 2, a constant) rows of W a pass: one source for both, and
+    each kernel types only its own passes (a runtime choice between them doubled the few-row compile)."""
 
     @njit(inline="always")
     def gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, f16, out, lo, r0, r1, nblk, tail, rnb):
@@ -470,7 +470,7 @@ _gemv_rows_single = _rows_kernel(1)
 
 def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
     """(mv, mm): out[:, lo + r] = x @ dequant(row r) for one activation row (mv: _gemv_one) or
-    2 to MAX_GEMV_ROWS (mm: _gemv_rows), for a block type of vb values in bb bytes (32 in 32 x size
+    2 to MAX_GEMV_ROWS (mm: _gemv_rows_paired or _gemv_rows_single, fixed when it compiles), for a block type of vb values in bb bytes (32 in 32 x size
     for floats); mm's column i is mv's product of row i, bit for bit. Rows are at offs[r], or at
     r · stride when stride > 0 (a table)."""
     # Rows of float types end in a partial "block" of width % 32 values, each of bb // 32 bytes.
