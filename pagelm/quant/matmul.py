@@ -470,9 +470,9 @@ _gemv_rows_single = _rows_kernel(1)
 
 def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
     """(mv, mm): out[:, lo + r] = x @ dequant(row r) for one activation row (mv: _gemv_one) or
-    2 to MAX_GEMV_ROWS (mm: _gemv_rows_paired or _gemv_rows_single, fixed when it compiles), for a block type of vb values in bb bytes (32 in 32 x size
-    for floats); mm's column i is mv's product of row i, bit for bit. Rows are at offs[r], or at
-    r · stride when stride > 0 (a table)."""
+    2 to MAX_GEMV_ROWS (mm: _gemv_rows_paired or _gemv_rows_single, fixed when it compiles), for a
+    block type of vb values in bb bytes (32 in 32 x size for floats); mm's column i is mv's product
+    of row i, bit for bit. Rows are at offs[r], or at r · stride when stride > 0 (a table)."""
     # Rows of float types end in a partial "block" of width % 32 values, each of bb // 32 bytes.
     value_bytes = bb // 32 if kind in (_F32, _F16, _BF16) else 0
 

@@ -319,7 +319,8 @@ def test_the_cluster_shuts_down_cleanly_after_letting_a_generation_finish(cluste
     with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         chunks = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
-        first = next(c for c in chunks if c["choices"] and ({"content", "reasoning_content"} & set(c["choices"][0]["delta"])))
+        first = next(c for c in chunks
+                     if c["choices"] and {"content", "reasoning_content"} & set(c["choices"][0]["delta"]))
         cluster.interrupt()
         rest = list(chunks)
     assert first and rest, "the stream ended at its first token"
