@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagelm import heap
+from pagelm.bench.fma_peak import fma_peak_gflops
 from pagelm.bench.report import Panel, bar_chart, markdown_table
 from pagelm.measure.memory import MIB, read_memory
 
@@ -31,15 +32,17 @@ def _digest(row: np.ndarray) -> bytes:
     return hashlib.blake2b(row.tobytes(), digest_size=16).digest()
 
 
-def timed(fn, total: list[float]):
-    """`fn`, adding the seconds spent in it to `total[0]`."""
+def timed(fn, total: list[float], x_at: int = 0):
+    """`fn` (a matrix product of its argument `x_at`), adding the seconds spent in it to `total[0]`
+    and its floating-point operations (2 per multiply-add: x's values times the result's last
+    dimension) to `total[1]`."""
 
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            total[0] += time.perf_counter() - start
+        result = fn(*args, **kwargs)
+        total[0] += time.perf_counter() - start
+        total[1] += 2 * int(np.prod(args[x_at].shape)) * result.shape[-1]
+        return result
 
     return wrapper
 
@@ -52,6 +55,7 @@ class SizeRun:
     seconds: float
     matmul_s: float
     head_s: float
+    flops: float  # of the matmuls and the head
 
 
 @dataclass
@@ -67,6 +71,7 @@ class BatchReport:
     llama_cpp_note: str = ""
     added_anonymous: float = 0.0  # anonymous bytes per sequence added to a batch of MEMORY_CTX-token sessions
     state_bytes: int = 0  # one such session's state (Session.nbytes)
+    fma_peak: float = 0.0  # GFLOP/s of this machine's threads on FMA chains (bench.fma_peak)
 
     def aggregate(self, n: int) -> float:
         """Median aggregate tokens per second of batch size n."""
@@ -82,17 +87,23 @@ class BatchReport:
             agg = self.aggregate(n)
             step = self._median_ms(n, lambda r: r.seconds)
             matmul, head = self._median_ms(n, lambda r: r.matmul_s), self._median_ms(n, lambda r: r.head_s)
+            gflops = statistics.median(r.flops / (r.matmul_s + r.head_s) / 1e9 for r in self.runs[n])
+            share = f" ({gflops / self.fma_peak:.0%})" if self.fma_peak else ""
             cpp = self.llama_cpp.get(n)
             rows.append([n, f"{agg:.1f}", f"{agg / n:.1f}", f"{step:.1f}",
-                         f"{matmul:.1f} + {head:.1f} + {step - matmul - head:.1f}", f"{agg / base:.2f}×",
-                         "-" if cpp is None else f"{cpp:.1f}", "-" if cpp is None else f"{agg / cpp:.2f}×"])
+                         f"{matmul:.1f} + {head:.1f} + {step - matmul - head:.1f}", f"{gflops:.0f}{share}",
+                         f"{agg / base:.2f}×", "-" if cpp is None else f"{cpp:.1f}",
+                         "-" if cpp is None else f"{agg / cpp:.2f}×"])
         table = markdown_table(["batch", "aggregate tok/s", "per-sequence tok/s", "ms/step",
-                                "matmuls + head + rest ms", "vs batch 1", "llama.cpp tok/s", "pagelm/llama.cpp"],
-                               rows, "rrrrrrrr")
+                                "matmuls + head + rest ms", "matmuls + head GFLOP/s (of FMA peak)", "vs batch 1",
+                                "llama.cpp tok/s", "pagelm/llama.cpp"], rows, "rrrrrrrrr")
         runs = len(next(iter(self.runs.values())))
         where = self.model if self.path == self.model else f"{self.model} ({self.path})"
         lines = [f"{where}, weights mapped, {self.tokens} decode steps per size, medians of {runs} runs", "",
                  table, ""]
+        if self.fma_peak:
+            lines += [f"float32 FMA peak of these threads: {self.fma_peak:.0f} GFLOP/s "
+                      "(independent FMA chains on registers, bench.fma_peak)", ""]
         if self.llama_cpp_note:
             lines += [f"llama.cpp: {self.llama_cpp_note}", ""]
         if self.state_bytes:
@@ -119,8 +130,8 @@ def _measure(model, prompts: list[list[int]], tokens: int, parts: tuple[list, li
     sessions = [model.session(max_len=len(p) + tokens + 2) for p in prompts]
     logits = np.stack([s.prefill(p) for s, p in zip(sessions, prompts)])
     fed, digests = [[] for _ in prompts], [[] for _ in prompts]
-    matmul_s, head_s = parts
-    seconds, matmul_s[0], head_s[0] = 0.0, 0.0, 0.0
+    matmul, head = parts
+    seconds, matmul[:], head[:] = 0.0, [0.0, 0.0], [0.0, 0.0]
     for _ in range(tokens):
         step = [int(np.argmax(row)) for row in logits]
         start = time.perf_counter()
@@ -129,7 +140,7 @@ def _measure(model, prompts: list[list[int]], tokens: int, parts: tuple[list, li
         for i, (token, row) in enumerate(zip(step, logits)):
             fed[i].append(token)
             digests[i].append(_digest(row))
-    return SizeRun(tokens, seconds, matmul_s[0], head_s[0]), fed, digests
+    return SizeRun(tokens, seconds, matmul[0], head[0], matmul[1] + head[1]), fed, digests
 
 
 def _differs_alone(model, prompt: list[int], fed: list[int], digests: list[bytes]) -> bool:
@@ -216,8 +227,8 @@ def run_batch(name: str, path: str, sizes: list[int], tokens: int, runs: int, th
     from pagelm.weights import linear
 
     model = pagelm.load(path, dtype=dtype, threads=threads)
-    parts = ([0.0], [0.0])
-    linear.MappedLinear.__call__ = timed(linear.MappedLinear.__call__, parts[0])
+    parts = ([0.0, 0.0], [0.0, 0.0])  # (seconds, flops) of the matmuls, of the head
+    linear.MappedLinear.__call__ = timed(linear.MappedLinear.__call__, parts[0], x_at=1)  # after self
     model.head.logits = timed(model.head.logits, parts[1])
     prompts = _prompts(model.head.vocab_size, max(sizes))
     report = BatchReport(name, path, sizes, tokens, {n: [] for n in sizes})
@@ -232,6 +243,7 @@ def run_batch(name: str, path: str, sizes: list[int], tokens: int, runs: int, th
                 report.differing += sum(_differs_alone(model, prompts[i], fed[i], digests[i]) for i in range(n))
     if max(sizes) > 1:
         report.added_anonymous, report.state_bytes = _added_anonymous(model, prompts)
+    report.fma_peak = fma_peak_gflops(threads)
     try:
         import llama_cpp  # noqa: F401
     except ImportError:

@@ -54,11 +54,12 @@ _AHEAD_K = 16384
 
 
 def _compiles_avx512() -> bool:
-    """Whether numba compiles for a CPU with AVX-512: the host's, unless NUMBA_CPU_NAME or
-    NUMBA_CPU_FEATURES name another (as `NUMBA_CPU_NAME=haswell` does to try the AVX2 code here)."""
+    """Whether numba compiles for a CPU with AVX-512. As numba does, the host's features unless
+    NUMBA_CPU_FEATURES names others (NUMBA_CPU_NAME alone changes the tuning, not the instructions):
+    tests/quant/test_avx2_kernels.py names Haswell's to run the AVX2 code on an AVX-512 host."""
     features = numba.config.CPU_FEATURES
     if features is None:
-        features = llvm.get_host_cpu_features().flatten() if numba.config.CPU_NAME in (None, "host") else ""
+        features = llvm.get_host_cpu_features().flatten()
     return "+avx512f" in features.split(",")
 
 

@@ -19,4 +19,6 @@ def test_bench_batch_prints_its_contract_lines(qwen35_chat_gguf, capsys, tmp_pat
         r"^anonymous memory per added sequence: ([\d.]+) MiB \(its state: ([\d.]+) MiB, context 4096\)$",
         out, re.M).groups())
     assert state > 0 and added == added  # a figure, whatever this process allocated meanwhile
+    assert re.search(r"^float32 FMA peak of these threads: \d+ GFLOP/s ", out, re.M)
+    assert re.search(r"^\| 3 \|( [^|]+ \|){4} \d+ \(\d+%\) \|", out, re.M)  # the matmuls' GFLOP/s, share of peak
     assert chart.stat().st_size > 0

@@ -1,5 +1,6 @@
 """The GEMVs' AVX2 code (one row of W a pass, 2 rows of x; 1 for 256-value blocks) on an AVX-512
-host, where the rest of the suite runs only the AVX-512 passes: numba compiles for Haswell in a
+host, where the rest of the suite runs only the AVX-512 passes: numba compiles for Haswell (its name
+and its instruction set: without NUMBA_CPU_FEATURES numba would keep the host's AVX-512) in a
 subprocess with its own cache, where every batch size must still give each row its one-row bits,
 close to a float64 reference. (On an AVX2 host the other kernel tests run this code already.)"""
 
@@ -11,6 +12,11 @@ import sys
 import pytest
 
 from pagelm.quant import matmul
+
+# Haswell's instruction set as LLVM names it: AVX2 and FMA, no AVX-512.
+HASWELL_FEATURES = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+cx8,+f16c,+fma,+fsgsbase,+fxsr,+invpcid,+lzcnt,"
+                    "+mmx,+movbe,+pclmul,+popcnt,+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,"
+                    "+xsaveopt")
 
 CHECK = """
 from pagelm.quant import GGMLType, matmul
@@ -25,9 +31,9 @@ print("checked")
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="Haswell is an x86-64 CPU")
 @pytest.mark.skipif(not matmul._PAIRS, reason="the kernels compile for AVX2 here: the other kernel tests run it")
 def test_the_avx2_kernels_give_every_row_its_one_row_bits(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CPU_FEATURES"}
+    env = dict(os.environ)
     here = os.path.dirname(os.path.abspath(__file__))
-    env.update(NUMBA_CPU_NAME="haswell", NUMBA_CACHE_DIR=str(tmp_path),
+    env.update(NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=HASWELL_FEATURES, NUMBA_CACHE_DIR=str(tmp_path),
                PYTHONPATH=os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p))
     done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]
