@@ -71,6 +71,22 @@ def test_matmul_matches_f64_product_of_gguf_weights(t, n):
             assert np.isnan(out[:, :2]).all() and np.isnan(out[:, 2 + rows :]).all()  # only its columns
 
 
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_matmul_multiplies_gguf_weights_exactly(t):
+    """Against unit vectors each product is one weight (fma(w, 1, 0) and sums of zeros), so the
+    kernels' weights must be gguf's dequantized values exactly, not merely close (-0 reads as +0)."""
+    rows, width = 5, widths(t)[-1]
+    data, offsets, table = two_tensors(t, rows, width, seed=int(t) + 11)
+    w = oracle(table, t)
+    units = np.eye(width, dtype=np.float32)
+    for n in (1, 3, MAX_GEMV_ROWS):  # the one-row kernel and two pass shapes of the few-row one
+        for j0 in range(0, width, n):
+            x = units[j0 : j0 + n]
+            out = np.empty((len(x), rows), np.float32)
+            rows_matmul(data, t, offsets, width, x, out)
+            assert (out == w[:, j0 : j0 + n].T).all(), f"n {n}, columns {j0}..{j0 + n}"
+
 @pytest.mark.parametrize("t", [t for t in TYPES if t not in FLOATS], ids=lambda t: t.name)
 def test_matmul_propagates_special_scales(t):
     width = widths(t)[-1]
