@@ -396,8 +396,10 @@ def register(commands) -> None:
         description="In process, weights mapped: for each batch size N, N sessions with their own seeded prompts "
                     "(of different lengths) decode --tokens greedy steps together, one decode_batch call a step. "
                     "Prints per size the aggregate and per-sequence tokens per second, ms per step split into "
-                    "matmuls + head + rest, and the ratio to batch size 1 (medians of --runs runs, sizes "
-                    "interleaved), then one line 'batch N: R× batch 1' per size. The first run's sequences are "
+                    "matmuls + head + rest, the matmuls' and head's GFLOP/s as a share of this machine's float32 "
+                    "FMA peak (measured in the same run on FMA chains in registers), and the ratio to batch size 1 "
+                    "(medians of --runs runs, sizes interleaved), then one line 'batch N: R× batch 1' per size. "
+                    "The first run's sequences are "
                     "decoded again alone and every step's logits compared bit for bit: the last line is "
                     "'differing sequences: D of S'; exit 1 if D > 0. With llama_cpp installed, llama.cpp decodes "
                     "the same sequences of the same file, N per llama_batch, side by side.")

@@ -1,8 +1,8 @@
 """The GEMVs' AVX2 code (one row of W a pass, 2 rows of x; 1 for 256-value blocks) on an AVX-512
-host, where the rest of the suite runs only the AVX-512 passes: numba compiles for Haswell (its name
-and its instruction set: without NUMBA_CPU_FEATURES numba would keep the host's AVX-512) in a
-subprocess with its own cache, where every batch size must still give each row its one-row bits,
-close to a float64 reference. (On an AVX2 host the other kernel tests run this code already.)"""
+host, where the rest of the suite runs only the AVX-512 passes: a subprocess under bench/as_avx2.sh
+(numba compiling for Haswell's name and instruction set), with its own cache, where every batch size
+must still give each row its one-row bits, close to a float64 reference. (On an AVX2 host the other
+kernel tests run this code already.)"""
 
 import os
 import platform
@@ -13,17 +13,13 @@ import pytest
 
 from pagelm.quant import matmul
 
-# Haswell's instruction set as LLVM names it: AVX2 and FMA, no AVX-512.
-HASWELL_FEATURES = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+cx8,+f16c,+fma,+fsgsbase,+fxsr,+invpcid,+lzcnt,"
-                    "+mmx,+movbe,+pclmul,+popcnt,+rdrnd,+sahf,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,"
-                    "+xsaveopt")
-
 CHECK = """
 from pagelm.quant import GGMLType, matmul
 assert not matmul._PAIRS, "numba compiled for AVX-512, not for Haswell"
-import test_batched_gemv
+import test_batched_gemv, test_matmul
 for name in ("Q8_0", "Q4_K", "F16"):  # a 32-value block, a 256-value block, a float row with a tail
     test_batched_gemv.test_every_batch_size_gives_each_row_its_one_row_bits(GGMLType[name])
+    test_matmul.test_matmul_multiplies_gguf_weights_exactly(GGMLType[name])
 print("checked")
 """
 
@@ -33,7 +29,9 @@ print("checked")
 def test_the_avx2_kernels_give_every_row_its_one_row_bits(tmp_path):
     env = dict(os.environ)
     here = os.path.dirname(os.path.abspath(__file__))
-    env.update(NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=HASWELL_FEATURES, NUMBA_CACHE_DIR=str(tmp_path),
+    env.update(NUMBA_CACHE_DIR=str(tmp_path),
                PYTHONPATH=os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p))
-    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=1800)
+    script = os.path.join(here, "..", "..", "bench", "as_avx2.sh")
+    done = subprocess.run(["bash", script, sys.executable, "-c", CHECK], env=env, capture_output=True, text=True,
+                          timeout=1800)
     assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]
