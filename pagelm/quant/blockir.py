@@ -218,40 +218,45 @@ def _acc_zero(typingctx, acc, rows, vectors):
 
 
 @intrinsic
-def _fma_rows(typingctx, acc, w, acc2, w2, pair, wo, x, i0, n, xo, rows, vectors):
-    """For i < rows and v < vectors (constants, wo too): accumulator i · vectors + v =
-    fma(w[wo + 16v : wo + 16v + 16], x[min(i0 + i, n - 1), xo + 16v : xo + 16v + 16], itself), and
-    when pair (a constant) is 2 the same of acc2 with w2 (a second row of W): each vector of x is
-    loaded once for both. Rows past n - 1 repeat the last (computed, never stored); x is a 2-D
-    float32 array, rows strided."""
-    if not _literals(pair, wo, rows, vectors):
+def _fma_rows(typingctx, acc, w, acc2, w2, pair, x, i0, n, xo, rows, vectors, runs):
+    """For each of `runs` runs r of 16 · vectors values, then i < rows and v < vectors (constants):
+    accumulator i · vectors + v = fma(w[16 (r · vectors + v) :][:16], x[min(i0 + i, n - 1), xo + 16
+    (r · vectors + v) :][:16], itself), and when pair (a constant) is 2 the same of acc2 with w2 (a
+    second row of W): each vector of x is loaded once for both. A block of 256 values is 8 runs of 32
+    into the same 2 vectors of a row. Rows past n - 1 repeat the last (computed, never stored); x is
+    a 2-D float32 array, rows strided."""
+    if not _literals(pair, rows, vectors, runs):
         return None
 
     def codegen(context, builder, signature, args):
-        accp, wp, accp2, wp2, _, _, xa, i0v, nv, xov = args[:10]
-        arr = context.make_array(signature.args[6])(context, builder, xa)
+        accp, wp, accp2, wp2, _, xa, i0v, nv, xov = args[:9]
+        arr = context.make_array(signature.args[5])(context, builder, xa)
         base = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
         stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
         last = builder.sub(nv, nv.type(1))
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
-        first, count = wo.literal_value // 16, vectors.literal_value
-        weights = [(accp, [builder.load(_vector(builder, wp, first + v), align=4) for v in range(count)])]
-        if pair.literal_value == 2:
-            weights.append((accp2, [builder.load(_vector(builder, wp2, first + v), align=4) for v in range(count)]))
+        count = vectors.literal_value
         col = builder.mul(xov, xov.type(4))
+        starts = []
         for i in range(rows.literal_value):
             row = builder.add(i0v, i0v.type(i))
             row = builder.select(builder.icmp_signed("<", row, last), row, last)
-            at = builder.add(builder.mul(row, stride), col)
-            for v in range(count):
-                xp = builder.bitcast(builder.gep(base, [builder.add(at, at.type(64 * v))]), _V16F.as_pointer())
-                xv = builder.load(xp, align=4)
-                for accs, ws in weights:
-                    ap = _vector(builder, accs, i * count + v)
-                    builder.store(builder.call(fma, [ws[v], xv, builder.load(ap)]), ap)
+            starts.append(builder.add(builder.mul(row, stride), col))
+        for r in range(runs.literal_value):
+            first = r * count
+            weights = [(accp, [builder.load(_vector(builder, wp, first + v), align=4) for v in range(count)])]
+            if pair.literal_value == 2:
+                weights.append((accp2, [builder.load(_vector(builder, wp2, first + v), align=4) for v in range(count)]))
+            for i, at in enumerate(starts):
+                for v in range(count):
+                    offset = builder.add(at, at.type(64 * (first + v)))
+                    xv = builder.load(builder.bitcast(builder.gep(base, [offset]), _V16F.as_pointer()), align=4)
+                    for accs, ws in weights:
+                        ap = _vector(builder, accs, i * count + v)
+                        builder.store(builder.call(fma, [ws[v], xv, builder.load(ap)]), ap)
         return context.get_dummy_value()
 
-    return types.void(acc, w, acc2, w2, pair, wo, x, i0, n, xo, rows, vectors), codegen
+    return types.void(acc, w, acc2, w2, pair, x, i0, n, xo, rows, vectors, runs), codegen
 
 
 def _lane_sum(builder, vs):

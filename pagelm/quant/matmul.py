@@ -65,9 +65,8 @@ def _compiles_avx512() -> bool:
 
 # Under AVX-512 a pass over several rows of x goes over two rows of W at once (blockir._fma_rows'
 # pair), so that each vector of x loaded serves two FMAs: 4 rows of x keep 16 accumulators, 2 vectors
-# of 16 lanes a row (32-value blocks; a 256-value block's unpacking costs more than the loads saved:
-# `pagelm bench batch` on the q4_k_m mix, 4 sequences, 1.73x batch 1 in pairs of 2 rows of x). AVX2's 16 registers hold no pair beside the
-# block's values: one row of W, 2 rows of x (1).
+# of 16 lanes a row (a 256-value block runs through them 8 times, 32 values a time). AVX2's 16
+# registers hold no pair beside the block's values: one row of W, 2 rows of x.
 _PAIRS = _compiles_avx512()
 
 
@@ -381,15 +380,11 @@ def _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, rows
     """out[i0 + i, col] = x[i0 + i] · the row of W at byte `row`, for i < rows (a constant) with
     i0 + i < n, and when pair (a constant) is 2 also out[i0 + i, col2] = x[i0 + i] · the row at byte
     row2: each block unpacked once into w (w2) and fused into every row's accumulators (acc, acc2), 2
-    vectors of 16 lanes a row for 32-value blocks, 4 for 256-value blocks (64 lanes, a chunk at a
-    time); in a pair each vector of x is loaded once for both rows of W. A pair of one row with itself
-    (col2 == col) stores it once."""
-    if vb == 256:
-        _acc_zero(acc, rows, 4)
-        _acc_zero(acc2, rows, 4)
-    else:
-        _acc_zero(acc, rows, 2)
-        _acc_zero(acc2, rows, 2)
+    vectors of 16 lanes a row (lane l sums the values 32 k + l of every block, k in order); in a pair
+    each vector of x is loaded once for both rows of W. A pair of one row with itself (col2 == col)
+    stores it once."""
+    _acc_zero(acc, rows, 2)
+    _acc_zero(acc2, rows, 2)
     for b in range(nblk):
         if i0 == 0:
             _hint_block(data, hint, b, bb)
@@ -399,18 +394,12 @@ def _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, rows
         if pair == 2:
             _unpack(kind, data, row2 + b * bb, f16, w2, q6, s6)
         if vb == 256:
-            _fma_rows(acc, w, acc2, w2, pair, 0, x, i0, n, 256 * b, rows, 4)
-            _fma_rows(acc, w, acc2, w2, pair, 64, x, i0, n, 256 * b + 64, rows, 4)
-            _fma_rows(acc, w, acc2, w2, pair, 128, x, i0, n, 256 * b + 128, rows, 4)
-            _fma_rows(acc, w, acc2, w2, pair, 192, x, i0, n, 256 * b + 192, rows, 4)
+            _fma_rows(acc, w, acc2, w2, pair, x, i0, n, 256 * b, rows, 2, 8)
         else:
-            _fma_rows(acc, w, acc2, w2, pair, 0, x, i0, n, 32 * b, rows, 2)
+            _fma_rows(acc, w, acc2, w2, pair, x, i0, n, 32 * b, rows, 2, 1)
     for p in range(1 if col2 == col else pair):
         at, c, a = (row, col, acc) if p == 0 else (row2, col2, acc2)
-        if vb == 256:
-            _acc_store(a, rows, 4, out, i0, n, c)
-        else:
-            _acc_store(a, rows, 2, out, i0, n, c)
+        _acc_store(a, rows, 2, out, i0, n, c)
         for i in range(min(rows, n - i0)):  # a float row's last width % 32 values
             for k in range(tail):
                 out[i0 + i, c] += _val(kind, data, at + nblk * bb, k, f16) * x[i0 + i, nblk * vb + k]
@@ -428,52 +417,41 @@ def _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, n
               acc, acc, w, w, q6, s6)
 
 
-def _rows_kernel(w_rows: int):
-    """The few-row GEMV over `w_rows` (1 or 2, a constant) rows of W a pass: one source for both, and
-    each kernel types only its own passes (a runtime choice between them doubled the few-row compile)."""
-
-    @njit(inline="always")
-    def gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, f16, out, lo, r0, r1, nblk, tail, rnb):
-        ahead = _ahead_rows(kind, rnb)
-        acc, acc2, w, w2 = _acc_vectors(16), _acc_vectors(16), _stack_f32(256), _stack_f32(256)
-        q6, s6 = _stack_bytes(256), _stack_f32(16)
-        for r in range(r0, r1, w_rows):
-            r2 = min(r + w_rows - 1, r1 - 1)
-            row, hint = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
-            row2, hint2 = _row_at(offs, stride, r2), _row_ahead(offs, stride, rows, r2, ahead)
-            i0 = 0
-            while i0 < n:
-                if _PAIRS and n - i0 > 2:
-                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 4, w_rows, f16, out,
-                          lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
-                    i0 += 4
-                elif _PAIRS or vb != 256:
-                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 2, w_rows, f16, out,
-                          lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
-                    i0 += 2
-                else:
-                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 1, w_rows, f16, out,
-                          lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
-                    i0 += 1
-
-    return gemv_rows
+# Rows of W a pass of _gemv_rows: 2 under AVX-512, 1 under AVX2 (_PAIRS).
+_W_ROWS = 2 if _PAIRS else 1
 
 
-# out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W (at _row_at) and the n >= 2 rows of x.
-# Under AVX-512, 32-value blocks: passes of 4 rows of x (2 for the last 1-2 rows) over pairs of rows
-# of W (an odd last row pairs with itself); 256-value blocks, whose unpacking costs more than the loads
-# a pair saves: the same passes over each row of W. Under AVX2 passes of 2 rows (1 for 256-value
-# blocks) over each row of W. Rows of x past the last repeat it (computed, never stored); a row of W's
-# later passes read it from the caches. Row i's arithmetic is _gemv_one's.
-_gemv_rows_paired = _rows_kernel(2)
-_gemv_rows_single = _rows_kernel(1)
+@njit(inline="always")
+def _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, f16, out, lo, r0, r1, nblk, tail, rnb):
+    """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W (at _row_at) and the n >= 2 rows of
+    x. Under AVX-512 passes of 4 rows of x (2 for the last 1-2 rows) over pairs of rows of W (an odd
+    last row pairs with itself); under AVX2 passes of 2 rows over each row of W. Rows of x past the
+    last repeat it (computed, never stored); a row of W's later passes read it from the caches. Row
+    i's arithmetic is _gemv_one's."""
+    ahead = _ahead_rows(kind, rnb)
+    acc, acc2, w, w2 = _acc_vectors(16), _acc_vectors(16), _stack_f32(256), _stack_f32(256)
+    q6, s6 = _stack_bytes(256), _stack_f32(16)
+    for r in range(r0, r1, _W_ROWS):
+        r2 = min(r + _W_ROWS - 1, r1 - 1)
+        row, hint = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
+        row2, hint2 = _row_at(offs, stride, r2), _row_ahead(offs, stride, rows, r2, ahead)
+        i0 = 0
+        while i0 < n:
+            if _PAIRS and n - i0 > 2:
+                _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 4, _W_ROWS, f16, out,
+                      lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
+                i0 += 4
+            else:
+                _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 2, _W_ROWS, f16, out,
+                      lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
+                i0 += 2
 
 
 def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
     """(mv, mm): out[:, lo + r] = x @ dequant(row r) for one activation row (mv: _gemv_one) or
-    2 to MAX_GEMV_ROWS (mm: _gemv_rows_paired or _gemv_rows_single, fixed when it compiles), for a
-    block type of vb values in bb bytes (32 in 32 x size for floats); mm's column i is mv's product
-    of row i, bit for bit. Rows are at offs[r], or at r · stride when stride > 0 (a table)."""
+    2 to MAX_GEMV_ROWS (mm: _gemv_rows), for a block type of vb values in bb bytes (32 in 32 x size
+    for floats); mm's column i is mv's product of row i, bit for bit. Rows are at offs[r], or at
+    r · stride when stride > 0 (a table)."""
     # Rows of float types end in a partial "block" of width % 32 values, each of bb // 32 bytes.
     value_bytes = bb // 32 if kind in (_F32, _F16, _BF16) else 0
 
@@ -495,12 +473,7 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
         for c in prange(nch):
             _wide_vectors()
             r0, r1 = _chunk(c, nch, rows)
-            if _PAIRS and vb != 256:
-                _gemv_rows_paired(kind, vb, bb, data, offs, stride, rows, x, x.shape[0], f16, out, lo, r0, r1, nblk,
-                                  tail, rnb)
-            else:
-                _gemv_rows_single(kind, vb, bb, data, offs, stride, rows, x, x.shape[0], f16, out, lo, r0, r1, nblk,
-                                  tail, rnb)
+            _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, x.shape[0], f16, out, lo, r0, r1, nblk, tail, rnb)
 
     return mv, mm
 
