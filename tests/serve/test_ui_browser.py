@@ -289,7 +289,7 @@ def test_conversations_survive_a_reload_and_branch_on_edit(tabs, smol):
     assert page.locator("#chat-list li").count() == 2  # the first click only asks
     page.locator("#chat-list li", has_text="Hello there").locator(".delete").click()
     # the list drops it once IndexedDB's delete has committed; a reload before that could abort it
-    page.wait_for_function("document.querySelectorAll('#chat-list li').length === 1")
+    page.wait_for_function("() => document.querySelectorAll('#chat-list li').length === 1")
     tab.open()
     assert page.locator("#chat-list .title").all_inner_texts() == ["Colours"]
     assert tab.errors == []
