@@ -1,5 +1,6 @@
 """Stop strings over streamed text: however the text is cut into deltas, the emitted text is the
-text before the first stop string (all of it when none occurs)."""
+text before the first stop string to be completed, as generation would stop there (all of it when
+none occurs)."""
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -18,8 +19,11 @@ def stream(stops, pieces):
 
 
 def expected(stops, text):
-    hits = [text.find(s) for s in stops if s and s in text]
-    return (text[: min(hits)], True) if hits else (text, False)
+    ends = [end for end in range(1, len(text) + 1) if any(s and text[:end].endswith(s) for s in stops)]
+    if not ends:
+        return text, False
+    first = min(ends)
+    return text[: first - max(len(s) for s in stops if s and text[:first].endswith(s))], True
 
 
 @given(st.lists(st.text("ab\n", min_size=1, max_size=3), max_size=3), st.lists(st.text("ab\n", max_size=4), max_size=12))
@@ -32,6 +36,11 @@ def test_a_possible_stop_prefix_is_held_back_then_released():
     assert matcher.push("answer </e") == ("answer ", False)
     assert matcher.push("xtra") == ("</extra", False)
     assert matcher.push(" </end> tail") == (" ", True)
+
+
+def test_a_stop_completed_first_wins_over_a_longer_one_begun_before_it():
+    stops = ("\n", "a\n\n")
+    assert stream(stops, ["a\n\n"]) == stream(stops, ["a\n", "\n"]) == ("a", True)
 
 
 def test_no_stop_strings_pass_everything_through():

@@ -94,7 +94,9 @@ class QueueFull(PagelmError):
 
 
 class StopMatcher:
-    """Cuts streamed text at the first stop string, holding back a tail that might begin one."""
+    """Cuts streamed text before the first stop string to be completed (of two completed by the same
+    character, the longer), holding back a tail that might begin one: where the text is cut into
+    pieces does not change what is emitted."""
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = tuple(s for s in stops if s)
@@ -105,10 +107,10 @@ class StopMatcher:
         if not self.stops:
             return text, False
         buf = self.held + text
-        found = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        found = [(i + len(s), i) for s in self.stops if (i := buf.find(s)) >= 0]
         if found:
             self.held = ""
-            return buf[: min(found)], True
+            return buf[: min(found)[1]], True
         keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(buf)), 0, -1)
                     if buf.endswith(s[:k])), default=0)
         self.held = buf[len(buf) - keep:]
