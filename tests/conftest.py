@@ -4,8 +4,14 @@ synthetic ones written once per test session."""
 import os
 
 import pytest
+from hypothesis import settings
 
 from pagelm import store
+
+# Property tests bound their work (example counts), not their time: a per-example deadline fails
+# on a loaded or slow machine (CI) for no fault of the code.
+settings.register_profile("pagelm", deadline=None)
+settings.load_profile("pagelm")
 
 if "PYTEST_XDIST_WORKER" in os.environ:
     # Two workers share the cores: OpenMP threads (torch's, numba's) that spin after each parallel
