@@ -17,6 +17,7 @@ from pagelm.quant.blockir import (
     _acc_zero,
     _fma_rows,
     _k4_scales,
+    _q4k_floats,
     _q5_values,
     _q6k_scales16,
     _q6k_values,
@@ -347,9 +348,14 @@ def _q6k_block(data, o, f16):
 def _unpack(kind, data, o, f16, w, q6, s6):
     """w[0 : values of a block] = the values of the block at byte o as float32. Float types and the
     32-value quants are unpacked in vector ops (blockir._values32), a Q6_K block's values and scales
-    too (q6, s6: its bytes and scales, on the stack); Q4_K/Q5_K take both nibbles of each byte at
-    once, with the 16 scales and mins of the block from one byte-vector decode (blockir._k4_scales)."""
-    if kind == _Q4_K or kind == _Q5_K:
+    too (q6, s6: its bytes and scales, on the stack); Q4_K/Q5_K decode the 16 scales and mins of the
+    block in one byte-vector op (blockir._k4_scales); under AVX-512 each Q4_K value is picked from its
+    group's 16 (blockir._q4k_floats), otherwise both nibbles of each byte are taken at once."""
+    if kind == _Q4_K and _PAIRS:  # AVX-512: each value picked from its group's 16
+        scales = _stack_f32(16)
+        _k4_scales(data, o + 4, _half(f16, data, o), _half(f16, data, o + 2), scales)
+        _q4k_floats(data, o, scales, w)
+    elif kind == _Q4_K or kind == _Q5_K:
         sm = _k4_block_scales(data, o, f16)
         wa = carray(w, 256)
         for p in range(4):  # groups 2p and 2p + 1: the low and high nibbles of the same 32 bytes
