@@ -28,7 +28,7 @@ def _pages(starts, lengths):
     return {p for s, n in zip(starts.tolist(), lengths.tolist()) for p in range(s // PAGE, (s + n) // PAGE)}
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(
     offset=st.integers(0, 5 * PAGE),
     row_nbytes=st.sampled_from([34, 210, 1088, 2176, 4096, 8192, 8704]),

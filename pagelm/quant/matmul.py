@@ -178,11 +178,18 @@ def _prep(kind, data, o, g, f16):
 
 
 @njit(inline="always")
-def _k4_block_scales(data, o, f16):
-    """The 8 groups' scales, then their mins, of the Q4_K / Q5_K block at byte o (_prep's values)."""
+def _k4_scales_at(data, o, f16):
+    """A float32 pointer to the 8 groups' scales, then their mins, of the Q4_K / Q5_K block at byte o
+    (on the caller's stack)."""
     buf = _stack_f32(16)
     _k4_scales(data, o + 4, _half(f16, data, o), _half(f16, data, o + 2), buf)
-    return carray(_opaque(buf), 16)
+    return buf
+
+
+@njit(inline="always")
+def _k4_block_scales(data, o, f16):
+    """_k4_scales_at's values as an array (_prep's values)."""
+    return carray(_opaque(_k4_scales_at(data, o, f16)), 16)
 
 
 @njit
@@ -352,9 +359,7 @@ def _unpack(kind, data, o, f16, w, q6, s6):
     block in one byte-vector op (blockir._k4_scales); under AVX-512 each Q4_K value is picked from its
     group's 16 (blockir._q4k_floats), otherwise both nibbles of each byte are taken at once."""
     if kind == _Q4_K and _PAIRS:  # AVX-512: each value picked from its group's 16
-        scales = _stack_f32(16)
-        _k4_scales(data, o + 4, _half(f16, data, o), _half(f16, data, o + 2), scales)
-        _q4k_floats(data, o, scales, w)
+        _q4k_floats(data, o, _k4_scales_at(data, o, f16), w)
     elif kind == _Q4_K or kind == _Q5_K:
         sm = _k4_block_scales(data, o, f16)
         wa = carray(w, 256)
