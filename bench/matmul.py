@@ -5,8 +5,10 @@ the opt-in int8-activation GEMV (weights "mapped-int8": quantizing the row inclu
 on the bf16 and float32 copies (2 threads each, calls alternating), the GB/s of the block bytes
 read by rows_matmul, and rows_dequantize to bf16 in G weights/s. Random blocks: pagelm.quant.encode for the
 types it encodes, random bytes with finite fp16 scales for the others. Prints one markdown table.
+With --x-rows N (2 to 16) rows_matmul and torch multiply N activation rows at once (the batched
+decode's kernels; torch.mm for torch.mv), and the int8 column is left out.
 
-    .venv/bin/python bench/matmul.py [--calls 30] [--types Q8_0 Q4_K ...] [--shapes 3584x1024 ...]
+    .venv/bin/python bench/matmul.py [--calls 30] [--types Q8_0 Q4_K ...] [--shapes 3584x1024 ...] [--x-rows 4]
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from pagelm.quant import BLOCK_LAYOUT, ENCODABLE, GGMLType, decode_bf16, encode
 from pagelm.quant import int8dot
-from pagelm.quant.matmul import check_rows, rows_dequantize, rows_matmul, warmup
+from pagelm.quant.matmul import MAX_GEMV_ROWS, check_rows, rows_dequantize, rows_matmul, warmup
 from pagelm.quant.types import SCALE_FIELDS
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -44,25 +46,27 @@ def random_rows(rng: np.random.Generator, t: GGMLType, rows: int, width: int) ->
     return raw
 
 
-def bench(t: GGMLType, rows: int, width: int, calls: int) -> str:
+def bench(t: GGMLType, rows: int, width: int, calls: int, x_rows: int = 1) -> str:
     rng = np.random.default_rng(0)
     table = np.concatenate([random_rows(rng, t, min(STEP, rows - i), width) for i in range(0, rows, STEP)])
     data = table.reshape(-1)
     data.flags.writeable = False  # as the file map is
     offs = np.arange(rows, dtype=np.int64) * table.shape[1]
     check_rows(data, t, offs, width)
-    x = rng.standard_normal((1, width), np.float32)
-    out = np.empty((1, rows), np.float32)
+    x = rng.standard_normal((x_rows, width), np.float32)
+    out = np.empty((x_rows, rows), np.float32)
     dense = torch.from_numpy(decode_bf16(table, t).view(np.int16)).view(torch.bfloat16)
     dense32 = dense.float()
-    xb, x32 = torch.from_numpy(x[0]).to(torch.bfloat16), torch.from_numpy(x[0])
-    int8 = int8dot.bound_rows_matmul_int8(data, t, offs, width) if t in int8dot.INT8_TYPES else None
+    x32 = torch.from_numpy(x[0]) if x_rows == 1 else torch.from_numpy(x).T
+    xb = x32.to(torch.bfloat16)
+    product = torch.mv if x_rows == 1 else torch.mm
+    int8 = int8dot.bound_rows_matmul_int8(data, t, offs, width) if t in int8dot.INT8_TYPES and x_rows == 1 else None
     ms, int8_ms, bf16_ms, f32_ms = median_ms(
         [
             lambda: rows_matmul(data, t, offs, width, x, out),
             (lambda: int8(int8dot.Int8Row(x[0]), out, 0)) if int8 else (lambda: None),
-            lambda: torch.mv(dense, xb),
-            lambda: torch.mv(dense32, x32),
+            lambda: product(dense, xb),
+            lambda: product(dense32, x32),
         ],
         calls,
     )
@@ -83,12 +87,16 @@ def main() -> None:
     p.add_argument("--types", nargs="+", default=TYPES)
     p.add_argument("--shapes", nargs="+", default=SHAPES + [HEAD])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--x-rows", type=int, default=1, help="activation rows multiplied at once (1 to 16)")
     a = p.parse_args()
+    if not 1 <= a.x_rows <= MAX_GEMV_ROWS:
+        p.error(f"--x-rows must be 1 to {MAX_GEMV_ROWS}, got {a.x_rows}")
     torch.set_num_threads(a.threads)
     numba.set_num_threads(a.threads)
     warmup()
     int8dot.warmup()
-    print(f"threads {a.threads}, numba {numba.__version__}, torch {torch.__version__}, median of {a.calls} calls")
+    print(f"threads {a.threads}, numba {numba.__version__}, torch {torch.__version__}, median of {a.calls} calls, "
+          f"{a.x_rows} activation row(s)")
     print("| type | rows x width | matmul ms | int8 ms | torch bf16 mv ms | ratio | torch f32 mv ms | GB/s | dequant bf16 Gw/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in a.types:
@@ -96,7 +104,7 @@ def main() -> None:
             if shape == HEAD and name != "Q8_0":
                 continue
             rows, width = map(int, shape.split("x"))
-            print(bench(GGMLType[name], rows, width, a.calls), flush=True)
+            print(bench(GGMLType[name], rows, width, a.calls, a.x_rows), flush=True)
 
 
 if __name__ == "__main__":
