@@ -71,7 +71,7 @@ def _token_inputs(nk, nv, dk, dv, taps, n, seed):
 
 
 @pytest.mark.parametrize("nk,nv,dk,dv,taps,n", [(1, 1, 8, 4, 4, 1), (3, 6, 17, 23, 3, 3), (2, 6, 33, 5, 4, 2),
-                                               (2, 2, 128, 128, 4, 1), (2, 4, 16, 24, 4, 5)])
+                                               (2, 2, 128, 128, 4, 1), (2, 4, 16, 24, 4, 5), (3, 7, 61, 53, 4, 2)])
 def test_whole_token_matches_float64(nk, nv, dk, dv, taps, n):
     proj, convs, conv_w, a, dt_bias, norm_w, states = _token_inputs(nk, nv, dk, dv, taps, n, nv * 1000 + dv)
     wants = [token_reference(proj[i], convs[i], conv_w, a, dt_bias, norm_w, states[i].clone(), nk, 1e-6, 1e-6)
