@@ -7,7 +7,8 @@ weights' stream evicts them), with the GB/s of the states read and written (2 x 
 bytes a layer). Random inputs; the kernel's arithmetic does not depend on them, but a decaying state
 reaches subnormal floats, so the gates keep it at its scale.
 
-    .venv/bin/python bench/deltanet.py [--shape qwen3.5-0.8b] [--sequences 1,4,8] [--calls 5] [--threads 2]
+    .venv/bin/python bench/deltanet.py [--shape qwen3.5-0.8b] [--sequences 1,4,8] [--calls 5] [--flush-mib 48]
+        [--threads 2]
 """
 
 from __future__ import annotations

@@ -97,7 +97,8 @@ def main() -> None:
     int8dot.warmup()
     print(f"threads {a.threads}, numba {numba.__version__}, torch {torch.__version__}, median of {a.calls} calls, "
           f"{a.x_rows} activation row(s)")
-    print("| type | rows x width | matmul ms | int8 ms | torch bf16 mv ms | ratio | torch f32 mv ms | GB/s | dequant bf16 Gw/s |")
+    op = "mv" if a.x_rows == 1 else "mm"
+    print(f"| type | rows x width | matmul ms | int8 ms | torch bf16 {op} ms | ratio | torch f32 {op} ms | GB/s | dequant bf16 Gw/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in a.types:
         for shape in a.shapes:
