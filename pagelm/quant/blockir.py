@@ -128,10 +128,7 @@ def _q4k_floats(typingctx, data, at, scales, w):
     def codegen(context, builder, signature, args):
         arrty, data, at, sp = signature.args[0], args[0], args[1], args[2]
         v16i = ir.VectorType(_I32, 16)
-        pick = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_V16F, [_V16F, v16i]), "llvm.x86.avx512.permvar.sf.512")
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
-        iota = ir.Constant(_V16F, [float(q) for q in range(16)])
+        pick, fma, iota = _permvar16(builder), _fma16(builder), _iota16()
 
         def table(g):
             scale = _splat_f32(builder, builder.load(builder.gep(sp, [_I32(g)])))
@@ -150,6 +147,20 @@ def _q4k_floats(typingctx, data, at, scales, w):
         return context.get_dummy_value()
 
     return types.void(data, at, scales, w), codegen
+
+
+def _permvar16(builder):
+    """vpermps: lane l of the result is lane (index l & 15) of the table (AVX-512)."""
+    return cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_V16F, [_V16F, ir.VectorType(_I32, 16)]), "llvm.x86.avx512.permvar.sf.512")
+
+
+def _fma16(builder):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
+
+
+def _iota16(offset=0):
+    return ir.Constant(_V16F, [float(q + offset) for q in range(16)])
 
 
 def _splat8(n, value):
@@ -385,6 +396,30 @@ def _values32(typingctx, kind, data, at, qh, d, m, w):
         return context.get_dummy_value()
 
     return types.void(kind, data, at, qh, d, m, w), codegen
+
+
+@intrinsic
+def _q4_floats(typingctx, kind, data, at, d, m, w):
+    """w[0:32] = _values32's values of the Q4_0 / Q4_1 block (`kind`, a constant) whose 16 quant
+    bytes start at data[at], each picked by its nibble from the block's 16 possible floats (AVX-512
+    vpermps, which reads the low 4 bits of each index): (q - 8) · d, or fma(q, d, m), the bits of
+    q · d + m since q · d is exact in float32 (4 bits times an 11-bit half)."""
+    if not _literals(kind):
+        return None
+
+    def codegen(context, builder, signature, args):
+        t, arrty, (data, at, d, m) = kind.literal_value, signature.args[1], args[1:5]
+        v16i = ir.VectorType(_I32, 16)
+        if t == _Q4_0_T:
+            table = builder.fmul(_iota16(-8), _splat_f32(builder, d))
+        else:
+            table = builder.call(_fma16(builder), [_iota16(), _splat_f32(builder, d), _splat_f32(builder, m)])
+        index = builder.zext(_bytes_at(context, builder, arrty, data, at, 16), v16i)
+        for h, nibble in enumerate((index, builder.lshr(index, ir.Constant(v16i, [4] * 16)))):
+            builder.store(builder.call(_permvar16(builder), [table, nibble]), _vector(builder, args[5], h), align=4)
+        return context.get_dummy_value()
+
+    return types.void(kind, data, at, d, m, w), codegen
 
 
 @intrinsic

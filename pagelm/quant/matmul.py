@@ -17,6 +17,7 @@ from pagelm.quant.blockir import (
     _acc_zero,
     _fma_rows,
     _k4_scales,
+    _q4_floats,
     _q4k_floats,
     _q5_values,
     _q6k_scales16,
@@ -356,8 +357,9 @@ def _unpack(kind, data, o, f16, w, q6, s6):
     """w[0 : values of a block] = the values of the block at byte o as float32. Float types and the
     32-value quants are unpacked in vector ops (blockir._values32), a Q6_K block's values and scales
     too (q6, s6: its bytes and scales, on the stack); Q4_K/Q5_K decode the 16 scales and mins of the
-    block in one byte-vector op (blockir._k4_scales); under AVX-512 each Q4_K value is picked from its
-    group's 16 (blockir._q4k_floats), otherwise both nibbles of each byte are taken at once."""
+    block in one byte-vector op (blockir._k4_scales); under AVX-512 each Q4_0 / Q4_1 value is picked
+    from its block's 16 possible floats (blockir._q4_floats) and each Q4_K value from its group's 16
+    (blockir._q4k_floats), otherwise both nibbles of each byte are taken at once."""
     if kind == _Q4_K and _PAIRS:  # AVX-512: each value picked from its group's 16
         _q4k_floats(data, o, _k4_scales_at(data, o, f16), w)
     elif kind == _Q4_K or kind == _Q5_K:
@@ -382,7 +384,10 @@ def _unpack(kind, data, o, f16, w, q6, s6):
     else:  # Q8_0, Q4_0, Q4_1
         at = o + 4 if kind == _Q4_1 else o + 2
         m = _half(f16, data, o + 2) if kind == _Q4_1 else np.float32(0)
-        _values32(kind, data, at, np.uint32(0), _half(f16, data, o), m, w)
+        if kind != _Q8_0 and _PAIRS:  # AVX-512: each value picked from the block's 16
+            _q4_floats(kind, data, at, _half(f16, data, o), m, w)
+        else:
+            _values32(kind, data, at, np.uint32(0), _half(f16, data, o), m, w)
 
 
 @njit(inline="always")
