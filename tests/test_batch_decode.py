@@ -202,3 +202,32 @@ def test_a_prefill_dropped_half_way_leaves_nothing_behind_a_reset_or_restore(qwe
         if not session.tokens:
             assert same_bits(session.prefill(PROMPTS[1]), want)
         assert same_bits(session.decode(9), want_next)
+
+
+
+@pytest.mark.parametrize("weights, dtype", [("mapped", "bfloat16"), ("dense", "float32")])
+def test_llama_token_step_in_numpy_gives_the_torch_layers_bits(smollm2_gguf, monkeypatch, weights, dtype):
+    """The one-token step in numpy between the kernels (token_ops.TokenStep) against the torch
+    layers it stands in for, which take every step where TokenStep.of refuses it."""
+    from pagelm.models import llama
+
+    model = pagelm.load(smollm2_gguf, weights=weights, dtype=dtype)
+
+    def run() -> list[np.ndarray]:
+        sessions = [model.session(max_len=32) for _ in range(3)]
+        logits = np.stack([s.prefill(p) for s, p in zip(sessions, PROMPTS)])
+        out = []
+        for _ in range(3):
+            logits = model.decode_batch(sessions, [int(np.argmax(row)) for row in logits])
+            logits[0] = sessions[0].decode(int(np.argmax(logits[0])))
+            out.append(logits.copy())
+        return out
+
+    made = []
+    of = llama.TokenStep.of
+    monkeypatch.setattr(llama.TokenStep, "of", lambda *a: made.append(of(*a)) or made[-1])
+    numpy_steps = run()
+    assert len(made) >= 6 and all(step is not None for step in made)  # every decode step took it
+    monkeypatch.setattr(llama.TokenStep, "of", lambda *a: None)
+    torch_steps = run()
+    assert all(same_bits(a, b) for a, b in zip(numpy_steps, torch_steps))

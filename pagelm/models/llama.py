@@ -28,9 +28,10 @@ from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.base import (KVState, RopeRows, apply_rope_, attend_spans, attention, inv_freq, rms_norm, rope_tables,
                                 token_ropes)
 from pagelm.models.decoder import Decoder, Span, advance, per_sequence
+from pagelm.models.token_ops import TokenStep
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, rope_scaling,
                                tensor_maps)
-from pagelm.weights.linear import Linear
+from pagelm.weights.linear import Linear, as_float32
 from pagelm.weights.loader import WeightLoader
 
 ARCH_NAME = "llama"
@@ -169,11 +170,14 @@ class LlamaModel(Decoder):
     def _layers(self, x: torch.Tensor, spans: list[Span], alone: bool) -> Generator:
         c, T = self.config, x.shape[0]
         H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
-        h = x.to(device=self.device, dtype=torch.float32, copy=True)
         ropes = [self.token_rope(s.state.pos) if s.hi - s.lo == 1 else
                  rope_tables(self.inv_freq, s.state.pos, s.hi - s.lo, c.rope_scale) for s in spans]
         scale = D**-0.5
         tokens = token_ropes(ropes) if T == len(spans) else None  # one token each: the batched kernels
+        step = None if tokens is None else TokenStep.of(x, [s.state for s in spans], tokens, None, scale, H, G, D)
+        if step is not None:
+            return (yield from self._token_layers(step, spans, alone))
+        h = x.to(device=self.device, dtype=torch.float32, copy=True)
         for i, w in enumerate(self.layers):
             y = rms_norm(h, w.attn_norm, c.rms_eps)
             proj = w.qkv(y, alone).float()
@@ -196,6 +200,23 @@ class LlamaModel(Decoder):
             yield
         advance(spans)
         return rms_norm(h, self.output_norm, c.rms_eps)
+
+    def _token_layers(self, step: TokenStep, spans: list[Span], alone: bool) -> Generator:
+        """_layers for one token of each span's sequence, in numpy between the kernels: the same
+        operations on the same values, bit for bit, without ~10 torch dispatches a layer."""
+        c, h = self.config, step.h
+        H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
+        n = h.shape[0]
+        for i, w in enumerate(self.layers):
+            proj = w.qkv.rows(step.norm(h, w.attn_norm, c.rms_eps), alone)
+            q, k, v = (np.ascontiguousarray(proj[:, a:b]).reshape(n, -1, D)
+                       for a, b in ((0, H * D), (H * D, (H + G) * D), ((H + G) * D, proj.shape[1])))
+            h += w.out.rows(step.attend(q, k, v, i), alone)
+            gate, up = w.gate_up(torch.from_numpy(step.norm(h, w.ffn_norm, c.rms_eps)), alone).chunk(2, -1)
+            h += as_float32(w.down(F.silu(gate).mul_(up), alone))
+            yield
+        advance(spans)
+        return torch.from_numpy(step.norm(h, self.output_norm, c.rms_eps))
 
 
 HF_GLOBALS = {"output_norm.weight": "norm.weight"}

@@ -37,6 +37,12 @@ def rms_norm_rows(x: torch.Tensor, w: torch.Tensor, eps: float, tokens_alone: bo
     if not (x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
             and x.is_contiguous() and x.shape[-1] == n and x.numel() <= MAX_ROWS * n * tokens and not x.requires_grad):
         return None
-    out = torch.empty_like(x)
-    _rms_rows(x.numpy().reshape(-1, n), w.numpy(), eps, out.numpy().reshape(-1, n))
+    return torch.from_numpy(norm_rows(x.numpy().reshape(-1, n), w.numpy(), eps)).view(x.shape)
+
+
+def norm_rows(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """rms_norm_rows' values for float32 numpy rows x (rows, n) and weights w (n,), unchecked (a
+    decode step's own arrays): a new (rows, n) array."""
+    out = np.empty(x.shape, np.float32)
+    _rms_rows(x, w, eps, out)
     return out

@@ -6,6 +6,10 @@ wrapper ~15), one token's attention (cache writes, casts, SDPA) ~180 µs (the ke
 wrapper a few more, given the cache's numpy views made once). Inputs the kernels do not take
 (a prefill's rows, other devices and dtypes) keep torch's path. (The gated activations stay
 torch's: one vectorized op, ~5 µs.)
+
+TokenStep runs a whole one-token step in numpy between the kernels (llama): what torch still
+dispatched per layer — views, casts, norms' wrappers, attention's per-call checks — cost SmolLM2
+~3 ms of a 13-15 ms step.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 from numba import carray, njit, prange, types
 from numba.extending import intrinsic, overload
 
-from pagelm.models.norms import MAX_ROWS  # rows (tokens × heads) of one decode step take the kernels
+from pagelm.models.norms import MAX_ROWS, norm_rows  # MAX_ROWS: rows (tokens × heads) of one decode step take the kernels
 from pagelm.quant.matmul import _bf16_bits, _u32_as_f32
 
 
@@ -242,20 +246,97 @@ def attend_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, views: list
             and all(w.k.dtype == first.dtype and w.k.shape[::2] == (G, D) and 0 <= lo <= pos < w.k.shape[1]
                     for w, pos, lo in zip(views, positions, los))):
         return None
-    if rope is not None:
-        if not (_rope_takes(q, *rope, True) and _rope_takes(k, *rope, True)):
+    if rope is not None and not (_rope_takes(q, *rope, True) and _rope_takes(k, *rope, True)):
+        return None
+    rows = TokenRows.of(views, positions, los, scale)
+    return torch.from_numpy(rows.attend(qn, kn, vn, None if rope is None else (rope[0].numpy(), rope[1].numpy())))
+
+
+class TokenRows:
+    """What attend_tokens needs of n sequences' caches beyond the token's rows, as the kernel takes it:
+    the caches' addresses, lengths, the token's positions and first keys. Made once per decode step
+    for a layer's views, or for every layer's (`step`), by a step that hands the kernel its own
+    rows (already checked) layer after layer."""
+
+    def __init__(self, like: np.ndarray, k_at: np.ndarray, v_at: np.ndarray, lens: np.ndarray, positions: list[int],
+                 los: list[int], scale: float):
+        self.like, self.k_at, self.v_at, self.lens = like, k_at, v_at, lens
+        self.positions, self.los = np.array(positions, np.int64), np.array(los, np.int64)
+        self.scale = np.float32(scale)
+
+    @classmethod
+    def of(cls, views: list[CacheViews], positions: list[int], los: list[int], scale: float) -> TokenRows:
+        return cls(views[0].k, np.array([w.k_at for w in views], np.int64), np.array([w.v_at for w in views], np.int64),
+                   np.array([w.k.shape[1] for w in views], np.int64), positions, los, scale)
+
+    def attend(self, qn: np.ndarray, kn: np.ndarray, vn: np.ndarray,
+               rope: tuple[np.ndarray, np.ndarray] | None, layer: int | None = None) -> np.ndarray:
+        """attend_tokens on C-contiguous float32 q (n, H, D), k and v (n, G, D) (rope, when given, applied
+        to q and k in place): (n, H·D) float32. `layer`: the step's layer whose caches these are."""
+        if rope is not None:
+            _rope(qn, *rope)
+            _rope(kn, *rope)
+        k_at, v_at = (self.k_at, self.v_at) if layer is None else (self.k_at[layer], self.v_at[layer])
+        out = np.empty((qn.shape[0], qn.shape[1] * qn.shape[2]), np.float32)
+        _attend(qn, kn, vn, k_at, v_at, self.like, self.lens, self.positions, self.los, self.scale, out)
+        return out
+
+    @classmethod
+    def step(cls, states: list, window: int | None, scale: float, G: int, D: int) -> TokenRows | None:
+        """For one token of each state (KVState, distinct) at every layer, or None where the kernel
+        does not take their caches (as attend_tokens refuses them)."""
+        views = [s.views for s in states]
+        first = views[0][0]
+        if first is None or any(w is None or w.k.dtype != first.k.dtype or w.k.shape[::2] != (G, D)
+                                for layers in views for w in layers):
             return None
-        cos, sin = rope[0].numpy(), rope[1].numpy()
-        _rope(qn, cos, sin)
-        _rope(kn, cos, sin)
-    out = np.empty((n, qn.shape[1] * D), np.float32)
-    _attend(qn, kn, vn, np.array([w.k_at for w in views], np.int64), np.array([w.v_at for w in views], np.int64),
-            first, np.array([w.k.shape[1] for w in views], np.int64), np.array(positions, np.int64),
-            np.array(los, np.int64), np.float32(scale), out)
-    return torch.from_numpy(out)
+        positions = [s.pos for s in states]
+        if any(p >= s.max_len for p, s in zip(positions, states)):
+            return None
+        los = [0 if window is None else max(0, p + 1 - window) for p in positions]
+        k_at = np.array([[w.k_at for w in layers] for layers in views], np.int64).T.copy()
+        v_at = np.array([[w.v_at for w in layers] for layers in views], np.int64).T.copy()
+        return cls(first.k, k_at, v_at, np.array([s.max_len for s in states], np.int64), positions, los, scale)
 
 
 def attend_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, views: CacheViews | None,
                  pos: int, scale: float, lo: int = 0) -> torch.Tensor | None:
     """attend_tokens for one sequence: q (1, H, D), k and v (1, G, D); returns (1, H·D) or None."""
     return attend_tokens(q, k, v, [views], [pos], scale, [lo])
+
+
+class TokenStep:
+    """One decode step of one token of each of n sequences (x (n, hidden), their KVStates), run in
+    numpy between the kernels: the residual rows `h` (float32, a copy of x), their norms and the
+    attention of each layer on the step's rows, the very calls the torch path makes with the same
+    values, without a torch dispatch per operation (~10 a layer of a small model, 5-15 µs each)."""
+
+    def __init__(self, h: np.ndarray, rope: tuple[np.ndarray, np.ndarray], rows: TokenRows):
+        self.h, self.rope, self.rows = h, rope, rows
+
+    @classmethod
+    def of(cls, x: torch.Tensor, states: list, rope: tuple[torch.Tensor, torch.Tensor], window: int | None,
+           scale: float, H: int, G: int, D: int) -> TokenStep | None:
+        """The step, or None where the kernels do not take it (then the torch path, which attend_tokens
+        and rms_norm_rows would send to torch's ops likewise): not a CPU step, rope tables or heads
+        rope_rows_ refuses, caches attend_tokens refuses."""
+        cos, sin = rope
+        n = x.shape[0]
+        if not (x.device.type == "cpu" and not x.requires_grad and _cpu_f32(cos, sin) and H <= MAX_ROWS
+                and cos.shape == sin.shape == (n, cos.shape[-1]) and 2 * cos.shape[-1] <= D
+                and cos.is_contiguous() and sin.is_contiguous()):
+            return None
+        rows = TokenRows.step(states, window, scale, G, D)
+        if rows is None:
+            return None
+        return cls(x.to(dtype=torch.float32, copy=True).numpy(), (cos.numpy(), sin.numpy()), rows)
+
+    @staticmethod
+    def norm(x: np.ndarray, w: torch.Tensor, eps: float) -> np.ndarray:
+        """rms_norm(x, w, eps) of the step's rows (w float32 on the CPU, as the models load norms)."""
+        return norm_rows(x, w.numpy(), eps)
+
+    def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, layer: int) -> np.ndarray:
+        """attend_spans of this step's layer `layer`: rope on q (n, H, D) and k (n, G, D), C-contiguous
+        float32, then attention over each sequence's cache; (n, H·D) float32."""
+        return self.rows.attend(q, k, v, self.rope, layer)

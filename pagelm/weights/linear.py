@@ -48,6 +48,11 @@ def tile_rows(in_features: int) -> int:
     return rows // _TILE_ALIGN * _TILE_ALIGN if rows >= _TILE_ALIGN else rows
 
 
+def as_float32(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a float32 numpy array (a view where it already is float32)."""
+    return (t if t.dtype is torch.float32 else t.float()).numpy()
+
+
 class Linear:
     """y = x·Wᵀ for x (T, in_features); W is (out_features, in_features). With `alone` (at most
     MAX_GEMV_ROWS rows, each a different sequence's), row t of y is bit for bit what x[t] alone gives."""
@@ -58,6 +63,12 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, alone: bool = False) -> torch.Tensor:
         raise NotImplementedError
+
+    def rows(self, xs: np.ndarray, alone: bool = False) -> np.ndarray:
+        """A decode step's product in numpy: xs float32 C-contiguous (n <= MAX_GEMV_ROWS, in_features);
+        the float32 values of self(xs) (its result widened where `dtype` is narrower), without torch's
+        dispatch where the operator computes in numpy."""
+        return as_float32(self(torch.from_numpy(xs), alone))
 
     @property
     def nbytes(self) -> int:
@@ -219,16 +230,19 @@ class MappedLinear(Linear):
             xs = x.numpy()
         else:
             xs = x.to(torch.float32).contiguous().numpy()
-        out = np.empty((x.shape[0], self.out_features), np.float32)
-        if self._int8 and (alone or x.shape[0] == 1):  # each row quantized as it would be alone
-            for i in range(x.shape[0]):
+        return torch.from_numpy(self.rows(xs, alone))
+
+    def rows(self, xs: np.ndarray, alone: bool = False) -> np.ndarray:
+        out = np.empty((xs.shape[0], self.out_features), np.float32)
+        if self._int8 and (alone or xs.shape[0] == 1):  # each row quantized as it would be alone
+            for i in range(xs.shape[0]):
                 row = Int8Row(xs[i])
                 for p in self.parts:
                     p.matmul(xs[i : i + 1], out[i : i + 1], row)
-            return torch.from_numpy(out)
+            return out
         for p in self.parts:  # the kernels give each of a few rows its one-row bits
             p.matmul(xs, out, None)
-        return torch.from_numpy(out)
+        return out
 
     def _gemm_tile(self, lo: int, hi: int, gemm: torch.dtype) -> torch.Tensor:
         tile = self._tile(lo, hi)
