@@ -206,12 +206,14 @@ def test_a_prefill_dropped_half_way_leaves_nothing_behind_a_reset_or_restore(qwe
 
 
 @pytest.mark.parametrize("weights, dtype", [("mapped", "bfloat16"), ("dense", "float32")])
-def test_llama_token_step_in_numpy_gives_the_torch_layers_bits(smollm2_gguf, monkeypatch, weights, dtype):
+@pytest.mark.parametrize("fixture, module", [("smollm2_gguf", "llama"), ("gemma3_gguf", "gemma3")])
+def test_the_token_step_in_numpy_gives_the_torch_layers_bits(request, monkeypatch, fixture, module, weights, dtype):
     """The one-token step in numpy between the kernels (token_ops.TokenStep) against the torch
     layers it stands in for, which take every step where TokenStep.of refuses it."""
-    from pagelm.models import llama
+    import importlib
 
-    model = pagelm.load(smollm2_gguf, weights=weights, dtype=dtype)
+    arch = importlib.import_module(f"pagelm.models.{module}")
+    model = pagelm.load(request.getfixturevalue(fixture), weights=weights, dtype=dtype)
 
     def run() -> list[np.ndarray]:
         sessions = [model.session(max_len=32) for _ in range(3)]
@@ -224,10 +226,10 @@ def test_llama_token_step_in_numpy_gives_the_torch_layers_bits(smollm2_gguf, mon
         return out
 
     made = []
-    of = llama.TokenStep.of
-    monkeypatch.setattr(llama.TokenStep, "of", lambda *a: made.append(of(*a)) or made[-1])
+    of = arch.TokenStep.of
+    monkeypatch.setattr(arch.TokenStep, "of", lambda *a: made.append(of(*a)) or made[-1])
     numpy_steps = run()
     assert len(made) >= 6 and all(step is not None for step in made)  # every decode step took it
-    monkeypatch.setattr(llama.TokenStep, "of", lambda *a: None)
+    monkeypatch.setattr(arch.TokenStep, "of", lambda *a: None)
     torch_steps = run()
     assert all(same_bits(a, b) for a, b in zip(numpy_steps, torch_steps))

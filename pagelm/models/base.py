@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pagelm.errors import PagelmError
 from pagelm.models.decoder import nbytes
 from pagelm.models.qwen35 import apply_rope_, rms_norm
-from pagelm.models.token_ops import attend_token, attend_tokens, cache_views, RopeRows, token_ropes
+from pagelm.models.token_ops import window_los, attend_token, attend_tokens, cache_views, RopeRows, token_ropes
 
 __all__ = ["KVCheckpoint", "KVState", "RopeRows", "apply_rope_", "attend_spans", "attention", "inv_freq", "rms_norm",
            "rope_tables", "token_ropes"]
@@ -149,5 +149,5 @@ def attend_spans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list,
     each row's bits those of its sequence alone; None, with nothing touched, where the kernels do
     not take them (then each sequence goes through apply_rope_ and `attention`)."""
     positions = [s.state.pos for s in spans]
-    los = [0 if window is None else max(0, p + 1 - window) for p in positions]
+    los = window_los(positions, window)
     return attend_tokens(q, k, v, [s.state.views[i] for s in spans], positions, scale, los, rope)

@@ -15,31 +15,34 @@ import torch
 from numba import carray, njit, prange
 
 from pagelm.models.token_ops import pointer
+from pagelm.quant.codegen import _fma
 
 
-@njit(cache=True, fastmath={"contract"})
+@njit(cache=True)
 def _advance_head(state, k, q, v, e, b, out):
     """One value head: state (dk, dv) ← e·state + k δᵀ with δ = b(v − e·stateᵀk); out ← e·stateᵀq + (k·q)δ
-    from one read of the old state."""
+    from one read of the old state. Each multiply-add an explicit FMA and nothing else contracted:
+    the same bits whether numba compiled the kernel in this process or loaded it from its cache
+    (with fastmath's contraction left to LLVM, those two differed)."""
     dk, dv = state.shape
     read_k = np.zeros(dv, np.float32)
     read_q = np.zeros(dv, np.float32)
     kq = np.float32(0)
     for i in range(dk):
         ki, qi = k[i], q[i]
-        kq += ki * qi
+        kq = _fma(ki, qi, kq)
         for j in range(dv):
             s = state[i, j]
-            read_k[j] += s * ki
-            read_q[j] += s * qi
+            read_k[j] = _fma(s, ki, read_k[j])
+            read_q[j] = _fma(s, qi, read_q[j])
     delta = read_k  # reused
     for j in range(dv):
-        delta[j] = (v[j] - e * read_k[j]) * b
-        out[j] = e * read_q[j] + kq * delta[j]
+        delta[j] = _fma(-e, read_k[j], v[j]) * b
+        out[j] = _fma(kq, delta[j], e * read_q[j])
     for i in range(dk):
         ki = k[i]
         for j in range(dv):
-            state[i, j] = e * state[i, j] + ki * delta[j]
+            state[i, j] = _fma(ki, delta[j], e * state[i, j])
 
 
 @njit(parallel=True, cache=True)

@@ -36,9 +36,10 @@ from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.base import (KVState, RopeRows, apply_rope_, attend_spans, attention, inv_freq, rms_norm, rope_tables,
                                 token_ropes)
 from pagelm.models.decoder import Decoder, Span, advance, per_sequence
+from pagelm.models.token_ops import TokenStep
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, layer_period,
                                rope_scaling, shift_norms, tensor_maps)
-from pagelm.weights.linear import Linear
+from pagelm.weights.linear import Linear, as_float32
 from pagelm.weights.loader import WeightLoader
 
 ARCH_NAME = "gemma3"
@@ -231,12 +232,16 @@ class Gemma3Model(Decoder):
     def _layers(self, x: torch.Tensor, spans: list[Span], alone: bool) -> Generator:
         c, T = self.config, x.shape[0]
         H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
-        h = x.to(device=self.device, dtype=torch.float32, copy=True).mul_(c.embedding_scale)
         ropes = [self.token_rope(s.state.pos) if s.hi - s.lo == 1 else self._ropes(s.state.pos, s.hi - s.lo)
                  for s in spans]
         tokens = None
         if T == len(spans):  # one token each: the batched kernels
             tokens = token_ropes([g for g, _ in ropes]), token_ropes([loc for _, loc in ropes])
+            step = TokenStep.of(x, [s.state for s in spans], list(tokens), c.query_scale, H, G, D,
+                                (None, c.sliding_window))
+            if step is not None:
+                return (yield from self._token_layers(step, spans, alone))
+        h = x.to(device=self.device, dtype=torch.float32, copy=True).mul_(c.embedding_scale)
         for i, w in enumerate(self.layers):
             is_global = c.is_global_layer(i)
             window = None if is_global else c.sliding_window
@@ -272,6 +277,28 @@ class Gemma3Model(Decoder):
             yield
         advance(spans)
         return rms_norm(h, self.output_norm, c.rms_eps)
+
+    def _token_layers(self, step: TokenStep, spans: list[Span], alone: bool) -> Generator:
+        """_layers for one token of each span's sequence, in numpy between the kernels: the same
+        operations on the same values, bit for bit, without ~15 torch dispatches a layer."""
+        c, h, norm = self.config, step.h, step.norm
+        H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
+        n = h.shape[0]
+        h *= np.float32(c.embedding_scale)
+        for i, w in enumerate(self.layers):
+            is_global = c.is_global_layer(i)
+            proj = w.qkv.rows(norm(h, w.attn_norm, c.rms_eps), alone)
+            q = norm(np.ascontiguousarray(proj[:, : H * D]).reshape(n * H, D), w.q_norm, c.rms_eps).reshape(n, H, D)
+            k = norm(np.ascontiguousarray(proj[:, H * D : (H + G) * D]).reshape(n * G, D), w.k_norm,
+                     c.rms_eps).reshape(n, G, D)
+            v = np.ascontiguousarray(proj[:, (H + G) * D :]).reshape(n, G, D)
+            o = step.attend(q, k, v, i, 0 if is_global else 1, None if is_global else c.sliding_window)
+            h += norm(w.out.rows(o, alone), w.post_attn_norm, c.rms_eps)
+            gate, up = w.gate_up(torch.from_numpy(norm(h, w.ffn_norm, c.rms_eps)), alone).chunk(2, -1)
+            h += norm(as_float32(w.down(F.gelu(gate, approximate="tanh").mul_(up), alone)), w.post_ffn_norm, c.rms_eps)
+            yield
+        advance(spans)
+        return torch.from_numpy(norm(h, self.output_norm, c.rms_eps))
 
 
 HF_GLOBALS = {"output_norm.weight": "norm.weight"}

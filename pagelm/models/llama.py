@@ -174,7 +174,7 @@ class LlamaModel(Decoder):
                  rope_tables(self.inv_freq, s.state.pos, s.hi - s.lo, c.rope_scale) for s in spans]
         scale = D**-0.5
         tokens = token_ropes(ropes) if T == len(spans) else None  # one token each: the batched kernels
-        step = None if tokens is None else TokenStep.of(x, [s.state for s in spans], tokens, None, scale, H, G, D)
+        step = None if tokens is None else TokenStep.of(x, [s.state for s in spans], [tokens], scale, H, G, D)
         if step is not None:
             return (yield from self._token_layers(step, spans, alone))
         h = x.to(device=self.device, dtype=torch.float32, copy=True)

@@ -254,9 +254,8 @@ def attend_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, views: list
 
 class TokenRows:
     """What attend_tokens needs of n sequences' caches beyond the token's rows, as the kernel takes it:
-    the caches' addresses, lengths, the token's positions and first keys. Made once per decode step
-    for a layer's views, or for every layer's (`step`), by a step that hands the kernel its own
-    rows (already checked) layer after layer."""
+    the caches' addresses (one row a layer for a whole step's, `TokenStep`), their lengths, the
+    token's positions and first keys."""
 
     def __init__(self, like: np.ndarray, k_at: np.ndarray, v_at: np.ndarray, lens: np.ndarray, positions: list[int],
                  los: list[int], scale: float):
@@ -281,28 +280,16 @@ class TokenRows:
         _attend(qn, kn, vn, k_at, v_at, self.like, self.lens, self.positions, self.los, self.scale, out)
         return out
 
-    @classmethod
-    def step(cls, states: list, window: int | None, scale: float, G: int, D: int) -> TokenRows | None:
-        """For one token of each state (KVState, distinct) at every layer, or None where the kernel
-        does not take their caches (as attend_tokens refuses them)."""
-        views = [s.views for s in states]
-        first = views[0][0]
-        if first is None or any(w is None or w.k.dtype != first.k.dtype or w.k.shape[::2] != (G, D)
-                                for layers in views for w in layers):
-            return None
-        positions = [s.pos for s in states]
-        if any(p >= s.max_len for p, s in zip(positions, states)):
-            return None
-        los = [0 if window is None else max(0, p + 1 - window) for p in positions]
-        k_at = np.array([[w.k_at for w in layers] for layers in views], np.int64).T.copy()
-        v_at = np.array([[w.v_at for w in layers] for layers in views], np.int64).T.copy()
-        return cls(first.k, k_at, v_at, np.array([s.max_len for s in states], np.int64), positions, los, scale)
-
 
 def attend_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, views: CacheViews | None,
                  pos: int, scale: float, lo: int = 0) -> torch.Tensor | None:
     """attend_tokens for one sequence: q (1, H, D), k and v (1, G, D); returns (1, H·D) or None."""
     return attend_tokens(q, k, v, [views], [pos], scale, [lo])
+
+
+def window_los(positions: list[int], window: int | None) -> list[int]:
+    """The first key each token at `positions` sees."""
+    return [0 if window is None else max(0, p + 1 - window) for p in positions]
 
 
 class TokenStep:
@@ -311,32 +298,43 @@ class TokenStep:
     attention of each layer on the step's rows, the very calls the torch path makes with the same
     values, without a torch dispatch per operation (~10 a layer of a small model, 5-15 µs each)."""
 
-    def __init__(self, h: np.ndarray, rope: tuple[np.ndarray, np.ndarray], rows: TokenRows):
-        self.h, self.rope, self.rows = h, rope, rows
+    def __init__(self, h: np.ndarray, ropes: list[tuple[np.ndarray, np.ndarray]], rows: dict):
+        self.h, self.ropes, self.rows = h, ropes, rows
 
     @classmethod
-    def of(cls, x: torch.Tensor, states: list, rope: tuple[torch.Tensor, torch.Tensor], window: int | None,
-           scale: float, H: int, G: int, D: int) -> TokenStep | None:
-        """The step, or None where the kernels do not take it (then the torch path, which attend_tokens
-        and rms_norm_rows would send to torch's ops likewise): not a CPU step, rope tables or heads
-        rope_rows_ refuses, caches attend_tokens refuses."""
-        cos, sin = rope
+    def of(cls, x: torch.Tensor, states: list, ropes: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
+           H: int, G: int, D: int, windows: tuple = (None,)) -> TokenStep | None:
+        """The step, given each rope table (cos, sin) (n, half) its layers use and each attention
+        window (None: all keys); or None where the kernels do not take it (then the torch path,
+        which attend_tokens and rms_norm_rows would send to torch's ops likewise): not a CPU step,
+        rope tables or heads rope_rows_ refuses, caches attend_tokens refuses."""
         n = x.shape[0]
-        if not (x.device.type == "cpu" and not x.requires_grad and _cpu_f32(cos, sin) and H <= MAX_ROWS
-                and cos.shape == sin.shape == (n, cos.shape[-1]) and 2 * cos.shape[-1] <= D
-                and cos.is_contiguous() and sin.is_contiguous()):
+        if not (x.device.type == "cpu" and not x.requires_grad and H <= MAX_ROWS and all(
+                _cpu_f32(cos, sin) and cos.shape == sin.shape == (n, cos.shape[-1]) and 2 * cos.shape[-1] <= D
+                and cos.is_contiguous() and sin.is_contiguous() for cos, sin in ropes)):
             return None
-        rows = TokenRows.step(states, window, scale, G, D)
-        if rows is None:
+        views = [s.views for s in states]
+        first = views[0][0]
+        if first is None or any(w is None or w.k.dtype != first.k.dtype or w.k.shape[::2] != (G, D)
+                                for layers in views for w in layers):
             return None
-        return cls(x.to(dtype=torch.float32, copy=True).numpy(), (cos.numpy(), sin.numpy()), rows)
+        positions = [s.pos for s in states]
+        if any(p >= s.max_len for p, s in zip(positions, states)):
+            return None
+        k_at = np.array([[w.k_at for w in layers] for layers in views], np.int64).T.copy()
+        v_at = np.array([[w.v_at for w in layers] for layers in views], np.int64).T.copy()
+        lens = np.array([s.max_len for s in states], np.int64)
+        rows = {w: TokenRows(first.k, k_at, v_at, lens, positions, window_los(positions, w), scale) for w in windows}
+        return cls(x.to(dtype=torch.float32, copy=True).numpy(), [(c.numpy(), s.numpy()) for c, s in ropes], rows)
 
     @staticmethod
     def norm(x: np.ndarray, w: torch.Tensor, eps: float) -> np.ndarray:
         """rms_norm(x, w, eps) of the step's rows (w float32 on the CPU, as the models load norms)."""
         return norm_rows(x, w.numpy(), eps)
 
-    def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, layer: int) -> np.ndarray:
-        """attend_spans of this step's layer `layer`: rope on q (n, H, D) and k (n, G, D), C-contiguous
-        float32, then attention over each sequence's cache; (n, H·D) float32."""
-        return self.rows.attend(q, k, v, self.rope, layer)
+    def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, layer: int, rope: int = 0,
+               window: int | None = None) -> np.ndarray:
+        """attend_spans of this step's layer `layer`: rope table `rope` on q (n, H, D) and k (n, G, D),
+        C-contiguous float32, then attention over each sequence's cache, keys within `window` (one of
+        the step's windows); (n, H·D) float32."""
+        return self.rows[window].attend(q, k, v, self.ropes[rope], layer)

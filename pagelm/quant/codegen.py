@@ -89,3 +89,19 @@ def _f32_bits(typingctx, value):
         return builder.bitcast(args[0], ir.IntType(32))
 
     return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """a · b + c for float32 with one rounding (llvm.fma): a multiply-add that does not depend on
+    whether LLVM contracts it, which may differ between a kernel compiled in the process and the
+    same kernel loaded from numba's cache."""
+    if not all(t == types.float32 for t in (a, b, c)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
+        return builder.call(fn, args)
+
+    return types.float32(a, b, c), codegen

@@ -103,3 +103,29 @@ def test_tokens_refuse_states_they_do_not_take():
         assert deltanet_tokens(proj, convs, conv_w, a, dt_bias, norm_w, [states[0], bad], 1, 1e-6, 1e-6) is None
     assert deltanet_tokens(proj, convs[:1], conv_w, a, dt_bias, norm_w, states, 1, 1e-6, 1e-6) is None
     assert all(torch.equal(s, b) for s, b in zip(states, before))
+
+
+_DIGEST = """
+import hashlib, torch
+from pagelm.models.delta_rule import delta_rule_step
+g = torch.Generator().manual_seed(0)
+q, k = torch.randn(4, 128, generator=g), torch.randn(4, 128, generator=g)
+v, decay, beta = torch.randn(8, 128, generator=g), -torch.rand(8, generator=g), torch.rand(8, generator=g)
+state = torch.randn(8, 128, 128, generator=g) * 0.1
+out = delta_rule_step(q, k, v, decay, beta, state)
+print(hashlib.sha256(out.numpy().tobytes() + state.numpy().tobytes()).hexdigest())
+"""
+
+
+def test_the_step_has_the_same_bits_compiled_or_loaded_from_numbas_cache(tmp_path):
+    """A kernel compiled in the process and the same kernel loaded from numba's cache once gave
+    different bits (LLVM contracted the multiply-adds of one and not the other): a restart changed
+    every Qwen3.5 answer after the first token."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    digests = [subprocess.run([sys.executable, "-c", _DIGEST], env=env, check=True, capture_output=True,
+                              text=True).stdout for _ in range(2)]  # the first compiles and saves, the second loads
+    assert any(tmp_path.rglob("*.nbc")) and digests[0] == digests[1]
