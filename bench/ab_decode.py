@@ -70,20 +70,23 @@ def main() -> None:
     for tree, p in zip(args.trees, procs):
         if p.stdout.readline().strip() != "ready":
             sys.exit(f"ab_decode: the worker of {tree} did not start")
-    times: dict[str, list[float]] = {tree: [] for tree in args.trees}
-    order = list(zip(args.trees, procs))
+    times: list[list[float]] = [[] for _ in args.trees]  # by position: a tree twice measures the noise
+    order = list(zip(args.trees, times, procs))
     for r in range(args.rounds):
         print(f"ab_decode: round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
-        for tree, p in order if r % 2 == 0 else order[::-1]:
+        for tree, values, p in order if r % 2 == 0 else order[::-1]:
             p.stdin.write("go\n")
             p.stdin.flush()
-            times[tree].append(float(p.stdout.readline()))
+            line = p.stdout.readline()
+            if not line:
+                sys.exit(f"ab_decode: the worker of {tree} stopped (its error is above)")
+            values.append(float(line))
     for p in procs:
         p.stdin.close()
         p.wait()
     print(f"{path}, {args.sequences} sequence(s), {args.rounds} rounds of {args.steps} steps, ms per step")
     print("| tree | median | min |\n|---|---:|---:|")
-    for tree, values in times.items():
+    for tree, values in zip(args.trees, times):
         print(f"| {tree} | {statistics.median(values):.2f} | {min(values):.2f} |")
 
 

@@ -7,7 +7,7 @@ wrapper a few more, given the cache's numpy views made once). Inputs the kernels
 (a prefill's rows, other devices and dtypes) keep torch's path. (The gated activations stay
 torch's: one vectorized op, ~5 µs.)
 
-TokenStep runs a whole one-token step in numpy between the kernels (llama): what torch still
+TokenStep runs a whole one-token step in numpy between the kernels (llama, gemma3): what torch still
 dispatched per layer — views, casts, norms' wrappers, attention's per-call checks — cost SmolLM2
 ~3 ms of a 13-15 ms step.
 """
