@@ -204,7 +204,6 @@ def test_a_prefill_dropped_half_way_leaves_nothing_behind_a_reset_or_restore(qwe
         assert same_bits(session.decode(9), want_next)
 
 
-
 @pytest.mark.parametrize("weights, dtype", [("mapped", "bfloat16"), ("dense", "float32")])
 @pytest.mark.parametrize("fixture, module", [("smollm2_gguf", "llama"), ("gemma3_gguf", "gemma3")])
 def test_the_token_step_in_numpy_gives_the_torch_layers_bits(request, monkeypatch, fixture, module, weights, dtype):

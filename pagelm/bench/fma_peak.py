@@ -14,10 +14,9 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
-from pagelm.quant.blockir import _V16F, _acc_vectors, _acc_zero, _splat_f32, _vector
+from pagelm.quant.blockir import _acc_vectors, _acc_zero, _fma16, _splat_f32, _vector
 from pagelm.quant.codegen import _wide_vectors
 from pagelm.quant.matmul import _PAIRS
 
@@ -33,7 +32,7 @@ def _fma_round(typingctx, acc, chains, w, c):
 
     def codegen(context, builder, signature, args):
         accp, _, w, c = args
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
+        fma = _fma16(builder)
         ws, cs = _splat_f32(builder, w), _splat_f32(builder, c)
         for k in range(chains.literal_value):
             ap = _vector(builder, accp, k)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pagelm.errors import PagelmError
 from pagelm.models.decoder import nbytes
 from pagelm.models.qwen35 import apply_rope_, rms_norm
-from pagelm.models.token_ops import window_los, attend_token, attend_tokens, cache_views, RopeRows, token_ropes
+from pagelm.models.token_ops import attend_token, attend_tokens, cache_views, RopeRows, token_ropes, window_los
 
 __all__ = ["KVCheckpoint", "KVState", "RopeRows", "apply_rope_", "attend_spans", "attention", "inv_freq", "rms_norm",
            "rope_tables", "token_ropes"]

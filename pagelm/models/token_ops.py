@@ -44,11 +44,16 @@ def _rope(x, cos, sin):
                 x[t, r, half + i] = b * cos[t, i] + a * sin[t, i]
 
 
+def _rope_tables_take(cos: torch.Tensor, sin: torch.Tensor, T: int, D: int) -> bool:
+    """Whether the kernels take rope tables (cos, sin) for T tokens of head dim D."""
+    return (_cpu_f32(cos, sin) and cos.shape == sin.shape == (T, cos.shape[-1]) and 2 * cos.shape[-1] <= D
+            and cos.is_contiguous() and sin.is_contiguous())
+
+
 def _rope_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tokens_alone: bool) -> bool:
     rows = x.shape[1] if tokens_alone else x.shape[0] * x.shape[1]  # x.dim() checked first
-    return (_cpu_f32(x, cos, sin) and x.dim() == 3 and x.stride(-1) == 1 and rows <= MAX_ROWS
-            and cos.shape == sin.shape == (x.shape[0], cos.shape[-1]) and 2 * cos.shape[-1] <= x.shape[-1]
-            and cos.is_contiguous() and sin.is_contiguous())
+    return (_cpu_f32(x) and x.dim() == 3 and x.stride(-1) == 1 and rows <= MAX_ROWS
+            and _rope_tables_take(cos, sin, x.shape[0], x.shape[-1]))
 
 
 def rope_rows_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tokens_alone: bool = False) -> bool:
@@ -220,6 +225,11 @@ def cache_views(cache_k: torch.Tensor, cache_v: torch.Tensor) -> CacheViews | No
     return CacheViews(ck, cv, cache_k.data_ptr(), cache_v.data_ptr())
 
 
+def _cache_takes(w: CacheViews | None, dtype, G: int, D: int, pos: int, lo: int = 0) -> bool:
+    """Whether the kernel takes a token at `pos` (keys from `lo`) over the cache behind views w."""
+    return w is not None and w.k.dtype == dtype and w.k.shape[::2] == (G, D) and 0 <= lo <= pos < w.k.shape[1]
+
+
 def attend_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, views: list[CacheViews | None],
                   positions: list[int], scale: float, los: list[int],
                   rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -243,8 +253,7 @@ def attend_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, views: list
     qn, kn, vn = (np.ascontiguousarray(t.numpy()) for t in (q, k, v))
     if not (qn.ndim == 3 and qn.shape[0] == n and qn.shape[2] == D and qn.shape[1] % G == 0
             and kn.shape == vn.shape == (n, G, D) and len(positions) == len(los) == n
-            and all(w.k.dtype == first.dtype and w.k.shape[::2] == (G, D) and 0 <= lo <= pos < w.k.shape[1]
-                    for w, pos, lo in zip(views, positions, los))):
+            and all(_cache_takes(w, first.dtype, G, D, pos, lo) for w, pos, lo in zip(views, positions, los))):
         return None
     if rope is not None and not (_rope_takes(q, *rope, True) and _rope_takes(k, *rope, True)):
         return None
@@ -308,19 +317,15 @@ class TokenStep:
         window (None: all keys); or None where the kernels do not take it (then the torch path,
         which attend_tokens and rms_norm_rows would send to torch's ops likewise): not a CPU step,
         rope tables or heads rope_rows_ refuses, caches attend_tokens refuses."""
-        n = x.shape[0]
-        if not (x.device.type == "cpu" and not x.requires_grad and H <= MAX_ROWS and all(
-                _cpu_f32(cos, sin) and cos.shape == sin.shape == (n, cos.shape[-1]) and 2 * cos.shape[-1] <= D
-                and cos.is_contiguous() and sin.is_contiguous() for cos, sin in ropes)):
+        if not (x.device.type == "cpu" and not x.requires_grad and H <= MAX_ROWS
+                and all(_rope_tables_take(cos, sin, x.shape[0], D) for cos, sin in ropes)):
             return None
         views = [s.views for s in states]
         first = views[0][0]
-        if first is None or any(w is None or w.k.dtype != first.k.dtype or w.k.shape[::2] != (G, D)
-                                for layers in views for w in layers):
+        if first is None or not all(_cache_takes(w, first.k.dtype, G, D, s.pos) for s, layers in zip(states, views)
+                                    for w in layers):
             return None
         positions = [s.pos for s in states]
-        if any(p >= s.max_len for p, s in zip(positions, states)):
-            return None
         k_at = np.array([[w.k_at for w in layers] for layers in views], np.int64).T.copy()
         v_at = np.array([[w.v_at for w in layers] for layers in views], np.int64).T.copy()
         lens = np.array([s.max_len for s in states], np.int64)

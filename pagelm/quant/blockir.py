@@ -282,7 +282,7 @@ def _fma_rows(typingctx, acc, w, acc2, w2, pair, x, i0, n, xo, rows, vectors, ru
         base = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
         stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
         last = builder.sub(nv, nv.type(1))
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
+        fma = _fma16(builder)
         count = vectors.literal_value
         col = builder.mul(xov, xov.type(4))
         starts = []
@@ -414,9 +414,9 @@ def _q4_floats(typingctx, kind, data, at, d, m, w):
             table = builder.fmul(_iota16(-8), _splat_f32(builder, d))
         else:
             table = builder.call(_fma16(builder), [_iota16(), _splat_f32(builder, d), _splat_f32(builder, m)])
-        index = builder.zext(_bytes_at(context, builder, arrty, data, at, 16), v16i)
+        index, pick = builder.zext(_bytes_at(context, builder, arrty, data, at, 16), v16i), _permvar16(builder)
         for h, nibble in enumerate((index, builder.lshr(index, ir.Constant(v16i, [4] * 16)))):
-            builder.store(builder.call(_permvar16(builder), [table, nibble]), _vector(builder, args[5], h), align=4)
+            builder.store(builder.call(pick, [table, nibble]), _vector(builder, args[5], h), align=4)
         return context.get_dummy_value()
 
     return types.void(kind, data, at, d, m, w), codegen

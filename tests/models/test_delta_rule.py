@@ -118,9 +118,9 @@ print(hashlib.sha256(out.numpy().tobytes() + state.numpy().tobytes()).hexdigest(
 
 
 def test_the_step_has_the_same_bits_compiled_or_loaded_from_numbas_cache(tmp_path):
-    """A kernel compiled in the process and the same kernel loaded from numba's cache once gave
-    different bits (LLVM contracted the multiply-adds of one and not the other): a restart changed
-    every Qwen3.5 answer after the first token."""
+    """The step compiled in the process and the same step loaded from numba's cache once gave
+    different bits (with its multiply-adds left to fastmath's contraction): a Qwen3.5 process that
+    compiled the kernels decoded other logits than the next one, which loaded them."""
     import os
     import subprocess
     import sys
