@@ -39,7 +39,7 @@ from pagelm.models.decoder import Decoder, Span, advance, per_sequence
 from pagelm.models.token_ops import TokenStep
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, layer_period,
                                rope_scaling, shift_norms, tensor_maps)
-from pagelm.weights.linear import Linear, as_float32
+from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
 ARCH_NAME = "gemma3"
@@ -175,6 +175,10 @@ class Gemma3Layer:
     post_ffn_norm: torch.Tensor
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 def load_layer(c: Gemma3Config, model: WeightLoader, i: int) -> Gemma3Layer:
     p = f"blk.{i}."
     hd, kvd = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
@@ -272,7 +276,7 @@ class Gemma3Model(Decoder):
             h += rms_norm(w.out(o, alone).float(), w.post_attn_norm, c.rms_eps)
             y = rms_norm(h, w.ffn_norm, c.rms_eps)
             gate, up = w.gate_up(y, alone).chunk(2, -1)
-            m = w.down(F.gelu(gate, approximate="tanh").mul_(up), alone)
+            m = w.down(_gelu_tanh(gate).mul_(up), alone)
             h += rms_norm(m.float(), w.post_ffn_norm, c.rms_eps)
             yield
         advance(spans)
@@ -287,15 +291,16 @@ class Gemma3Model(Decoder):
         h *= np.float32(c.embedding_scale)
         for i, w in enumerate(self.layers):
             is_global = c.is_global_layer(i)
-            proj = w.qkv.rows(norm(h, w.attn_norm, c.rms_eps), alone)
-            q = norm(np.ascontiguousarray(proj[:, : H * D]).reshape(n * H, D), w.q_norm, c.rms_eps).reshape(n, H, D)
-            k = norm(np.ascontiguousarray(proj[:, H * D : (H + G) * D]).reshape(n * G, D), w.k_norm,
-                     c.rms_eps).reshape(n, G, D)
+            proj = step.product(w.qkv, norm(h, w.attn_norm, c.rms_eps, "norm"), alone)
+            q = norm(np.ascontiguousarray(proj[:, : H * D]).reshape(n * H, D), w.q_norm, c.rms_eps,
+                     "q").reshape(n, H, D)
+            k = norm(np.ascontiguousarray(proj[:, H * D : (H + G) * D]).reshape(n * G, D), w.k_norm, c.rms_eps,
+                     "k").reshape(n, G, D)
             v = np.ascontiguousarray(proj[:, (H + G) * D :]).reshape(n, G, D)
             o = step.attend(q, k, v, i, 0 if is_global else 1, None if is_global else c.sliding_window)
-            h += norm(w.out.rows(o, alone), w.post_attn_norm, c.rms_eps)
-            gate, up = w.gate_up(torch.from_numpy(norm(h, w.ffn_norm, c.rms_eps)), alone).chunk(2, -1)
-            h += norm(as_float32(w.down(F.gelu(gate, approximate="tanh").mul_(up), alone)), w.post_ffn_norm, c.rms_eps)
+            h += norm(step.product(w.out, o, alone), w.post_attn_norm, c.rms_eps, "norm")
+            m = step.gated(w.gate_up, w.down, norm(h, w.ffn_norm, c.rms_eps, "norm"), _gelu_tanh, alone)
+            h += norm(m, w.post_ffn_norm, c.rms_eps, "norm")
             yield
         advance(spans)
         return torch.from_numpy(norm(h, self.output_norm, c.rms_eps))

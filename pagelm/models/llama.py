@@ -31,7 +31,7 @@ from pagelm.models.decoder import Decoder, Span, advance, per_sequence
 from pagelm.models.token_ops import TokenStep
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, rope_scaling,
                                tensor_maps)
-from pagelm.weights.linear import Linear, as_float32
+from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
 ARCH_NAME = "llama"
@@ -208,12 +208,11 @@ class LlamaModel(Decoder):
         H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
         n = h.shape[0]
         for i, w in enumerate(self.layers):
-            proj = w.qkv.rows(step.norm(h, w.attn_norm, c.rms_eps), alone)
+            proj = step.product(w.qkv, step.norm(h, w.attn_norm, c.rms_eps, "norm"), alone)
             q, k, v = (np.ascontiguousarray(proj[:, a:b]).reshape(n, -1, D)
                        for a, b in ((0, H * D), (H * D, (H + G) * D), ((H + G) * D, proj.shape[1])))
-            h += w.out.rows(step.attend(q, k, v, i), alone)
-            gate, up = w.gate_up(torch.from_numpy(step.norm(h, w.ffn_norm, c.rms_eps)), alone).chunk(2, -1)
-            h += as_float32(w.down(F.silu(gate).mul_(up), alone))
+            h += step.product(w.out, step.attend(q, k, v, i), alone)
+            h += step.gated(w.gate_up, w.down, step.norm(h, w.ffn_norm, c.rms_eps, "norm"), F.silu, alone)
             yield
         advance(spans)
         return torch.from_numpy(step.norm(h, self.output_norm, c.rms_eps))

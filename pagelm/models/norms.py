@@ -40,9 +40,10 @@ def rms_norm_rows(x: torch.Tensor, w: torch.Tensor, eps: float, tokens_alone: bo
     return torch.from_numpy(norm_rows(x.numpy().reshape(-1, n), w.numpy(), eps)).view(x.shape)
 
 
-def norm_rows(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+def norm_rows(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
     """rms_norm_rows' values for float32 numpy rows x (rows, n) and weights w (n,), unchecked (a
-    decode step's own arrays): a new (rows, n) array."""
-    out = np.empty(x.shape, np.float32)
+    decode step's own arrays): written into `out` (float32 (rows, n), not x) or a new array."""
+    if out is None:
+        out = np.empty(x.shape, np.float32)
     _rms_rows(x, w, eps, out)
     return out

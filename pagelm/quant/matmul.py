@@ -11,6 +11,7 @@ from numba import carray, njit, prange, types
 from numba.extending import intrinsic, overload
 
 from pagelm.errors import ModelFormatError, UnsupportedError
+from pagelm.threads import kernel_threads
 from pagelm.quant.blockir import (
     _acc_store,
     _acc_vectors,
@@ -655,7 +656,7 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 def _chunks(rows: int) -> int:
     # One contiguous chunk of rows per thread, so each thread's prefetch hints run ahead of it unbroken.
-    return max(min(rows, numba.get_num_threads()), 1)
+    return max(min(rows, kernel_threads()), 1)
 
 
 def _check_array(name: str, a, dtype, ndim: int) -> None:
@@ -689,14 +690,14 @@ def rows_matmul(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width: int
     bound_rows_matmul(data, ggml_type, row_offsets, width)(x, out, out_lo)
 
 
-def bound_rows_matmul(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width: int):
-    """rows_matmul over these rows (validated by check_rows) as a function (x, out, out_lo) that
+def bound_rows_matmul(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width: int, out_lo: int = 0):
+    """rows_matmul over these rows (validated by check_rows) as a function (x, out[, out_lo]) that
     checks nothing per call, for an operator that makes x and out itself: a decode step makes ~100
     such calls, and rows_matmul's checks cost ~7 us each."""
     (mv, mm), offs, data = _block(ggml_type)[0], _readonly(row_offsets), _readonly(data)
     rows = len(offs)
 
-    def run(x: np.ndarray, out: np.ndarray, out_lo: int) -> None:
+    def run(x: np.ndarray, out: np.ndarray, out_lo: int = out_lo) -> None:
         (mv if x.shape[0] == 1 else mm)(data, offs, 0, rows, _readonly(x), _F16_TO_F32, out, out_lo, width, _chunks(rows))
 
     return run

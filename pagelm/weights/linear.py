@@ -61,14 +61,24 @@ class Linear:
     out_features: int
     dtype: torch.dtype  # the compute dtype of many-row products and their result
 
+    @property
+    def few_rows_dtype(self) -> torch.dtype:
+        """The dtype of a few-row (decode) product's result."""
+        return self.dtype
+
     def __call__(self, x: torch.Tensor, alone: bool = False) -> torch.Tensor:
         raise NotImplementedError
 
-    def rows(self, xs: np.ndarray, alone: bool = False) -> np.ndarray:
+    def rows(self, xs: np.ndarray, alone: bool = False, out: np.ndarray | None = None) -> np.ndarray:
         """A decode step's product in numpy: xs float32 C-contiguous (n <= MAX_GEMV_ROWS, in_features);
         the float32 values of self(xs) (its result widened where `dtype` is narrower), without torch's
-        dispatch where the operator computes in numpy."""
-        return as_float32(self(torch.from_numpy(xs), alone))
+        dispatch where the operator computes in numpy; written into `out` (float32 (n, out_features),
+        C-contiguous) when given, which is returned."""
+        result = as_float32(self(torch.from_numpy(xs), alone))
+        if out is None:
+            return result
+        out[:] = result
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -158,7 +168,8 @@ class RowGroup:
     def __init__(self, ggml_type: int, offsets: np.ndarray, out_lo: int, data: np.ndarray, width: int,
                  int8: bool = False):
         self.ggml_type, self.offsets, self.out_lo, self.data, self.width = ggml_type, offsets, out_lo, data, width
-        self._matmul = bound_rows_matmul(data, ggml_type, offsets, width)
+        # product(xs, out): the float rows' product, the kernel's own bound call (a decode step makes ~100)
+        self.product = bound_rows_matmul(data, ggml_type, offsets, width, out_lo)
         self._int8 = bound_rows_matmul_int8(data, ggml_type, offsets, width) if int8 and ggml_type in INT8_TYPES \
             else None
 
@@ -176,7 +187,7 @@ class RowGroup:
         if row is not None and self._int8 is not None:
             self._int8(row, out, self.out_lo)
         else:
-            self._matmul(xs, out, self.out_lo)
+            self.product(xs, out)
 
     def dequantize(self, lo: int, hi: int, out: np.ndarray) -> None:
         rows_dequantize(self.data, self.ggml_type, self.offsets[lo:hi], self.width, out)
@@ -198,6 +209,9 @@ class TiledPart:
         return len(self.order)
 
     def matmul(self, xs: np.ndarray, out: np.ndarray, row: Int8Row | None = None) -> None:
+        self.product(xs, out)
+
+    def product(self, xs: np.ndarray, out: np.ndarray) -> None:
         m = self.matrix
         groups = np.empty((xs.shape[0], m.groups * ROWS), np.float32)
         tile_matmul(m.data, m.kind, m.offset, m.groups, m.col_tiles, xs, groups)
@@ -217,6 +231,7 @@ class MappedLinear(Linear):
     def __init__(self, parts: list, in_features: int, dtype: torch.dtype, scratch: Scratch):
         self.parts, self.scratch = parts, scratch
         self._int8 = any(p.takes_int8 for p in parts)
+        self._products = [p.product for p in parts]
         self.in_features = in_features
         self.out_features = parts[-1].out_lo + parts[-1].rows
         self.dtype = dtype
@@ -232,17 +247,20 @@ class MappedLinear(Linear):
             xs = x.to(torch.float32).contiguous().numpy()
         return torch.from_numpy(self.rows(xs, alone))
 
-    def rows(self, xs: np.ndarray, alone: bool = False) -> np.ndarray:
-        out = np.empty((xs.shape[0], self.out_features), np.float32)
+    def rows(self, xs: np.ndarray, alone: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            out = np.empty((xs.shape[0], self.out_features), np.float32)
         if self._int8 and (alone or xs.shape[0] == 1):  # each row quantized as it would be alone
             for i in range(xs.shape[0]):
                 row = Int8Row(xs[i])
                 for p in self.parts:
                     p.matmul(xs[i : i + 1], out[i : i + 1], row)
             return out
-        for p in self.parts:  # the kernels give each of a few rows its one-row bits
-            p.matmul(xs, out, None)
+        for product in self._products:  # the kernels give each of a few rows its one-row bits
+            product(xs, out)
         return out
+
+    few_rows_dtype = torch.float32
 
     def _gemm_tile(self, lo: int, hi: int, gemm: torch.dtype) -> torch.Tensor:
         tile = self._tile(lo, hi)
@@ -267,6 +285,10 @@ class ColumnOrder(Linear):
         gather = np.empty(len(columns), np.int64)
         gather[np.asarray(columns, np.int64)] = np.arange(len(columns))
         self.gather = torch.from_numpy(gather)
+
+    @property
+    def few_rows_dtype(self) -> torch.dtype:
+        return self.inner.few_rows_dtype
 
     def __call__(self, x: torch.Tensor, alone: bool = False) -> torch.Tensor:
         return self.inner(x[:, self.gather], alone)
