@@ -219,10 +219,22 @@ def _llama_cpp_aggregate(path: str, prompts: list[list[int]], tokens: int, threa
         c.llama_model_free(model)
 
 
+def _llama_cpp_missing() -> str:
+    """Why llama.cpp's figures cannot be measured here; empty when they can."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return "not installed (pip install llama-cpp-python), not measured"
+    except Exception as e:  # noqa: BLE001 - installed but its library did not load (e.g. LLAMA_CPP_LIB_PATH unset)
+        return f"installed but not loadable ({type(e).__name__}: {e}), not measured"
+    return ""
+
+
 def run_batch(name: str, path: str, sizes: list[int], tokens: int, runs: int, threads: int = 2,
               dtype: str = "bfloat16") -> BatchReport:
     """Every size's batched decode `runs` times (sizes interleaved within a run), the first run
-    checked sequence by sequence against decoding alone; llama.cpp's figures when it is installed."""
+    checked sequence by sequence against decoding alone; when llama.cpp is installed, its figure for
+    each size right after pagelm's, so that a shared host's slow stretch falls on both."""
     import pagelm
     from pagelm.weights import linear
 
@@ -233,7 +245,11 @@ def run_batch(name: str, path: str, sizes: list[int], tokens: int, runs: int, th
     prompts = _prompts(model.head.vocab_size, max(sizes))
     report = BatchReport(name, path, sizes, tokens, {n: [] for n in sizes})
     _measure(model, prompts[:1], 2, parts)  # warm: kernels loaded, pages in
+    if max(sizes) > 1:
+        report.added_anonymous, report.state_bytes = _added_anonymous(model, prompts)
     peak_before = fma_peak_gflops(threads)  # and after the runs: a shared host's slow moment shows as one low
+    report.llama_cpp_note = _llama_cpp_missing()
+    cpp: dict[int, list[float]] = {} if report.llama_cpp_note else {n: [] for n in sizes}
     for run in range(runs):
         for n in sizes:
             print(f"pagelm bench batch: run {run + 1}/{runs}, batch {n}", file=sys.stderr, flush=True)
@@ -242,22 +258,12 @@ def run_batch(name: str, path: str, sizes: list[int], tokens: int, runs: int, th
             if run == 0:
                 report.checked += n
                 report.differing += sum(_differs_alone(model, prompts[i], fed[i], digests[i]) for i in range(n))
-    if max(sizes) > 1:
-        report.added_anonymous, report.state_bytes = _added_anonymous(model, prompts)
+            if n in cpp:
+                try:
+                    cpp[n].append(_llama_cpp_aggregate(path, prompts[:n], tokens, threads))
+                except Exception as e:  # noqa: BLE001 - llama.cpp's own failure (e.g. a hybrid model's batch) is a result
+                    report.llama_cpp_note = f"batch {n} failed: {type(e).__name__}: {e}"
+                    cpp = {m: v for m, v in cpp.items() if m < n}
     report.fma_peak = max(peak_before, fma_peak_gflops(threads))
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        report.llama_cpp_note = "not installed (pip install llama-cpp-python), not measured"
-        return report
-    except Exception as e:  # noqa: BLE001 - installed but its library did not load (e.g. LLAMA_CPP_LIB_PATH unset)
-        report.llama_cpp_note = f"installed but not loadable ({type(e).__name__}: {e}), not measured"
-        return report
-    for n in sizes:
-        try:
-            report.llama_cpp[n] = statistics.median(_llama_cpp_aggregate(path, prompts[:n], tokens, threads)
-                                                    for _ in range(runs))
-        except Exception as e:  # noqa: BLE001 - llama.cpp's own failure (e.g. a hybrid model's batch) is a result
-            report.llama_cpp_note = f"batch {n} failed: {type(e).__name__}: {e}"
-            break
+    report.llama_cpp = {n: statistics.median(v) for n, v in cpp.items() if v}
     return report

@@ -402,7 +402,7 @@ def register(commands) -> None:
                     "The first run's sequences are "
                     "decoded again alone and every step's logits compared bit for bit: the last line is "
                     "'differing sequences: D of S'; exit 1 if D > 0. With llama_cpp installed, llama.cpp decodes "
-                    "the same sequences of the same file, N per llama_batch, side by side.")
+                    "the same sequences of the same file, N per llama_batch, right after pagelm's turn at each size and run.")
     batch.add_argument("model", metavar="MODEL", help=model_help)
     batch.add_argument("--sizes", default="1,2,4,8,16", metavar="N,…",
                        help="batch sizes, 1 to 16 (default 1,2,4,8,16)")
