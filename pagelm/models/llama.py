@@ -28,6 +28,7 @@ from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.base import (KVState, RopeRows, apply_rope_, attend_spans, attention, inv_freq, rms_norm, rope_tables,
                                 token_ropes)
 from pagelm.models.decoder import Decoder, Span, advance, per_sequence
+from pagelm.models.token_layers import TokenLayers
 from pagelm.models.token_ops import TokenStep
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, rope_scaling,
                                tensor_maps)
@@ -162,6 +163,7 @@ class LlamaModel(Decoder):
             factors = model.tensor("rope_freqs.weight", (config.head_dim // 2,))
         self.inv_freq = inv_freq(config.rope_base, config.head_dim, self.device, factors)
         self.token_rope = RopeRows(lambda pos: rope_tables(self.inv_freq, pos, 1, self.config.rope_scale))
+        self._compiled: TokenLayers | bool | None = None  # the one-token layers as compiled calls; False: not taken
 
     def new_state(self, max_len: int) -> KVState:
         c = self.config
@@ -207,6 +209,12 @@ class LlamaModel(Decoder):
         c, h = self.config, step.h
         H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
         n = h.shape[0]
+        if self._compiled is None:
+            self._compiled = TokenLayers.of(self.layers) or False
+        if self._compiled:
+            h = yield from self._compiled.run(step, H, G, D, c.rms_eps, F.silu)
+            advance(spans)
+            return torch.from_numpy(step.norm(h, self.output_norm, c.rms_eps))
         for i, w in enumerate(self.layers):
             proj = step.product(w.qkv, step.norm(h, w.attn_norm, c.rms_eps, "norm"), alone)
             q, k, v = (np.ascontiguousarray(proj[:, a:b]).reshape(n, -1, D)

@@ -28,9 +28,9 @@ from pagelm.quant.matmul import (
     _half,
     _hint_block,
     _load,
-    _readonly,
     _row_at,
     _scale_min_k4,
+    readonly,
 )
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
 
@@ -339,7 +339,7 @@ def _bound(data, t, offs, stride: int, rows: int, width: int):
         raise UnsupportedError(f"no int8-activation kernel for GGML type {t.name}")
     if not available():
         raise UnsupportedError("int8-activation kernels need a CPU with AVX2")
-    mv, offs, data = _KERNELS[t], _readonly(offs), _readonly(data)
+    mv, offs, data = _KERNELS[t], readonly(offs), readonly(data)
 
     def run(row: Int8Row, out: np.ndarray, out_lo: int) -> None:
         mv(data, offs, stride, rows, row.xq, row.xd, row.xs, row.xm, _F16_TO_F32, out, out_lo, width, _chunks(rows))

@@ -10,7 +10,7 @@ from numba import njit
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.quant.codecs import DECODABLE, decode_bf16, decode_f32
 from pagelm.quant.codegen import _F16_TO_F32, _f32_bits, _wide_vectors
-from pagelm.quant.matmul import MAX_GEMV_ROWS, TABLE_TYPES, table_matmul
+from pagelm.quant.matmul import MAX_GEMV_ROWS, TABLE_TYPES, readonly, table_matmul
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
 
 _T = GGMLType
@@ -117,13 +117,6 @@ _GATHER = {_T.Q8_0: _gather_q8_0, _T.Q6_K: _gather_q6_k}
 # writeable small inputs (x, ids), which are copied in the rare case they are read-only.
 
 
-def _readonly(table: np.ndarray) -> np.ndarray:
-    if table.flags.writeable:
-        table = table.view()
-        table.flags.writeable = False
-    return table
-
-
 def _writeable(a: np.ndarray) -> np.ndarray:
     return a if a.flags.writeable else a.copy()
 
@@ -202,7 +195,7 @@ def gather_rows_bf16(
     out = _check_out(out, (len(ids), dim), np.uint16)
     kernel = _GATHER.get(t)
     if kernel is not None:
-        bad = kernel(_readonly(table), _writeable(ids), _F16_TO_F32, out)
+        bad = kernel(readonly(table), _writeable(ids), _F16_TO_F32, out)
     else:
         bad = _first_bad_id(_writeable(ids), len(table))
         if bad < 0:

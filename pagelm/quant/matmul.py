@@ -646,12 +646,19 @@ def _block(ggml_type) -> tuple:
     return k
 
 
-def _readonly(a: np.ndarray) -> np.ndarray:
-    # Kernels are compiled for read-only inputs (what the file map gives); a view costs ~0.2 us.
+def readonly(a: np.ndarray) -> np.ndarray:
+    """`a`, or a read-only view of it: the kernels are compiled for read-only inputs (what the file
+    map gives); a view costs ~0.2 us."""
     if a.flags.writeable:
         a = a.view()
         a.flags.writeable = False
     return a
+
+
+def gemv_kernels(ggml_type) -> tuple:
+    """The compiled (one-row, few-row) GEMVs of a type, for compiled callers: their arguments are
+    rows_matmul's unchecked (data, offsets, 0, rows, x, f16 table, out, out_lo, width, chunks)."""
+    return _block(ggml_type)[0]
 
 
 def _chunks(rows: int) -> int:
@@ -694,11 +701,11 @@ def bound_rows_matmul(data: np.ndarray, ggml_type, row_offsets: np.ndarray, widt
     """rows_matmul over these rows (validated by check_rows) as a function (x, out[, out_lo]) that
     checks nothing per call, for an operator that makes x and out itself: a decode step makes ~100
     such calls, and rows_matmul's checks cost ~7 us each."""
-    (mv, mm), offs, data = _block(ggml_type)[0], _readonly(row_offsets), _readonly(data)
+    (mv, mm), offs, data = _block(ggml_type)[0], readonly(row_offsets), readonly(data)
     rows = len(offs)
 
     def run(x: np.ndarray, out: np.ndarray, out_lo: int = out_lo) -> None:
-        (mv if x.shape[0] == 1 else mm)(data, offs, 0, rows, _readonly(x), _F16_TO_F32, out, out_lo, width, _chunks(rows))
+        (mv if x.shape[0] == 1 else mm)(data, offs, 0, rows, readonly(x), _F16_TO_F32, out, out_lo, width, _chunks(rows))
 
     return run
 
@@ -717,7 +724,7 @@ def table_matmul(table: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray) -
     (mv, mm), _, vb = _block(ggml_type)
     rows, nbytes = table.shape
     width = nbytes // BLOCK_LAYOUT[ggml_type][1] * vb
-    (mv if x.shape[0] == 1 else mm)(_readonly(table).reshape(-1), _NO_OFFSETS, nbytes, rows, _readonly(x),
+    (mv if x.shape[0] == 1 else mm)(readonly(table).reshape(-1), _NO_OFFSETS, nbytes, rows, readonly(x),
                                     _F16_TO_F32, out, 0, width, _chunks(rows))
 
 
@@ -731,7 +738,7 @@ def rows_dequantize(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width:
     _check_array("out", out, out.dtype, 2)
     if out.shape != (len(row_offsets), width) or width % vb or not out.flags.writeable:
         raise ValueError(f"out must be writeable with shape ({len(row_offsets)}, {width}), got {out.shape}")
-    dequant(_readonly(data), _readonly(row_offsets), _F16_TO_F32, out, _chunks(len(row_offsets)))
+    dequant(readonly(data), readonly(row_offsets), _F16_TO_F32, out, _chunks(len(row_offsets)))
 
 
 def check_rows(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width: int) -> None:

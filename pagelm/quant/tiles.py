@@ -25,7 +25,7 @@ from numba import carray, njit, prange
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.quant.codecs import bf16_to_f32, f32_to_bf16, k_scale_codes
 from pagelm.quant.codegen import _prefetch, _stack_f32
-from pagelm.quant.matmul import MAX_GEMV_ROWS, _bf16_bits, _load, _u32_as_f32
+from pagelm.quant.matmul import MAX_GEMV_ROWS, _bf16_bits, _load, _u32_as_f32, readonly
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType
 
 ROWS, COLUMNS = 32, 256  # one tile
@@ -295,13 +295,6 @@ def check_tiles(data: np.ndarray, kind: TileKind, base: int, groups: int, col_ti
                                f"the {data.size} bytes of data")
 
 
-def _readonly(a: np.ndarray) -> np.ndarray:
-    if a.flags.writeable:
-        a = a.view()
-        a.flags.writeable = False
-    return a
-
-
 def tile_matmul(data: np.ndarray, kind: TileKind, base: int, groups: int, col_tiles: int,
                 x: np.ndarray, out: np.ndarray) -> None:
     """out (n, groups·32) = x (n, col_tiles·256) @ W.T for the tiled W at byte `base` of `data`
@@ -313,7 +306,7 @@ def tile_matmul(data: np.ndarray, kind: TileKind, base: int, groups: int, col_ti
     if not (out.dtype == np.float32 and out.shape == (x.shape[0], groups * ROWS) and out.flags.c_contiguous
             and out.flags.writeable):
         raise ValueError(f"out must be writeable C-contiguous float32 ({x.shape[0]}, {groups * ROWS})")
-    _KERNELS[kind][0](_readonly(data), base, col_tiles, TILE_BYTES[kind], groups, _readonly(x), out)
+    _KERNELS[kind][0](readonly(data), base, col_tiles, TILE_BYTES[kind], groups, readonly(x), out)
 
 
 def tile_dequantize(data: np.ndarray, kind: TileKind, base: int, groups: int, col_tiles: int,
@@ -327,7 +320,7 @@ def tile_dequantize(data: np.ndarray, kind: TileKind, base: int, groups: int, co
             and out.flags.c_contiguous and out.flags.writeable):
         raise ValueError(f"out must be writeable C-contiguous float32 or uint16 ({row_ids.size}, {col_tiles * COLUMNS})")
     kernel = _KERNELS[kind][2 if out.dtype == np.uint16 else 1]
-    kernel(_readonly(data), base, col_tiles, TILE_BYTES[kind], _readonly(row_ids), out)
+    kernel(readonly(data), base, col_tiles, TILE_BYTES[kind], readonly(row_ids), out)
 
 
 def warmup(kinds) -> None:

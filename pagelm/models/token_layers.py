@@ -1,0 +1,165 @@
+"""A llama layer's one-token step as one compiled call, from its attention norm to its FFN's activation.
+
+TokenStep's numpy step still runs ~40 Python operations a layer around the kernels (SmolLM2: ~30 µs a
+layer with the caches warm, about twice that in a real step, after the products have streamed the
+weights through the caches). `TokenLayers` runs a layer's norms, products, rope, attention and
+residual adds in one compiled function that calls every kernel through its address (numba's
+first-class functions): the very compiled code the numpy step calls, not compiled again into the
+caller, so the same bits. The FFN's activation stays torch's (its bits): the one return to Python a
+layer. Taken where every product is a MappedLinear of GGML rows without int8 activations.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import from_dtype, njit, typed, types
+
+from pagelm.models.norms import _rms_rows
+from pagelm.models.token_ops import TokenStep, _attend, _rope
+from pagelm.quant.codegen import _F16_TO_F32
+from pagelm.quant.matmul import gemv_kernels, readonly
+from pagelm.threads import kernel_threads
+from pagelm.weights.linear import MappedLinear, RowGroup
+
+_ROWS = types.Array(types.float32, 2, "C")
+_HEADS = types.Array(types.float32, 3, "C")
+_INTS = types.Array(types.int64, 1, "C")
+_GEMV = types.FunctionType(types.void(
+    types.Array(types.uint8, 1, "C", readonly=True), types.Array(types.int64, 1, "C", readonly=True), types.int64,
+    types.int64, types.Array(types.float32, 2, "C", readonly=True), types.Array(types.float32, 1, "C", readonly=True),
+    _ROWS, types.int64, types.int64, types.int64))
+_NORM = types.FunctionType(types.void(_ROWS, types.Array(types.float32, 1, "C"), types.float64, _ROWS))
+_ROPE = types.FunctionType(types.void(_HEADS, _ROWS, _ROWS))
+
+QKV, OUT, GATE_UP, DOWN = range(4)  # a layer's products, in `products`' second axis
+
+
+def _functions(kind: types.FunctionType, *fns) -> typed.List:
+    """fns as a typed list of one first-class function type: called from compiled code by address."""
+    out = typed.List.empty_list(kind)
+    for fn in fns:
+        out.append(fn)
+    return out
+
+
+@njit(cache=True)
+def _product(gemv, datas, offsets, parts, f16, threads, span, x, out):
+    """out = x · Wᵀ over the parts span[0]:span[1] of `parts` (kernel one row, kernel few rows, data, rows,
+    out_lo, width), as MappedLinear.rows calls them."""
+    few = 0 if x.shape[0] == 1 else 1
+    for p in range(span[0], span[1]):
+        rows = parts[p, 3]
+        gemv[parts[p, few]](datas[parts[p, 2]], offsets[p], 0, rows, x, f16, out, parts[p, 4], parts[p, 5],
+                            max(min(rows, threads), 1))
+
+
+@njit(cache=True)
+def _add(h, r):
+    for i in range(h.shape[0]):
+        for j in range(h.shape[1]):
+            h[i, j] += r[i, j]
+
+
+@njit(cache=True)
+def _down(gemv, datas, offsets, parts, f16, threads, span, act, r, h):
+    """h += down(act): a layer's last product and residual add."""
+    _product(gemv, datas, offsets, parts, f16, threads, span, act, r)
+    _add(h, r)
+
+
+@njit(cache=True)
+def _to_activation(i, gemv, datas, offsets, parts, products, f16, threads, norm, norms, eps, rope, cos, sin,
+                   attend, k_at, v_at, like, lens, pos, los, scale, h, y, proj, q, k, v, o, r, gu, act):
+    """Layer i up to its FFN's activation: the previous layer's down product of `act` added to h (i > 0),
+    the attention norm, q/k/v, rope, attention, the output product added to h, the FFN norm, gate/up
+    into gu."""
+    if i > 0:
+        _down(gemv, datas, offsets, parts, f16, threads, products[i - 1, DOWN], act, r, h)
+    norm[0](h, norms[2 * i], eps, y)
+    _product(gemv, datas, offsets, parts, f16, threads, products[i, QKV], y, proj)
+    n, H, D = q.shape
+    G = k.shape[1]
+    for s in range(n):
+        for c in range(H * D):
+            q[s, c // D, c % D] = proj[s, c]
+        for c in range(G * D):
+            k[s, c // D, c % D] = proj[s, H * D + c]
+            v[s, c // D, c % D] = proj[s, (H + G) * D + c]
+    rope[0](q, cos, sin)
+    rope[0](k, cos, sin)
+    attend[0](q, k, v, k_at[i], v_at[i], like, lens, pos, los, scale, o)
+    _product(gemv, datas, offsets, parts, f16, threads, products[i, OUT], o, r)
+    _add(h, r)
+    norm[0](h, norms[2 * i + 1], eps, y)
+    _product(gemv, datas, offsets, parts, f16, threads, products[i, GATE_UP], y, gu)
+
+
+class TokenLayers:
+    """A llama model's layers as TokenLayers.run takes them: every kernel and every part of every product
+    (RowGroup: a GGML type's kernels, its data, offsets, rows), built once per model."""
+
+    def __init__(self, layers: list):
+        kernels, datas, offsets, parts, products = {}, {}, [], [], []
+        for w in layers:
+            spans = []
+            for linear in (w.qkv, w.out, w.gate_up, w.down):
+                first = len(parts)
+                for p in linear.parts:
+                    if p.ggml_type not in kernels:
+                        kernels[p.ggml_type] = 2 * len(kernels)
+                    data = datas.setdefault(id(p.data), (len(datas), readonly(p.data)))[0]
+                    offsets.append(readonly(p.offsets))
+                    parts.append((kernels[p.ggml_type], kernels[p.ggml_type] + 1, data, p.rows, p.out_lo, p.width))
+                spans.append((first, len(parts)))
+            products.append(spans)
+        self.gemv = _functions(_GEMV, *(k for t in kernels for k in gemv_kernels(t)))
+        self.datas = typed.List([d for _, d in sorted(datas.values(), key=lambda e: e[0])])
+        self.offsets = typed.List(offsets)
+        self.parts = np.array(parts, np.int64)
+        self.products = np.array(products, np.int64)
+        self.norms = typed.List([t.numpy() for w in layers for t in (w.attn_norm, w.ffn_norm)])
+        self.norm, self.rope = _functions(_NORM, _rms_rows), _functions(_ROPE, _rope)
+        self._attend = {}
+
+    @classmethod
+    def of(cls, layers: list) -> TokenLayers | None:
+        """The layers' calls, or None where a product is not GGML rows read in place without int8."""
+        linears = [linear for w in layers for linear in (w.qkv, w.out, w.gate_up, w.down)]
+        if not all(isinstance(m, MappedLinear) and all(type(p) is RowGroup and not p.takes_int8 for p in m.parts)
+                   for m in linears):
+            return None
+        return cls(layers)
+
+    def _attend_function(self, like: np.ndarray) -> typed.List:
+        fn = self._attend.get(like.dtype)
+        if fn is None:
+            kind = types.FunctionType(types.void(_HEADS, _HEADS, _HEADS, _INTS, _INTS,
+                                                 types.Array(from_dtype(like.dtype), 3, "C"), _INTS, _INTS, _INTS,
+                                                 types.float32, _ROWS))
+            fn = self._attend[like.dtype] = _functions(kind, _attend)
+        return fn
+
+    def run(self, step: TokenStep, H: int, G: int, D: int, eps: float, activation):
+        """The step's layers: a generator yielding after each layer's activation (as _layers does) whose
+        result is h after the last layer (step.h, in place)."""
+        h = step.h
+        n = h.shape[0]
+        rows, (cos, sin) = step.rows[None], step.ropes[0]
+        buffer = step.buffer
+        y, proj = buffer("norm", h.shape), buffer("qkv", (n, (H + 2 * G) * D))
+        q, k, v = (buffer(name, (n, heads, D)) for name, heads in (("q", H), ("k", G), ("v", G)))
+        o, r = buffer("attention", (n, H * D)), buffer("residual", h.shape)
+        attend, threads = self._attend_function(rows.like), kernel_threads()
+        gate_up = self.parts[self.products[0, GATE_UP, 1] - 1]
+        gu = buffer("gate_up", (n, gate_up[4] + gate_up[3]))
+        half = gu.shape[1] // 2
+        act = buffer("activation", (n, half))
+        for i in range(self.products.shape[0]):
+            _to_activation(i, self.gemv, self.datas, self.offsets, self.parts, self.products, _F16_TO_F32, threads,
+                           self.norm, self.norms, eps, self.rope, cos, sin, attend, rows.k_at, rows.v_at, rows.like,
+                           rows.lens, rows.positions, rows.los, rows.scale, h, y, proj, q, k, v, o, r, gu, act)
+            np.multiply(activation(torch.from_numpy(gu[:, :half])).numpy(), gu[:, half:], out=act)
+            yield
+        _down(self.gemv, self.datas, self.offsets, self.parts, _F16_TO_F32, threads, self.products[-1, DOWN], act, r, h)
+        return h
