@@ -47,6 +47,18 @@ def timed(fn, total: list[float], x_at: int = 0):
     return wrapper
 
 
+def timed_calls(fn, total: list[float]):
+    """`fn` (compiled calls that run a step's products among other work), adding the seconds spent in it
+    to `total[0]`."""
+
+    def wrapper(*args):
+        start = time.perf_counter()
+        fn(*args)
+        total[0] += time.perf_counter() - start
+
+    return wrapper
+
+
 @dataclass
 class SizeRun:
     """One run of one batch size: seconds of its timed steps and their parts."""
@@ -124,19 +136,26 @@ class BatchReport:
                          f"pagelm bench batch: {self.model}")
 
 
-def _measure(model, prompts: list[list[int]], tokens: int, parts: tuple[list, list]) -> tuple[SizeRun, list, list]:
+def _measure(model, prompts: list[list[int]], tokens: int, parts: tuple[list, list, list],
+             layer_flops: int = 0) -> tuple[SizeRun, list, list]:
     """`tokens` batched greedy steps of len(prompts) fresh sessions: the timing, each sequence's
-    tokens fed, and the digests of its logits after each step."""
+    tokens fed, and the digests of its logits after each step. parts: (seconds, flops) of the products
+    and of the head, seconds in llama's compiled layer calls; a step that ran those counts them as its
+    products, with `layer_flops` (every product's, one row) per sequence."""
     sessions = [model.session(max_len=len(p) + tokens + 2) for p in prompts]
     logits = np.stack([s.prefill(p) for s, p in zip(sessions, prompts)])
     fed, digests = [[] for _ in prompts], [[] for _ in prompts]
-    matmul, head = parts
+    matmul, head, compiled = parts
     seconds, matmul[:], head[:] = 0.0, [0.0, 0.0], [0.0, 0.0]
     for _ in range(tokens):
         step = [int(np.argmax(row)) for row in logits]
+        before = compiled[0]
         start = time.perf_counter()
         logits = model.decode_batch(sessions, step)
         seconds += time.perf_counter() - start
+        if compiled[0] > before:
+            matmul[0] += compiled[0] - before
+            matmul[1] += len(prompts) * layer_flops
         for i, (token, row) in enumerate(zip(step, logits)):
             fed[i].append(token)
             digests[i].append(_digest(row))
@@ -236,12 +255,18 @@ def run_batch(name: str, path: str, sizes: list[int], tokens: int, runs: int, th
     checked sequence by sequence against decoding alone; when llama.cpp is installed, its figure for
     each size right after pagelm's, so that a shared host's slow stretch falls on both."""
     import pagelm
+    from pagelm.models import token_layers
     from pagelm.weights import linear
 
     model = pagelm.load(path, dtype=dtype, threads=threads)
-    parts = ([0.0, 0.0], [0.0, 0.0])  # (seconds, flops) of the matmuls, of the head
+    parts = ([0.0, 0.0], [0.0, 0.0], [0.0])  # (seconds, flops) of the matmuls, of the head; llama's compiled layers
     linear.MappedLinear.rows = timed(linear.MappedLinear.rows, parts[0], x_at=1)  # after self; a decode step's every product
     model.head.logits = timed(model.head.logits, parts[1])
+    # llama's compiled layers run their products inside two calls (with the norms, rope and attention)
+    token_layers._to_activation = timed_calls(token_layers._to_activation, parts[2])
+    token_layers._last_down = timed_calls(token_layers._last_down, parts[2])
+    layer_flops = 2 * sum(m.in_features * m.out_features for w in model.network.layers for m in vars(w).values()
+                          if isinstance(m, linear.Linear))
     prompts = _prompts(model.head.vocab_size, max(sizes))
     report = BatchReport(name, path, sizes, tokens, {n: [] for n in sizes})
     _measure(model, prompts[:1], 2, parts)  # warm: kernels loaded, pages in
@@ -253,7 +278,7 @@ def run_batch(name: str, path: str, sizes: list[int], tokens: int, runs: int, th
     for run in range(runs):
         for n in sizes:
             print(f"pagelm bench batch: run {run + 1}/{runs}, batch {n}", file=sys.stderr, flush=True)
-            result, fed, digests = _measure(model, prompts[:n], tokens, parts)
+            result, fed, digests = _measure(model, prompts[:n], tokens, parts, layer_flops)
             report.runs[n].append(result)
             if run == 0:
                 report.checked += n

@@ -69,6 +69,13 @@ def _down(gemv, datas, offsets, parts, f16, threads, span, act, r, h):
 
 
 @njit(cache=True)
+def _last_down(gemv, datas, offsets, parts, f16, threads, span, act, r, h):
+    """_down of the last layer (the one compiled call after the layers' loop; never called from compiled code,
+    so that a benchmark may time it in its place)."""
+    _down(gemv, datas, offsets, parts, f16, threads, span, act, r, h)
+
+
+@njit(cache=True)
 def _to_activation(i, gemv, datas, offsets, parts, products, f16, threads, norm, norms, eps, rope, cos, sin,
                    attend, k_at, v_at, like, lens, pos, los, scale, h, y, proj, q, k, v, o, r, gu, act):
     """Layer i up to its FFN's activation: the previous layer's down product of `act` added to h (i > 0),
@@ -161,5 +168,6 @@ class TokenLayers:
                            rows.lens, rows.positions, rows.los, rows.scale, h, y, proj, q, k, v, o, r, gu, act)
             np.multiply(activation(torch.from_numpy(gu[:, :half])).numpy(), gu[:, half:], out=act)
             yield
-        _down(self.gemv, self.datas, self.offsets, self.parts, _F16_TO_F32, threads, self.products[-1, DOWN], act, r, h)
+        _last_down(self.gemv, self.datas, self.offsets, self.parts, _F16_TO_F32, threads, self.products[-1, DOWN], act,
+                   r, h)
         return h

@@ -22,3 +22,17 @@ def test_bench_batch_prints_its_contract_lines(qwen35_chat_gguf, capsys, tmp_pat
     assert re.search(r"^float32 FMA peak of these threads: \d+ GFLOP/s ", out, re.M)
     assert re.search(r"^\| 3 \|( [^|]+ \|){4} \d+ \(\d+%\) \|", out, re.M)  # the matmuls' GFLOP/s, share of peak
     assert chart.stat().st_size > 0
+
+
+def test_bench_batch_splits_llamas_compiled_layers(smollm2_gguf, capsys):
+    """SmolLM2's one-token layers run as compiled calls (models.token_layers): the split still finds
+    their products' time and flops."""
+    code = cli.main(["bench", "batch", smollm2_gguf, "--sizes", "1,2", "--tokens", "2", "--runs", "1",
+                     "--threads", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for n in (1, 2):
+        matmuls, head = map(float, re.search(rf"^\| {n} \|(?: [^|]+ \|){{3}} ([\d.]+) \+ ([\d.]+) \+ [-\d.]+ \| (\d+) ",
+                                             out, re.M).groups()[:2])
+        assert matmuls > 0 and head > 0
+    assert re.search(r"^differing sequences: 0 of 3$", out, re.M)
