@@ -7,9 +7,9 @@ wrapper a few more, given the cache's numpy views made once). Inputs the kernels
 (a prefill's rows, other devices and dtypes) keep torch's path. (The gated activations stay
 torch's: one vectorized op, ~5 µs.)
 
-TokenStep runs a whole one-token step in numpy between the kernels (llama, gemma3): what torch still
-dispatched per layer — views, casts, norms' wrappers, attention's per-call checks — cost SmolLM2
-~3 ms of a 13-15 ms step.
+TokenStep runs a whole one-token step in numpy between the kernels (gemma3; llama where its layers
+are not compiled calls, `token_layers`): what torch still dispatched per layer — views, casts, norms'
+wrappers, attention's per-call checks — cost SmolLM2 ~3 ms of a 13-15 ms step.
 """
 
 from __future__ import annotations
@@ -317,8 +317,8 @@ class TokenStep:
 
     def buffer(self, key, shape: tuple[int, int]) -> np.ndarray:
         """A float32 array of `shape` reused under `key` (a name, an operator) by every layer of the
-        step: a layer reads what it wrote there before the next layer writes it. (A fresh array per
-        product and layer cost SmolLM2 ~0.25 ms of an 8 ms step: new pages, cold in the caches.)"""
+        step: a layer reads what it wrote there before the next layer writes it. (Fresh arrays for each
+        product of each layer cost SmolLM2 ~0.1-0.25 ms of an 8 ms step: new pages, cold in the caches.)"""
         b = self._buffers.get(key)
         if b is None or b.shape != shape:
             b = self._buffers[key] = np.empty(shape, np.float32)
