@@ -182,8 +182,8 @@ class RowGroup:
         return self._int8 is not None
 
     def matmul(self, xs: np.ndarray, out: np.ndarray, row: Int8Row | None = None) -> None:
-        """xs: C-contiguous float32 (n <= MAX_GEMV_ROWS, width); out: float32 (n, operator's rows), fresh;
-        row: xs[0] quantized, or None."""
+        """xs: C-contiguous float32 (n <= MAX_GEMV_ROWS, width); out: float32 (n, operator's rows), its
+        columns of these rows written; row: xs[0] quantized, or None."""
         if row is not None and self._int8 is not None:
             self._int8(row, out, self.out_lo)
         else:
