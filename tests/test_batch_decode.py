@@ -208,7 +208,7 @@ def test_a_prefill_dropped_half_way_leaves_nothing_behind_a_reset_or_restore(qwe
 @pytest.mark.parametrize("fixture, module", [("smollm2_gguf", "llama"), ("gemma3_gguf", "gemma3")])
 def test_the_token_step_in_numpy_gives_the_torch_layers_bits(request, monkeypatch, fixture, module, weights, dtype):
     """The one-token step in numpy between the kernels (token_ops.TokenStep) against the torch
-    layers it stands in for, which take every step where TokenStep.of refuses it; llama's layers as
+    layers it stands in for, which take every step where TokenStep.of refuses it; the layers as
     compiled calls (token_layers.TokenLayers, where every product is GGML rows in place) against both."""
     import importlib
 
@@ -230,10 +230,9 @@ def test_the_token_step_in_numpy_gives_the_torch_layers_bits(request, monkeypatc
     monkeypatch.setattr(arch.TokenStep, "of", lambda *a: made.append(of(*a)) or made[-1])
     numpy_steps = run()
     assert len(made) >= 6 and all(step is not None for step in made)  # every decode step took it
-    if module == "llama":
-        assert bool(model.network._compiled) == (weights == "mapped")
-        model.network._compiled = False  # the numpy step's own layers
-        assert all(same_bits(a, b) for a, b in zip(run(), numpy_steps))
+    assert bool(model.network._compiled) == (weights == "mapped")
+    model.network._compiled = False  # the numpy step's own layers
+    assert all(same_bits(a, b) for a, b in zip(run(), numpy_steps))
     monkeypatch.setattr(arch.TokenStep, "of", lambda *a: None)
     torch_steps = run()
     assert all(same_bits(a, b) for a, b in zip(numpy_steps, torch_steps))

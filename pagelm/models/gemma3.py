@@ -36,6 +36,7 @@ from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.base import (KVState, RopeRows, apply_rope_, attend_spans, attention, inv_freq, rms_norm, rope_tables,
                                 token_ropes)
 from pagelm.models.decoder import Decoder, Span, advance, per_sequence
+from pagelm.models.token_layers import NORMS, TokenLayers
 from pagelm.models.token_ops import TokenStep
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, layer_period,
                                rope_scaling, shift_norms, tensor_maps)
@@ -223,6 +224,7 @@ class Gemma3Model(Decoder):
         self.inv_freq_global = inv_freq(config.rope_base, config.head_dim, self.device)
         self.inv_freq_local = inv_freq(config.rope_local_base, config.head_dim, self.device)
         self.token_rope = RopeRows(lambda pos: self._ropes(pos, 1))
+        self._compiled: TokenLayers | bool | None = None  # the one-token layers as compiled calls; False: not taken
 
     def _ropes(self, pos: int, T: int):
         """The global and the local layers' rope tables of positions pos..pos+T-1."""
@@ -289,6 +291,13 @@ class Gemma3Model(Decoder):
         H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
         n = h.shape[0]
         h *= np.float32(c.embedding_scale)
+        if self._compiled is None:
+            kinds = [0 if c.is_global_layer(i) else 1 for i in range(c.n_layers)]  # step.ropes' and windows' order
+            self._compiled = TokenLayers.of(self.layers, len(NORMS), kinds) or False
+        if self._compiled:
+            h = yield from self._compiled.run(step, H, G, D, c.rms_eps, _gelu_tanh, (None, c.sliding_window))
+            advance(spans)
+            return torch.from_numpy(norm(h, self.output_norm, c.rms_eps))
         for i, w in enumerate(self.layers):
             is_global = c.is_global_layer(i)
             proj = step.product(w.qkv, norm(h, w.attn_norm, c.rms_eps, "norm"), alone)

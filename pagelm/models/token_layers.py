@@ -1,4 +1,4 @@
-"""A llama layer's one-token step as one compiled call, from its attention norm to its FFN's activation.
+"""A layer's one-token step as one compiled call, from its attention norm to its FFN's activation (llama, Gemma 3).
 
 TokenStep's numpy step still runs ~40 Python operations a layer around the kernels (SmolLM2: ~30 µs a
 layer with the caches warm, about twice that in a real step, after the products have streamed the
@@ -7,6 +7,8 @@ residual adds in one compiled function that calls every kernel through its addre
 first-class functions): the very compiled code the numpy step calls, not compiled again into the
 caller, so the same bits. The FFN's activation stays torch's (its bits): the one return to Python a
 layer. Taken where every product is a MappedLinear of GGML rows without int8 activations.
+Gemma 3's layers add q/k norms, a norm of each sublayer's output, and a rope table and a window per
+layer kind (global, sliding).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ _NORM = types.FunctionType(types.void(_ROWS, types.Array(types.float32, 1, "C"),
 _ROPE = types.FunctionType(types.void(_HEADS, _ROWS, _ROWS))
 
 QKV, OUT, GATE_UP, DOWN = range(4)  # a layer's products, in `products`' second axis
+# A layer's norms, in order: llama's first two, Gemma 3's all six
+NORMS = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
+ATTN_NORM, FFN_NORM, Q_NORM, K_NORM, POST_ATTN_NORM, POST_FFN_NORM = range(6)
 
 
 def _functions(kind: types.FunctionType, *fns) -> typed.List:
@@ -62,28 +67,41 @@ def _add(h, r):
 
 
 @njit(cache=True)
-def _down(gemv, datas, offsets, parts, f16, threads, span, act, r, h):
-    """h += down(act): a layer's last product and residual add."""
-    _product(gemv, datas, offsets, parts, f16, threads, span, act, r)
-    _add(h, r)
+def _residual(norm, norms, at, eps, r, y, h):
+    """h += r, or h += norm(r, norms[at]) where at >= 0 (Gemma 3 norms each sublayer's output); y: scratch."""
+    if at >= 0:
+        norm[0](r, norms[at], eps, y)
+        _add(h, y)
+    else:
+        _add(h, r)
 
 
 @njit(cache=True)
-def _last_down(gemv, datas, offsets, parts, f16, threads, span, act, r, h):
+def _down(gemv, datas, offsets, parts, f16, threads, span, act, r, h, norm, norms, post, eps, y):
+    """h += down(act) (normed by norms[post] where post >= 0): a layer's last product and residual add."""
+    _product(gemv, datas, offsets, parts, f16, threads, span, act, r)
+    _residual(norm, norms, post, eps, r, y, h)
+
+
+@njit(cache=True)
+def _last_down(gemv, datas, offsets, parts, f16, threads, span, act, r, h, norm, norms, post, eps, y):
     """_down of the last layer (the one compiled call after the layers' loop; never called from compiled code,
     so that a benchmark may time it in its place)."""
-    _down(gemv, datas, offsets, parts, f16, threads, span, act, r, h)
+    _down(gemv, datas, offsets, parts, f16, threads, span, act, r, h, norm, norms, post, eps, y)
 
 
 @njit(cache=True)
-def _to_activation(i, gemv, datas, offsets, parts, products, f16, threads, norm, norms, eps, rope, cos, sin,
-                   attend, k_at, v_at, like, lens, pos, los, scale, h, y, proj, q, k, v, o, r, gu, act):
+def _to_activation(i, gemv, datas, offsets, parts, products, f16, threads, norm, norms, eps, rope, cos, sin, kinds,
+                   attend, k_at, v_at, like, lens, pos, los, scale, h, y, proj, q, k, v, qn, kn, o, r, gu, act):
     """Layer i up to its FFN's activation: the previous layer's down product of `act` added to h (i > 0),
-    the attention norm, q/k/v, rope, attention, the output product added to h, the FFN norm, gate/up
-    into gu."""
+    the attention norm, q/k/v (normed per head where layers have q/k norms), rope, attention, the output
+    product added to h (normed where layers norm it), the FFN norm, gate/up into gu. kinds[i] picks the
+    layer's rope table (cos[kinds[i]], sin[...]) and first keys (los[kinds[i]])."""
+    per = len(norms) // products.shape[0]
     if i > 0:
-        _down(gemv, datas, offsets, parts, f16, threads, products[i - 1, DOWN], act, r, h)
-    norm[0](h, norms[2 * i], eps, y)
+        _down(gemv, datas, offsets, parts, f16, threads, products[i - 1, DOWN], act, r, h, norm, norms,
+              per * i - 1 if per > POST_FFN_NORM else -1, eps, y)
+    norm[0](h, norms[per * i + ATTN_NORM], eps, y)
     _product(gemv, datas, offsets, parts, f16, threads, products[i, QKV], y, proj)
     n, H, D = q.shape
     G = k.shape[1]
@@ -93,20 +111,27 @@ def _to_activation(i, gemv, datas, offsets, parts, products, f16, threads, norm,
         for c in range(G * D):
             k[s, c // D, c % D] = proj[s, H * D + c]
             v[s, c // D, c % D] = proj[s, (H + G) * D + c]
-    rope[0](q, cos, sin)
-    rope[0](k, cos, sin)
-    attend[0](q, k, v, k_at[i], v_at[i], like, lens, pos, los, scale, o)
+    if per > K_NORM:
+        norm[0](q.reshape((n * H, D)), norms[per * i + Q_NORM], eps, qn.reshape((n * H, D)))
+        norm[0](k.reshape((n * G, D)), norms[per * i + K_NORM], eps, kn.reshape((n * G, D)))
+    else:
+        qn, kn = q, k
+    t = kinds[i]
+    rope[0](qn, cos[t], sin[t])
+    rope[0](kn, cos[t], sin[t])
+    attend[0](qn, kn, v, k_at[i], v_at[i], like, lens, pos, los[t], scale, o)
     _product(gemv, datas, offsets, parts, f16, threads, products[i, OUT], o, r)
-    _add(h, r)
-    norm[0](h, norms[2 * i + 1], eps, y)
+    _residual(norm, norms, per * i + POST_ATTN_NORM if per > POST_ATTN_NORM else -1, eps, r, y, h)
+    norm[0](h, norms[per * i + FFN_NORM], eps, y)
     _product(gemv, datas, offsets, parts, f16, threads, products[i, GATE_UP], y, gu)
 
 
 class TokenLayers:
-    """A llama model's layers as TokenLayers.run takes them: every kernel and every part of every product
-    (RowGroup: a GGML type's kernels, its data, offsets, rows), built once per model."""
+    """A model's layers as TokenLayers.run takes them: every kernel and every part of every product
+    (RowGroup: a GGML type's kernels, its data, offsets, rows), each layer's norms (the first `per` of
+    NORMS) and kind (the index of its rope table and attention window in the step's), built once per model."""
 
-    def __init__(self, layers: list):
+    def __init__(self, layers: list, per: int, kinds: list[int]):
         kernels, datas, offsets, parts, products = {}, {}, [], [], []
         for w in layers:
             spans = []
@@ -115,9 +140,11 @@ class TokenLayers:
                 for p in linear.parts:
                     if p.ggml_type not in kernels:
                         kernels[p.ggml_type] = 2 * len(kernels)
-                    data = datas.setdefault(id(p.data), (len(datas), readonly(p.data)))[0]
+                    if id(p.data) not in datas:
+                        datas[id(p.data)] = (len(datas), readonly(p.data))
                     offsets.append(readonly(p.offsets))
-                    parts.append((kernels[p.ggml_type], kernels[p.ggml_type] + 1, data, p.rows, p.out_lo, p.width))
+                    parts.append((kernels[p.ggml_type], kernels[p.ggml_type] + 1, datas[id(p.data)][0], p.rows,
+                                  p.out_lo, p.width))
                 spans.append((first, len(parts)))
             products.append(spans)
         self.gemv = _functions(_GEMV, *(k for t in kernels for k in gemv_kernels(t)))
@@ -125,18 +152,20 @@ class TokenLayers:
         self.offsets = typed.List(offsets)
         self.parts = np.array(parts, np.int64)
         self.products = np.array(products, np.int64)
-        self.norms = typed.List([t.numpy() for w in layers for t in (w.attn_norm, w.ffn_norm)])
+        self.norms = typed.List([getattr(w, name).numpy() for w in layers for name in NORMS[:per]])
+        self.per, self.kinds = per, np.array(kinds, np.int64)
         self.norm, self.rope = _functions(_NORM, _rms_rows), _functions(_ROPE, _rope)
         self._attend = {}
 
     @classmethod
-    def of(cls, layers: list) -> TokenLayers | None:
-        """The layers' calls, or None where a product is not GGML rows read in place without int8."""
+    def of(cls, layers: list, per: int = 2, kinds: list[int] | None = None) -> TokenLayers | None:
+        """The layers' calls (kinds: default all 0), or None where a product is not GGML rows read in place
+        without int8."""
         linears = [linear for w in layers for linear in (w.qkv, w.out, w.gate_up, w.down)]
         if not all(isinstance(m, MappedLinear) and all(type(p) is RowGroup and not p.takes_int8 for p in m.parts)
                    for m in linears):
             return None
-        return cls(layers)
+        return cls(layers, per, [0] * len(layers) if kinds is None else kinds)
 
     def _attend_function(self, like: np.ndarray) -> typed.List:
         fn = self._attend.get(like.dtype)
@@ -147,27 +176,33 @@ class TokenLayers:
             fn = self._attend[like.dtype] = _functions(kind, _attend)
         return fn
 
-    def run(self, step: TokenStep, H: int, G: int, D: int, eps: float, activation):
+    def run(self, step: TokenStep, H: int, G: int, D: int, eps: float, activation, windows: tuple = (None,)):
         """The step's layers: a generator yielding after each layer's activation (as _layers does) whose
-        result is h after the last layer (step.h, in place)."""
+        result is h after the last layer (step.h, in place). windows[k], step.ropes[k]: kind k's window
+        and rope table."""
         h = step.h
         n = h.shape[0]
-        rows, (cos, sin) = step.rows[None], step.ropes[0]
+        first = step.rows[windows[0]]
+        cos, sin = (np.stack([table[j] for table in step.ropes]) for j in (0, 1))
+        los = np.stack([step.rows[w].los for w in windows])
         buffer = step.buffer
         y, proj = buffer("norm", h.shape), buffer("qkv", (n, (H + 2 * G) * D))
         q, k, v = (buffer(name, (n, heads, D)) for name, heads in (("q", H), ("k", G), ("v", G)))
+        qn, kn = (buffer(name, (n, heads, D)) for name, heads in (("q normed", H), ("k normed", G)))
         o, r = buffer("attention", (n, H * D)), buffer("residual", h.shape)
-        attend, threads = self._attend_function(rows.like), kernel_threads()
+        attend, threads = self._attend_function(first.like), kernel_threads()
         gate_up = self.parts[self.products[0, GATE_UP, 1] - 1]
         gu = buffer("gate_up", (n, gate_up[4] + gate_up[3]))
         half = gu.shape[1] // 2
         act = buffer("activation", (n, half))
-        for i in range(self.products.shape[0]):
+        L = self.products.shape[0]
+        for i in range(L):
             _to_activation(i, self.gemv, self.datas, self.offsets, self.parts, self.products, _F16_TO_F32, threads,
-                           self.norm, self.norms, eps, self.rope, cos, sin, attend, rows.k_at, rows.v_at, rows.like,
-                           rows.lens, rows.positions, rows.los, rows.scale, h, y, proj, q, k, v, o, r, gu, act)
+                           self.norm, self.norms, eps, self.rope, cos, sin, self.kinds, attend, first.k_at,
+                           first.v_at, first.like, first.lens, first.positions, los, first.scale, h, y, proj, q, k, v,
+                           qn, kn, o, r, gu, act)
             np.multiply(activation(torch.from_numpy(gu[:, :half])).numpy(), gu[:, half:], out=act)
             yield
         _last_down(self.gemv, self.datas, self.offsets, self.parts, _F16_TO_F32, threads, self.products[-1, DOWN], act,
-                   r, h)
+                   r, h, self.norm, self.norms, self.per * L - 1 if self.per > POST_FFN_NORM else -1, eps, y)
         return h
