@@ -226,13 +226,18 @@ class Session:
     def prefill(self, tokens: Sequence[int], images: Sequence[ImageInput] = ()) -> np.ndarray:
         """Feed tokens (a prompt, or the rest of one after restore); returns the last position's
         logits. `images`: those whose pad tokens (each image's full run) are among the tokens, in order."""
-        return finish(self.prefill_layers(tokens, images))
+        with torch.inference_mode():
+            return finish(self._prefill_steps(tokens, images))
 
     @torch.inference_mode()
     def prefill_layers(self, tokens: Sequence[int], images: Sequence[ImageInput] = ()) -> Generator:
         """`prefill` one layer at a time: yields after each layer, returns prefill's result, bit for
         bit (a server steps other sessions between two layers). Until it has returned, the session
         is half-updated: drop it (reset or restore) if the generator is not run to its end."""
+        return (yield from self._prefill_steps(tokens, images))
+
+    def _prefill_steps(self, tokens: Sequence[int], images: Sequence[ImageInput] = ()) -> Generator:
+        """prefill_layers' steps, for a caller in inference mode (Decoder.forward_layers says why)."""
         ids = self._check_tokens(tokens)
         if ids.size == 0:
             raise PagelmError("prefill needs at least one token")

@@ -71,12 +71,15 @@ class Decoder:
         """Final hidden states of input embeddings x (T, hidden). `positions` (3, T): the rope
         positions (t, h, w) of multimodal rope, for the architectures that have it; None: the
         state's next T positions."""
-        return finish(self.forward_layers(x, state, positions))
+        with torch.inference_mode():
+            return finish(self.forward_layers(x, state, positions))
 
-    @torch.inference_mode()
     def forward_layers(self, x: torch.Tensor, state, positions: torch.Tensor | None = None) -> Generator:
-        """`forward` one layer at a time: yields after each layer, returns forward's result. Until it
-        has returned, `state` is half-updated and must not be used otherwise."""
+        """`forward` one layer at a time, for a caller that runs it in torch.inference_mode (as
+        Session.prefill_layers does): yields after each layer, returns forward's result. Until it
+        has returned, `state` is half-updated and must not be used otherwise. (Not decorated: torch's
+        decorator enters and leaves inference mode at every resumption of a generator, and a decode
+        step of SmolLM2 passed through two such decorators 31 times.)"""
         self._check_input(x)
         T = x.shape[0]
         if state.pos + T > state.max_len:
