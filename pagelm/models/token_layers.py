@@ -14,11 +14,10 @@ layer kind (global, sliding).
 from __future__ import annotations
 
 import numpy as np
-import torch
 from numba import from_dtype, njit, typed, types
 
 from pagelm.models.norms import _rms_rows
-from pagelm.models.token_ops import TokenStep, _attend, _rope
+from pagelm.models.token_ops import TokenStep, _attend, _rope, gated_rows
 from pagelm.quant.codegen import _F16_TO_F32
 from pagelm.quant.matmul import gemv_kernels, readonly
 from pagelm.threads import kernel_threads
@@ -46,6 +45,12 @@ def _functions(kind: types.FunctionType, *fns) -> typed.List:
     for fn in fns:
         out.append(fn)
     return out
+
+
+@njit(cache=True)
+def _slot(per, i, slot):
+    """Layer i's norm `slot` in a list of `per` norms a layer, or -1 where the layers have no such norm."""
+    return per * i + slot if slot < per else -1
 
 
 @njit(cache=True)
@@ -100,7 +105,7 @@ def _to_activation(i, gemv, datas, offsets, parts, products, f16, threads, norm,
     per = len(norms) // products.shape[0]
     if i > 0:
         _down(gemv, datas, offsets, parts, f16, threads, products[i - 1, DOWN], act, r, h, norm, norms,
-              per * i - 1 if per > POST_FFN_NORM else -1, eps, y)
+              _slot(per, i - 1, POST_FFN_NORM), eps, y)
     norm[0](h, norms[per * i + ATTN_NORM], eps, y)
     _product(gemv, datas, offsets, parts, f16, threads, products[i, QKV], y, proj)
     n, H, D = q.shape
@@ -121,7 +126,7 @@ def _to_activation(i, gemv, datas, offsets, parts, products, f16, threads, norm,
     rope[0](kn, cos[t], sin[t])
     attend[0](qn, kn, v, k_at[i], v_at[i], like, lens, pos, los[t], scale, o)
     _product(gemv, datas, offsets, parts, f16, threads, products[i, OUT], o, r)
-    _residual(norm, norms, per * i + POST_ATTN_NORM if per > POST_ATTN_NORM else -1, eps, r, y, h)
+    _residual(norm, norms, _slot(per, i, POST_ATTN_NORM), eps, r, y, h)
     norm[0](h, norms[per * i + FFN_NORM], eps, y)
     _product(gemv, datas, offsets, parts, f16, threads, products[i, GATE_UP], y, gu)
 
@@ -140,7 +145,7 @@ class TokenLayers:
                 for p in linear.parts:
                     if p.ggml_type not in kernels:
                         kernels[p.ggml_type] = 2 * len(kernels)
-                    if id(p.data) not in datas:
+                    if id(p.data) not in datas:  # the file maps, in order: index i is datas' i-th
                         datas[id(p.data)] = (len(datas), readonly(p.data))
                     offsets.append(readonly(p.offsets))
                     parts.append((kernels[p.ggml_type], kernels[p.ggml_type] + 1, datas[id(p.data)][0], p.rows,
@@ -148,7 +153,7 @@ class TokenLayers:
                 spans.append((first, len(parts)))
             products.append(spans)
         self.gemv = _functions(_GEMV, *(k for t in kernels for k in gemv_kernels(t)))
-        self.datas = typed.List([d for _, d in sorted(datas.values(), key=lambda e: e[0])])
+        self.datas = typed.List([d for _, d in datas.values()])
         self.offsets = typed.List(offsets)
         self.parts = np.array(parts, np.int64)
         self.products = np.array(products, np.int64)
@@ -188,21 +193,21 @@ class TokenLayers:
         buffer = step.buffer
         y, proj = buffer("norm", h.shape), buffer("qkv", (n, (H + 2 * G) * D))
         q, k, v = (buffer(name, (n, heads, D)) for name, heads in (("q", H), ("k", G), ("v", G)))
-        qn, kn = (buffer(name, (n, heads, D)) for name, heads in (("q normed", H), ("k normed", G)))
+        qn, kn = (buffer(name, (n, heads, D)) for name, heads in (("q normed", H), ("k normed", G))) \
+            if self.per > K_NORM else (q, k)  # q/k normed per head, where the layers have those norms
         o, r = buffer("attention", (n, H * D)), buffer("residual", h.shape)
         attend, threads = self._attend_function(first.like), kernel_threads()
         gate_up = self.parts[self.products[0, GATE_UP, 1] - 1]
         gu = buffer("gate_up", (n, gate_up[4] + gate_up[3]))
-        half = gu.shape[1] // 2
-        act = buffer("activation", (n, half))
+        act = buffer("activation", (n, gu.shape[1] // 2))
         L = self.products.shape[0]
         for i in range(L):
             _to_activation(i, self.gemv, self.datas, self.offsets, self.parts, self.products, _F16_TO_F32, threads,
                            self.norm, self.norms, eps, self.rope, cos, sin, self.kinds, attend, first.k_at,
                            first.v_at, first.like, first.lens, first.positions, los, first.scale, h, y, proj, q, k, v,
                            qn, kn, o, r, gu, act)
-            np.multiply(activation(torch.from_numpy(gu[:, :half])).numpy(), gu[:, half:], out=act)
+            gated_rows(gu, activation, act)
             yield
         _last_down(self.gemv, self.datas, self.offsets, self.parts, _F16_TO_F32, threads, self.products[-1, DOWN], act,
-                   r, h, self.norm, self.norms, self.per * L - 1 if self.per > POST_FFN_NORM else -1, eps, y)
+                   r, h, self.norm, self.norms, _slot(self.per, L - 1, POST_FFN_NORM), eps, y)
         return h

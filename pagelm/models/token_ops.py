@@ -305,6 +305,14 @@ def window_los(positions: list[int], window: int | None) -> list[int]:
     return [0 if window is None else max(0, p + 1 - window) for p in positions]
 
 
+def gated_rows(both: np.ndarray, activation, out: np.ndarray | None = None) -> np.ndarray:
+    """activation(gate) · up of float32 rows `both` (n, 2·ffn) = [gate | up], into `out` when given: the
+    activation torch's (its bits), the multiply numpy's (IEEE's, as torch's)."""
+    half = both.shape[1] // 2
+    act = activation(torch.from_numpy(both[:, :half])).numpy()
+    return np.multiply(act, both[:, half:], out=act if out is None else out)
+
+
 class TokenStep:
     """One decode step of one token of each of n sequences (x (n, hidden), their KVStates), run in
     numpy between the kernels: the residual rows `h` (float32, a copy of x), their norms and the
@@ -358,15 +366,12 @@ class TokenStep:
 
     def gated(self, gate_up, down, x: np.ndarray, activation, alone: bool) -> np.ndarray:
         """down(activation(gate) · up) of the step's rows x, gate and up the halves of gate_up(x) (both
-        Linear), in the dtype gate_up's few-row products have, as the torch layers compute it: a float32
-        product's activation is torch's (its bits), the multiply numpy's (IEEE's, as torch's)."""
+        Linear), in the dtype gate_up's few-row products have, as the torch layers compute it (float32:
+        gated_rows)."""
         if gate_up.few_rows_dtype is not torch.float32:
             gate, up = gate_up(torch.from_numpy(x), alone).chunk(2, -1)
             return as_float32(down(activation(gate).mul_(up), alone))
-        both = self.product(gate_up, x, alone)
-        half = both.shape[1] // 2
-        act = activation(torch.from_numpy(both[:, :half])).numpy()
-        return self.product(down, np.multiply(act, both[:, half:], out=act), alone)
+        return self.product(down, gated_rows(self.product(gate_up, x, alone), activation), alone)
 
     def attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, layer: int, rope: int = 0,
                window: int | None = None) -> np.ndarray:
