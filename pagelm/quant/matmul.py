@@ -434,34 +434,40 @@ def _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, n
               acc, acc, w, w, q6, s6)
 
 
-# Rows of W a pass of _gemv_rows: 2 under AVX-512, 1 under AVX2 (_PAIRS).
+# Rows of W a pass of _gemv_rows: 2 under AVX-512, 1 under AVX2 (_PAIRS); and of a tile, which every
+# group of rows of x passes over in turn (16 rows of 1,024 Q8_0 values: 17 KiB; tiles of 8 and 32 rows
+# measured no faster at 8 rows of x, bench/matmul.py).
 _W_ROWS = 2 if _PAIRS else 1
+_TILE = 16
 
 
 @njit(inline="always")
 def _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, f16, out, lo, r0, r1, nblk, tail, rnb):
     """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W (at _row_at) and the n >= 2 rows of
     x. Under AVX-512 passes of 4 rows of x (2 for the last 1-2 rows) over pairs of rows of W (an odd
-    last row pairs with itself); under AVX2 passes of 2 rows over each row of W. Rows of x past the
-    last repeat it (computed, never stored); a row of W's later passes read it from the caches. Row
-    i's arithmetic is _gemv_one's."""
+    last row of a tile pairs with itself); under AVX2 passes of 2 rows over each row of W. Rows of x
+    past the last repeat it (computed, never stored). The rows of W go in tiles of _TILE: every pass
+    of one group of rows of x over the tile, then the next group's over the same rows of W, from the
+    caches: a group's x stays in L1 over the tile (one group after another over each pair, the x of
+    8 rows, 32 KiB at a width of 1,024, came from L2). Row i's arithmetic is _gemv_one's."""
     ahead = _ahead_rows(kind, rnb)
     acc, acc2, w, w2 = _acc_vectors(16), _acc_vectors(16), _stack_f32(256), _stack_f32(256)
     q6, s6 = _stack_bytes(256), _stack_f32(16)
-    for r in range(r0, r1, _W_ROWS):
-        r2 = min(r + _W_ROWS - 1, r1 - 1)
-        row, hint = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
-        row2, hint2 = _row_at(offs, stride, r2), _row_ahead(offs, stride, rows, r2, ahead)
+    for t0 in range(r0, r1, _TILE):
+        t1 = min(t0 + _TILE, r1)
         i0 = 0
         while i0 < n:
-            if _PAIRS and n - i0 > 2:
-                _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 4, _W_ROWS, f16, out,
-                      lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
-                i0 += 4
-            else:
-                _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 2, _W_ROWS, f16, out,
-                      lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
-                i0 += 2
+            for r in range(t0, t1, _W_ROWS):
+                r2 = min(r + _W_ROWS - 1, t1 - 1)
+                row, hint = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
+                row2, hint2 = _row_at(offs, stride, r2), _row_ahead(offs, stride, rows, r2, ahead)
+                if _PAIRS and n - i0 > 2:
+                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 4, _W_ROWS, f16, out,
+                          lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
+                else:
+                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 2, _W_ROWS, f16, out,
+                          lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
+            i0 += 4 if _PAIRS and n - i0 > 2 else 2
 
 
 def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
