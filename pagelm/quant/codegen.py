@@ -3,9 +3,25 @@ buffers kept in registers, and the fp16 table. No kernel of its own."""
 
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+def kernel_of(name: str, **options):
+    """njit(cache=True, **options) for a kernel a factory makes once per block type (or tile kind), named
+    after `name` (its __qualname__ gets "_name"). Each type's kernel is a closure of the same code and
+    name, and numba names compiled symbols by the function's name and a per-process counter: two types
+    compiled in two processes could get the same symbol, and a process that loaded both from numba's
+    cache then found one type's code at the other's address (numba looks a first-class function's and
+    a dispatcher's entry up by symbol name): a Gemma 3 decode whose Q8_0 kernels SmolLM2's process had
+    cached gave NaN logits. Named per type, each also keeps a cache index of its own."""
+
+    def wrap(fn):
+        fn.__qualname__, fn.__name__ = f"{fn.__qualname__}_{name}", f"{fn.__name__}_{name}"
+        return njit(cache=True, **options)(fn)
+
+    return wrap
+
 
 # fp16 bits -> float32, exactly as numpy converts (the same conversion decode_* uses).
 _F16_TO_F32 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)

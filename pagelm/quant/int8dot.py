@@ -19,7 +19,7 @@ from numba.extending import intrinsic
 
 from pagelm.errors import UnsupportedError
 from pagelm.quant.blockir import _I8, _I32, _V32I8, _bytes_at, _nibbles16, _q5_group
-from pagelm.quant.codegen import _F16_TO_F32, _wide_vectors
+from pagelm.quant.codegen import _F16_TO_F32, _wide_vectors, kernel_of
 from pagelm.quant.kernels import _check_table
 from pagelm.quant.matmul import (
     _ahead_rows,
@@ -309,7 +309,7 @@ def _block(kind, acc, data, o, b, xq, xd, xs, xm, f16):
 
 
 def _kernel(kind: int, vb: int, bb: int):
-    @njit(parallel=True, cache=True, fastmath={"contract"})
+    @kernel_of(GGMLType(kind).name, parallel=True, fastmath={"contract"})
     def mv(data, offs, stride, rows, xq, xd, xs, xm, f16, out, lo, width, nch):
         nblk = width // vb
         rnb = max(nblk * bb, 1)

@@ -36,6 +36,7 @@ from pagelm.quant.codegen import (
     _prefetch,
     _stack_f32,
     _wide_vectors,
+    kernel_of,
 )
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
 
@@ -480,7 +481,7 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
 
     # Two functions, not two branches of one: a second parfor in the same function made the
     # one-row loop 5-13 % slower (measured side by side).
-    @njit(parallel=True, cache=True, fastmath={"contract"})
+    @kernel_of(GGMLType(kind).name, parallel=True, fastmath={"contract"})
     def mv(data, offs, stride, rows, x, f16, out, lo, width, nch):
         nblk, tail = width // vb, width % vb
         rnb = max(nblk * bb + tail * value_bytes, 1)
@@ -489,7 +490,7 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
             r0, r1 = _chunk(c, nch, rows)
             _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, nblk, tail, rnb)
 
-    @njit(parallel=True, cache=True, fastmath={"contract"})
+    @kernel_of(GGMLType(kind).name, parallel=True, fastmath={"contract"})
     def mm(data, offs, stride, rows, x, f16, out, lo, width, nch):
         nblk, tail = width // vb, width % vb
         rnb = max(nblk * bb + tail * value_bytes, 1)
@@ -563,7 +564,7 @@ def _dequant_kernel(kind: int, vb: int, bb: int):
     groups = vb // 32
     value_bytes = bb // 32 if kind in (_F32, _F16, _BF16) else 0
 
-    @njit(parallel=True, cache=True)
+    @kernel_of(GGMLType(kind).name, parallel=True)
     def dequant(data, offs, f16, out, nch):
         rows, width = out.shape
         nblk, tail = width // vb, width % vb
@@ -604,7 +605,7 @@ def _dequant_kq_kernel(kind: int, bb: int):
     """As _dequant_kernel for Q4_K / Q5_K, two groups at a time: both nibbles of each byte, so the
     loop over a group's 32 values vectorizes (the per-group variable shift kept it scalar)."""
 
-    @njit(parallel=True, cache=True)
+    @kernel_of(GGMLType(kind).name, parallel=True)
     def dequant(data, offs, f16, out, nch):
         rows, width = out.shape
         nblk = width // 256

@@ -24,7 +24,7 @@ from numba import carray, njit, prange
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.quant.codecs import bf16_to_f32, f32_to_bf16, k_scale_codes
-from pagelm.quant.codegen import _prefetch, _stack_f32
+from pagelm.quant.codegen import _prefetch, _stack_f32, kernel_of
 from pagelm.quant.matmul import MAX_GEMV_ROWS, _bf16_bits, _load, _u32_as_f32, readonly
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType
 
@@ -206,7 +206,7 @@ def _scale_offset(kind, data, t, kb, r):
 
 
 def _rows_kernel(kind: int, bf16: bool):
-    @njit(parallel=True, cache=True)
+    @kernel_of(f"{TileKind(kind).name}_{'bf16' if bf16 else 'f32'}", parallel=True)
     def rows(data, base, col_tiles, tile_bytes, row_ids, out):
         for i in prange(row_ids.shape[0]):
             r = row_ids[i] % ROWS
@@ -257,7 +257,7 @@ def _tile_gemv(kind, data, t, x, xo, acc, w_scale, w_offset):
 
 
 def _matmul_kernel(kind: int):
-    @njit(parallel=True, cache=True, fastmath={"contract"})
+    @kernel_of(TileKind(kind).name, parallel=True, fastmath={"contract"})
     def matmul(data, base, col_tiles, tile_bytes, groups, x, out):
         for p in prange(groups):
             acc = carray(_stack_f32(ROWS), ROWS)
