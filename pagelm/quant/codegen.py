@@ -1,5 +1,5 @@
-"""Code generation helpers the numba kernels share: function attributes, prefetch hints, stack
-buffers kept in registers, and the fp16 table. No kernel of its own."""
+"""Code generation helpers the numba kernels share: the decorator of per-type kernels, function
+attributes, prefetch hints, stack buffers kept in registers, and the fp16 table. No kernel of its own."""
 
 import numpy as np
 from llvmlite import ir
@@ -7,14 +7,15 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+
 def kernel_of(name: str, **options):
     """njit(cache=True, **options) for a kernel a factory makes once per block type (or tile kind), named
     after `name` (its __qualname__ gets "_name"). Each type's kernel is a closure of the same code and
     name, and numba names compiled symbols by the function's name and a per-process counter: two types
     compiled in two processes could get the same symbol, and a process that loaded both from numba's
     cache then found one type's code at the other's address (numba looks a first-class function's and
-    a dispatcher's entry up by symbol name): a Gemma 3 decode whose Q8_0 kernels SmolLM2's process had
-    cached gave NaN logits. Named per type, each also keeps a cache index of its own."""
+    a dispatcher's entry up by symbol name): a Gemma 3 decode after a SmolLM2 process had filled the
+    cache gave NaN logits. Named per type, each also keeps a cache index of its own."""
 
     def wrap(fn):
         fn.__qualname__, fn.__name__ = f"{fn.__qualname__}_{name}", f"{fn.__name__}_{name}"
