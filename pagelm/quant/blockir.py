@@ -422,6 +422,43 @@ def _q4_floats(typingctx, kind, data, at, d, m, w):
     return types.void(kind, data, at, d, m, w), codegen
 
 
+def _permvar32(builder):
+    """vpermi2ps: lane l of the result is lane (index l & 31) of the two tables, the first's lanes 0-15."""
+    return cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_V16F, [_V16F, ir.VectorType(_I32, 16), _V16F]),
+        "llvm.x86.avx512.vpermi2var.ps.512")
+
+
+@intrinsic
+def _q5_floats(typingctx, kind, data, at, qh, d, m, w):
+    """w[0:32] = _values32's values of the Q5_0 / Q5_1 block (`kind`, a constant) whose 16 quant
+    bytes start at data[at] and whose fifth bits are uint32 qh, each picked by its 5 bits from the
+    block's 32 possible floats (AVX-512 vpermi2ps, which reads the low 5 bits of each index; the
+    fifth bit set through a mask of qh's bits): (q - 16) · d, or fma(q, d, m), the bits of q · d + m
+    since q · d is exact in float32 (5 bits times an 11-bit half)."""
+    if not _literals(kind):
+        return None
+
+    def codegen(context, builder, signature, args):
+        t, arrty, (data, at, qh, d, m) = kind.literal_value, signature.args[1], args[1:6]
+        v16i, mask16 = ir.VectorType(_I32, 16), ir.VectorType(ir.IntType(1), 16)
+        if t == _Q5_0_T:
+            tables = [builder.fmul(_iota16(offset), _splat_f32(builder, d)) for offset in (-16, 0)]
+        else:
+            tables = [builder.call(_fma16(builder), [_iota16(offset), _splat_f32(builder, d), _splat_f32(builder, m)])
+                      for offset in (0, 16)]
+        index = builder.zext(_bytes_at(context, builder, arrty, data, at, 16), v16i)
+        nibbles = (builder.and_(index, ir.Constant(v16i, [15] * 16)), builder.lshr(index, ir.Constant(v16i, [4] * 16)))
+        pick = _permvar32(builder)
+        for h, nibble in enumerate(nibbles):
+            fifth = builder.bitcast(builder.trunc(builder.lshr(qh, qh.type(16 * h)), ir.IntType(16)), mask16)
+            full = builder.select(fifth, builder.or_(nibble, ir.Constant(v16i, [16] * 16)), nibble)
+            builder.store(builder.call(pick, [tables[0], full, tables[1]]), _vector(builder, args[6], h), align=4)
+        return context.get_dummy_value()
+
+    return types.void(kind, data, at, qh, d, m, w), codegen
+
+
 @intrinsic
 def _q6k_floats(typingctx, values, scales, w):
     """w[16g + j] = int8 values[16g + j] · scales[g] for g < 16, j < 16 (a Q6_K block's 256 values

@@ -20,6 +20,7 @@ from pagelm.quant.blockir import (
     _k4_scales,
     _q4_floats,
     _q4k_floats,
+    _q5_floats,
     _q5_values,
     _q6k_scales16,
     _q6k_values,
@@ -360,8 +361,9 @@ def _unpack(kind, data, o, f16, w, q6, s6):
     32-value quants are unpacked in vector ops (blockir._values32), a Q6_K block's values and scales
     too (q6, s6: its bytes and scales, on the stack); Q4_K/Q5_K decode the 16 scales and mins of the
     block in one byte-vector op (blockir._k4_scales); under AVX-512 each Q4_0 / Q4_1 value is picked
-    from its block's 16 possible floats (blockir._q4_floats) and each Q4_K value from its group's 16
-    (blockir._q4k_floats), otherwise both nibbles of each byte are taken at once."""
+    from its block's 16 possible floats (blockir._q4_floats), each Q5_0 / Q5_1 value from its block's
+    32 (blockir._q5_floats) and each Q4_K value from its group's 16 (blockir._q4k_floats), otherwise
+    both nibbles of each byte are taken at once."""
     if kind == _Q4_K and _PAIRS:  # AVX-512: each value picked from its group's 16
         _q4k_floats(data, o, _k4_scales_at(data, o, f16), w)
     elif kind == _Q4_K or kind == _Q5_K:
@@ -382,7 +384,10 @@ def _unpack(kind, data, o, f16, w, q6, s6):
     elif kind == _Q5_0 or kind == _Q5_1:
         qh = o + 2 if kind == _Q5_0 else o + 4
         m = _half(f16, data, o + 2) if kind == _Q5_1 else np.float32(0)
-        _values32(kind, data, qh + 4, _load(data, qh, np.uint32), _half(f16, data, o), m, w)
+        if _PAIRS:  # AVX-512: each value picked from the block's 32
+            _q5_floats(kind, data, qh + 4, _load(data, qh, np.uint32), _half(f16, data, o), m, w)
+        else:
+            _values32(kind, data, qh + 4, _load(data, qh, np.uint32), _half(f16, data, o), m, w)
     else:  # Q8_0, Q4_0, Q4_1
         at = o + 4 if kind == _Q4_1 else o + 2
         m = _half(f16, data, o + 2) if kind == _Q4_1 else np.float32(0)
