@@ -365,7 +365,9 @@ def _unpack(kind, data, o, f16, w, q6, s6):
     32 (blockir._q5_floats) and each Q4_K value from its group's 16 (blockir._q4k_floats), otherwise
     both nibbles of each byte are taken at once."""
     if kind == _Q4_K and _PAIRS:  # AVX-512: each value picked from its group's 16
-        _q4k_floats(data, o, _k4_scales_at(data, o, f16), w)
+        # the scales and mins read back from memory (codegen._opaque): each group's two are a broadcast
+        # load and an FMA's broadcast operand, not ~2.5 shuffles on the pipes the picks need
+        _q4k_floats(data, o, _opaque(_k4_scales_at(data, o, f16)), w)
     elif kind == _Q4_K or kind == _Q5_K:
         sm = _k4_block_scales(data, o, f16)
         wa = carray(w, 256)
