@@ -380,7 +380,12 @@ def _unpack(kind, data, o, f16, w, q6, s6):
     elif kind == _Q6_K:
         _q6k_values(data, o, q6)
         _q6k_scales16(data, o + 192, _half(f16, data, o + 208), s6)
-        _q6k_floats(q6, s6, w)
+        if _PAIRS:  # AVX-512: read back from memory (codegen._opaque), each 16 values a sign-extending load
+            # and a multiply by a broadcast operand, where LLVM kept the block in registers and split it and
+            # the scales apart with ~2 shuffles a 16 values (under AVX2 a few % slower)
+            _q6k_floats(_opaque(q6), _opaque(s6), w)
+        else:
+            _q6k_floats(q6, s6, w)
     elif _is_float(kind):
         _values32(kind, data, o, np.uint32(0), np.float32(0), np.float32(0), w)
     elif kind == _Q5_0 or kind == _Q5_1:
