@@ -18,9 +18,9 @@ from numba.extending import intrinsic
 
 from pagelm.quant.blockir import _acc_vectors, _acc_zero, _fma16, _splat_f32, _vector
 from pagelm.quant.codegen import _wide_vectors
-from pagelm.quant.matmul import _PAIRS
+from pagelm.quant.matmul import _AVX512
 
-CHAINS = 12 if _PAIRS else 5  # _PAIRS: the kernels compile for AVX-512
+CHAINS = 12 if _AVX512 else 5
 LANES = 16
 
 

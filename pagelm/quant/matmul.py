@@ -68,11 +68,12 @@ def _compiles_avx512() -> bool:
     return "+avx512f" in features.split(",")
 
 
-# Under AVX-512 a pass over several rows of x goes over two rows of W at once (blockir._fma_rows'
+# Whether the kernels compile for AVX-512: they then pick 4- and 5-bit values from tables (vpermps,
+# vpermi2ps), and a pass over several rows of x goes over two rows of W at once (blockir._fma_rows'
 # pair), so that each vector of x loaded serves two FMAs: 4 rows of x keep 16 accumulators, 2 vectors
 # of 16 lanes a row (a 256-value block runs through them 8 times, 32 values a time). AVX2's 16
 # registers hold no pair beside the block's values: one row of W, 2 rows of x.
-_PAIRS = _compiles_avx512()
+_AVX512 = _compiles_avx512()
 
 
 # --- loads --------------------------------------------------------------------------
@@ -364,9 +365,9 @@ def _unpack(kind, data, o, f16, w, q6, s6):
     from its block's 16 possible floats (blockir._q4_floats), each Q5_0 / Q5_1 value from its block's
     32 (blockir._q5_floats) and each Q4_K value from its group's 16 (blockir._q4k_floats), otherwise
     both nibbles of each byte are taken at once."""
-    if kind == _Q4_K and _PAIRS:  # AVX-512: each value picked from its group's 16
+    if kind == _Q4_K and _AVX512:  # each value picked from its group's 16
         # the scales and mins read back from memory (codegen._opaque): each group's two are a broadcast
-        # load and an FMA's broadcast operand, not ~2.5 shuffles on the pipes the picks need
+        # load and an FMA's broadcast operand, not ~4 shuffles on the pipes the picks need
         _q4k_floats(data, o, _opaque(_k4_scales_at(data, o, f16)), w)
     elif kind == _Q4_K or kind == _Q5_K:
         sm = _k4_block_scales(data, o, f16)
@@ -380,9 +381,9 @@ def _unpack(kind, data, o, f16, w, q6, s6):
     elif kind == _Q6_K:
         _q6k_values(data, o, q6)
         _q6k_scales16(data, o + 192, _half(f16, data, o + 208), s6)
-        if _PAIRS:  # AVX-512: read back from memory (codegen._opaque), each 16 values a sign-extending load
-            # and a multiply by a broadcast operand, where LLVM kept the block in registers and split it and
-            # the scales apart with ~2 shuffles a 16 values (under AVX2 a few % slower)
+        if _AVX512:  # read back from memory (codegen._opaque), each 16 values a sign-extending load and a
+            # multiply by a broadcast operand, where LLVM kept the block in registers and split it and the
+            # scales apart with ~2.5 shuffles a 16 values (under AVX2, emulated, no faster)
             _q6k_floats(_opaque(q6), _opaque(s6), w)
         else:
             _q6k_floats(q6, s6, w)
@@ -391,14 +392,14 @@ def _unpack(kind, data, o, f16, w, q6, s6):
     elif kind == _Q5_0 or kind == _Q5_1:
         qh = o + 2 if kind == _Q5_0 else o + 4
         m = _half(f16, data, o + 2) if kind == _Q5_1 else np.float32(0)
-        if _PAIRS:  # AVX-512: each value picked from the block's 32
+        if _AVX512:  # each value picked from the block's 32
             _q5_floats(kind, data, qh + 4, _load(data, qh, np.uint32), _half(f16, data, o), m, w)
         else:
             _values32(kind, data, qh + 4, _load(data, qh, np.uint32), _half(f16, data, o), m, w)
     else:  # Q8_0, Q4_0, Q4_1
         at = o + 4 if kind == _Q4_1 else o + 2
         m = _half(f16, data, o + 2) if kind == _Q4_1 else np.float32(0)
-        if kind != _Q8_0 and _PAIRS:  # AVX-512: each value picked from the block's 16
+        if kind != _Q8_0 and _AVX512:  # each value picked from the block's 16
             _q4_floats(kind, data, at, _half(f16, data, o), m, w)
         else:
             _values32(kind, data, at, np.uint32(0), _half(f16, data, o), m, w)
@@ -447,10 +448,10 @@ def _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, n
               acc, acc, w, w, q6, s6)
 
 
-# Rows of W a pass of _gemv_rows: 2 under AVX-512, 1 under AVX2 (_PAIRS); and of a tile, which every
+# Rows of W a pass of _gemv_rows: 2 under AVX-512, 1 under AVX2; and of a tile, which every
 # group of rows of x passes over in turn (16 rows of 1,024 Q8_0 values: 17 KiB; tiles of 8 and 32 rows
 # measured no faster at 8 rows of x, bench/matmul.py).
-_W_ROWS = 2 if _PAIRS else 1
+_W_ROWS = 2 if _AVX512 else 1
 _TILE = 16
 
 
@@ -474,13 +475,13 @@ def _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, f16, out, lo, r0, r
                 r2 = min(r + _W_ROWS - 1, t1 - 1)
                 row, hint = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
                 row2, hint2 = _row_at(offs, stride, r2), _row_ahead(offs, stride, rows, r2, ahead)
-                if _PAIRS and n - i0 > 2:
+                if _AVX512 and n - i0 > 2:
                     _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 4, _W_ROWS, f16, out,
                           lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
                 else:
                     _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 2, _W_ROWS, f16, out,
                           lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
-            i0 += 4 if _PAIRS and n - i0 > 2 else 2
+            i0 += 4 if _AVX512 and n - i0 > 2 else 2
 
 
 def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
