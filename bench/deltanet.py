@@ -21,9 +21,9 @@ import time
 import numpy as np
 import torch
 
-from pagelm import threads
+from pagelm.runtime import threads
 from pagelm.models.delta_rule import deltanet_tokens
-from pagelm.synth import SHAPES
+from pagelm.tools.synth import SHAPES
 
 sys.path.insert(0, os.path.dirname(__file__))
 from head import median_ms  # noqa: E402

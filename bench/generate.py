@@ -41,7 +41,7 @@ def pagelm_worker(path: str, mode: str, dtype: str, prompt_tokens: int, new_toke
     from pagelm.measure.memory import read_memory
     from pagelm.bench.batch import timed
     from pagelm.quant import kernels, matmul
-    from pagelm.sampling import SamplingParams
+    from pagelm.engine.sampling import SamplingParams
     from pagelm.weights import linear
 
     kernels.warmup()
@@ -205,7 +205,7 @@ def main(doc: str = __doc__, default_shapes=("qwen3.5-0.8b",), default_models=()
     print("| model | runtime | embedding/weights | load s | load adds MiB | TTFT s | prompt tok/s | decode tok/s "
           "| decode ms/token: matmuls + head + rest | anon MiB after | peak RSS MiB |")
     print("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|")
-    from pagelm import store
+    from pagelm.sources import store
 
     targets = [(f"{shape}{' ' + args.mix if args.mix else ''}", ensure_model(shape, args.models_dir, args.mix))
                for shape in args.shapes]

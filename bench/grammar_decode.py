@@ -2,7 +2,7 @@
 unconstrained and constrained, alternating, --runs times: by bench/grammar_mask.py's JSON schema,
 or (`--grammar tool-call`) by the grammar of a forced call to a weather tool in Qwen3.5's XML form.
 Per-token time is the decode loop's (first token to last) over the tokens after the first; the
-mask time is pagelm.grammar.Matcher's mask + accept alone.
+mask time is pagelm.chat.grammar.Matcher's mask + accept alone.
 
     .venv/bin/python bench/grammar_decode.py [MODEL.gguf] [--tokens 64] [--runs 5] [--grammar json|tool-call]
 
@@ -22,8 +22,8 @@ from grammar_mask import SCHEMA
 
 from pagelm.chat.model import ChatModel
 from pagelm.chat.tools import QwenXmlFormat, Tool
-from pagelm.grammar import Grammar, Matcher
-from pagelm.sampling import SamplingParams
+from pagelm.chat.grammar import Grammar, Matcher
+from pagelm.engine.sampling import SamplingParams
 
 
 WEATHER = Tool("get_weather", "Weather forecast for a city", {

@@ -24,7 +24,7 @@ import numpy as np
 
 from pagelm.chat.tokenizer import Tokenizer
 from pagelm.formats.gguf import GGUFFile
-from pagelm.grammar import JSON_OPTIONS, token_bytes
+from pagelm.chat.grammar import JSON_OPTIONS, token_bytes
 
 SCHEMA = {
     "type": "object",
@@ -72,7 +72,7 @@ def _bit(bits: np.ndarray):
 def llguidance_run(tokenizer: Tokenizer, ids: list[int], passes: int) -> dict:
     import llguidance
 
-    from pagelm.grammar import ll_tokenizer
+    from pagelm.chat.grammar import ll_tokenizer
 
     start = time.perf_counter()
     lltok = ll_tokenizer(tokenizer)

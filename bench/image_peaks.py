@@ -13,7 +13,7 @@ import argparse
 import time
 
 import pagelm
-from pagelm import heap
+from pagelm.runtime import heap
 from pagelm.bench.inputs import MIB, model_path, tower_path
 from pagelm.bench.vision import WARMUP, photo_jpeg
 from pagelm.measure.memory import read_memory
@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("width", type=int)
     parser.add_argument("height", type=int)
     parser.add_argument("--glibc-default", action="store_true",
-                        help="keep glibc's moving mmap threshold (skip pagelm.heap.map_large_blocks): the old peaks")
+                        help="keep glibc's moving mmap threshold (skip pagelm.runtime.heap.map_large_blocks): the old peaks")
     args = parser.parse_args()
     if args.glibc_default:
         heap.map_large_blocks = lambda: False

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import pagelm
-from pagelm import store
+from pagelm.sources import store
 from pagelm.quant.types import as_ggml_type, row_nbytes
 from pagelm.weights.linear import MappedLinear, RowGroup, tile_rows
 

@@ -5,19 +5,18 @@ __version__ = "0.1.0"
 
 def load(path: str, embedding: str = "mapped", weights: str = "mapped", dtype: str = "bfloat16",
          device: str = "cpu", threads: int | None = None, mmproj: str | None = None):
-    """Open a GGUF model for generation (`pagelm.engine.Model`). "mapped" (default) serves token rows
+    """Open a GGUF model for generation (`pagelm.engine.model.Model`). "mapped" (default) serves token rows
     and computes every layer from the file's quantized bytes; `embedding="dense"` / `weights="dense"`
     unpack the token table / the layer matrices into memory the old way. `threads` (default: the
     CPUs this process may use) sets torch's and the kernels' thread count. `mmproj`: a Qwen3.5
     model's vision tower (default: one found beside the model). `path` may also be a Hugging Face
     Hub name, hf.co/USER/REPO[:QUANT][@REVISION]: used from the Hub's cache, pulled first if needed."""
-    from pagelm.engine import Model  # torch loads only when a model does
-    from pagelm.store import hub_name
+    from pagelm.engine.load import load_model  # torch loads only when a model does
+    from pagelm.sources.hub import locate
+    from pagelm.sources.store import hub_name
 
     if hub_name(path) is not None:
-        from pagelm.hub import locate
-
         located = locate(path)
         path, mmproj = str(located.path), mmproj or (str(located.tower) if located.tower else None)
-    return Model(path, embedding=embedding, weights=weights, dtype=dtype, device=device, threads=threads,
-                 mmproj=mmproj)
+    return load_model(path, embedding=embedding, weights=weights, dtype=dtype, device=device, threads=threads,
+                      mmproj=mmproj)

@@ -6,7 +6,7 @@ import os
 import pytest
 from hypothesis import settings
 
-from pagelm import store
+from pagelm.sources import store
 
 # Property tests bound their work (example counts), not their time: a per-example deadline fails
 # on a loaded or slow machine (CI) for no fault of the code.
@@ -41,7 +41,7 @@ def gemma3_gguf() -> str:
 @pytest.fixture(scope="session")
 def qwen35_chat_gguf(tmp_path_factory) -> str:
     """A synthetic Qwen3.5 with tiny layers and the real vocabulary, tokenizer and chat template."""
-    from pagelm.synth import SHAPES, write_model
+    from pagelm.tools.synth import SHAPES, write_model
 
     path = tmp_path_factory.mktemp("qwen35-chat") / "qwen3.5-tiny-chat.gguf"
     write_model(str(path), SHAPES["qwen3.5-tiny-chat"], seed=0, name="synthetic qwen3.5-tiny-chat")

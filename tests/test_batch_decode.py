@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import pagelm
-from pagelm.batch import MAX_BATCH, Request, generate_batch
+from pagelm.engine.batch import MAX_BATCH, Request, generate_batch
 from pagelm.errors import PagelmError
 from pagelm.quant import int8dot
-from pagelm.sampling import SamplingParams
+from pagelm.engine.sampling import SamplingParams
 
 PROMPTS = [[11, 400, 7, 3000, 12], [5, 9, 33, 2, 1000, 17, 250, 8, 44, 61, 90, 3], [77], [300, 301, 302, 303, 4, 5, 6]]
 

@@ -62,7 +62,8 @@ def test_synth_without_embedding_only_says_why():
 def test_synth_mmproj_writes_the_tower_alone(tmp_path):
     from dataclasses import replace
 
-    from pagelm.vision import SHAPES, VisionConfig
+    from pagelm.tools.synth_tower import SHAPES
+    from pagelm.vision import VisionConfig
     from pagelm.weights.loader import WeightLoader
 
     path = str(tmp_path / "mmproj.gguf")
@@ -144,10 +145,10 @@ def test_synth_format_hf_writes_the_same_model_as_a_directory(tmp_path):
     assert sorted(os.listdir(directory)) == ["chat_template.jinja", "config.json", "generation_config.json",
                                              "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert not os.path.exists(directory + ".gguf.part")
-    from pagelm.engine import Model
+    from pagelm.engine.load import load_model
 
     ids = list(range(100, 140))
-    a, b = Model(gguf).session(64).prefill(ids), Model(directory).session(64).prefill(ids)
+    a, b = load_model(gguf).session(64).prefill(ids), load_model(directory).session(64).prefill(ids)
     assert np.array_equal(a, b)
     env = {**os.environ, "PAGELM_HOME": str(tmp_path / "home")}
     run = lambda *args: subprocess.run([sys.executable, "-m", "pagelm", *args], capture_output=True, text=True, env=env)

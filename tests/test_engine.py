@@ -9,7 +9,7 @@ import pytest
 
 import pagelm
 from pagelm.errors import PagelmError
-from pagelm.sampling import SamplingParams
+from pagelm.engine.sampling import SamplingParams
 
 PROMPT = [11, 400, 7, 3000, 12, 12, 99, 1024, 5, 77, 2048, 13]
 

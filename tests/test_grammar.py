@@ -1,4 +1,4 @@
-"""Constrained decoding (pagelm.grammar over llguidance): compile errors, the masks, the reasoning
+"""Constrained decoding (pagelm.chat.grammar over llguidance): compile errors, the masks, the reasoning
 left free, and answers that parse and validate on the real SmolLM2 and the random-weight Qwen3.5."""
 
 import itertools
@@ -18,8 +18,8 @@ from pagelm.chat.model import ChatModel
 from pagelm.chat.tokenizer import Tokenizer
 from pagelm.errors import PagelmError
 from pagelm.formats.gguf import GGUFFile
-from pagelm.grammar import JSON_OPTIONS, MAX_GRAMMAR_BYTES, Grammar, GrammarError, token_bytes
-from pagelm.sampling import Sampler, SamplingParams
+from pagelm.chat.grammar import JSON_OPTIONS, MAX_GRAMMAR_BYTES, Grammar, GrammarError, token_bytes
+from pagelm.engine.sampling import Sampler, SamplingParams
 
 # Every string, number and array bounded: a random-weight model ends it within max_tokens only
 # because the grammar forces the closing quote / bracket at the bound (see docs/results.md).

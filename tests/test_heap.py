@@ -1,4 +1,4 @@
-"""pagelm.heap in fresh processes: temporaries reused from the heap, not faulted in again, and
+"""pagelm.runtime.heap in fresh processes: temporaries reused from the heap, not faulted in again, and
 given back by trim."""
 
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pagelm import heap
+from pagelm.runtime import heap
 
 pytestmark = pytest.mark.skipif(heap._libc() is None, reason="glibc's mallopt and malloc_trim")
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(heap._libc() is None, reason="glibc's mallopt an
 # and trimmed; prints the page faults the loop took and the anonymous MiB held before and after trim
 _SCRIPT = """
 import resource, sys, torch
-from pagelm import heap
+from pagelm.runtime import heap
 from pagelm.measure.memory import MIB, read_memory
 if sys.argv[1] == "heap":
     assert heap.map_large_blocks()

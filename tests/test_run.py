@@ -78,7 +78,7 @@ def test_images_join_the_prompt_one_shot_and_in_the_repl(qwen35_chat_gguf, tmp_p
 
     from PIL import Image
 
-    from pagelm.vision import SHAPES, write_mmproj
+    from pagelm.tools.synth_tower import SHAPES, write_mmproj
 
     tower, image, bad = tmp_path / "tower.gguf", tmp_path / "square.png", tmp_path / "bad.png"
     write_mmproj(str(tower), SHAPES["qwen3.5-tiny-chat"])

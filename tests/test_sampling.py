@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pagelm.errors import PagelmError
-from pagelm.sampling import Sampler, SamplingParams
+from pagelm.engine.sampling import Sampler, SamplingParams
 
 
 def _draws(params, logits, n=4000, seen=None):

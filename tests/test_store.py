@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from pagelm import store
+from pagelm.sources import store
 from pagelm.errors import PagelmError
 
 

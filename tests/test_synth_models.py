@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pagelm.quant.types import GGMLType, row_nbytes
-from pagelm.synth import (
+from pagelm.tools.synth import (
     LAYER_TYPES,
     MIXES,
     SHAPES,
@@ -225,7 +225,7 @@ def test_mix_q4_k_m_file_has_the_types_and_values(q4_k_m_file):
 def test_mix_q4_k_m_model_loads_and_generates(q4_k_m_file, weights):
     pytest.importorskip("torch")
     import pagelm
-    from pagelm.sampling import SamplingParams
+    from pagelm.engine.sampling import SamplingParams
 
     model = pagelm.load(q4_k_m_file, weights=weights, dtype="float32")
     session = model.session(64)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pagelm.errors import PagelmError, UnsupportedError
 from pagelm.formats.gguf import GGUFFile, TensorToWrite, write_gguf
 from pagelm.quant.types import GGMLType, row_nbytes
-from pagelm.synth import SYNTH_TYPES, Qwen35Shape, random_rows, write_embedding_model
+from pagelm.tools.synth import SYNTH_TYPES, Qwen35Shape, random_rows, write_embedding_model
 from pagelm.weights import DenseTable, MappedRows, MappedTensor, OutputHead, load_token_embedding, page_spans
 
 PAGE = mmap.PAGESIZE

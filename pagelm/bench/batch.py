@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagelm import heap
+from pagelm.runtime import heap
 from pagelm.bench.fma_peak import fma_peak_gflops
 from pagelm.bench.report import Panel, bar_chart, markdown_table
 from pagelm.measure.memory import MIB, read_memory

@@ -136,7 +136,7 @@ def _perplexity(args: argparse.Namespace) -> int:
 
 
 def _sizes(value: str) -> list[int]:
-    from pagelm.batch import MAX_BATCH
+    from pagelm.engine.batch import MAX_BATCH
 
     try:
         sizes = [int(part) for part in value.split(",")]

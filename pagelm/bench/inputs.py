@@ -24,7 +24,7 @@ _SYLLABLES = ("ka", "lo", "mi", "te", "ru", "sa", "no", "vi", "pe", "da", "zu", 
 
 
 def synthetic_shapes() -> list[str]:
-    from pagelm.synth import SHAPES
+    from pagelm.tools.synth import SHAPES
 
     return [name for name, shape in SHAPES.items() if shape.full]
 
@@ -42,7 +42,7 @@ def _synth(name: str, path: str, *flags: str) -> None:
 def model_path(name: str, models_dir: str = DEFAULT_MODELS_DIR) -> str:
     """A .gguf path for a synthetic shape (written to MODELS_DIR/SHAPE-q8_0.gguf with `pagelm synth`
     when missing), a store or Hub name (pulled when missing) or an existing .gguf path."""
-    from pagelm import store
+    from pagelm.sources import store
 
     if name in synthetic_shapes():
         path = os.path.join(models_dir, f"{name}-q8_0.gguf")
@@ -63,7 +63,7 @@ def tower_path(name: str, models_dir: str = DEFAULT_MODELS_DIR) -> str | None:
     """The vision tower of a synthetic Qwen3.5 shape (written to MODELS_DIR/SHAPE-tower.gguf with
     `pagelm synth --mmproj` when missing), for the benchmarks that send images; None for any other
     model. Not named mmproj*.gguf, so the other benchmarks' servers do not find it beside the models."""
-    from pagelm.vision import SHAPES as TOWERS
+    from pagelm.tools.synth_tower import SHAPES as TOWERS
 
     if name not in TOWERS or name not in synthetic_shapes():
         return None

@@ -67,7 +67,7 @@ def prefill_nll(model, ids: Sequence[int], progress: bool = True) -> np.ndarray:
     import torch
     from tqdm import tqdm
 
-    from pagelm import threads
+    from pagelm.runtime import threads
 
     ids = np.asarray(ids, dtype=np.int64)
     cap = _softcap(model)

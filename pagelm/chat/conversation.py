@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 from pagelm.chat.reasoning import ReasoningSplitter
 from pagelm.chat.template import ChatTemplate
 from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
-from pagelm.engine import Model
+from pagelm.engine.model import Model
 from pagelm.errors import PagelmError
-from pagelm.sampling import SamplingParams
+from pagelm.engine.sampling import SamplingParams
 from pagelm.vision.inputs import ExpandedPrompt, ImageInput, expand_images
 
 if TYPE_CHECKING:
-    from pagelm.grammar import Grammar
+    from pagelm.chat.grammar import Grammar
 
 
 @dataclass

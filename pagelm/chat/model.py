@@ -24,8 +24,9 @@ from pagelm.chat.boundaries import MessageEnds
 from pagelm.chat.template import ChatTemplate
 from pagelm.chat.tokenizer import Tokenizer
 from pagelm.chat.tools import Tool, ToolCallStream, ToolFormat, tool_format
-from pagelm.engine import DEFAULT_IMAGE_CACHE_MIB, Model
-from pagelm import heap
+from pagelm.engine.load import load_model
+from pagelm.engine.model import DEFAULT_IMAGE_CACHE_MIB, Model
+from pagelm.runtime import heap
 from pagelm.errors import PagelmError
 from pagelm.measure.memory import read_memory
 from pagelm.vision.inputs import ImageInput, PlacedImage, expand_images, prepare_image
@@ -82,8 +83,8 @@ class ChatModel:
             raise PagelmError(f"image token bounds {image_tokens[0]}..{image_tokens[1]}: expected 1 <= min <= max")
         path = Path(path)
         name = name or (path.name if path.is_dir() else path.stem)
-        model = Model(str(path), embedding=embedding, weights=weights, dtype=dtype, threads=threads, mmproj=mmproj,
-                      image_cache_mib=image_cache_mib)
+        model = load_model(str(path), embedding=embedding, weights=weights, dtype=dtype, threads=threads, mmproj=mmproj,
+                           image_cache_mib=image_cache_mib)
         before = read_memory().anonymous
         tokenizer = Tokenizer.open(model.file)
         heap.trim()

@@ -35,7 +35,7 @@ from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
-from pagelm import heap
+from pagelm.runtime import heap
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.formats.gguf import _U64, GGUFArray, GGUFFile, GGUFValueType, _skip_strings
 
@@ -75,7 +75,7 @@ def default_cache_dir() -> str:
 
 
 @lru_cache(maxsize=1)
-def _byte_alphabet() -> tuple[dict[int, str], frozenset[str]]:
+def byte_alphabet() -> tuple[dict[int, str], frozenset[str]]:
     """GPT-2's byte -> printable character map, and its set of characters."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     chars, n = {}, 0
@@ -343,7 +343,7 @@ class _ByteBPE:
             pos += 8 + unpack(region, pos)[0]
         starts.append(pos)
         self._starts = starts
-        spelling, _ = _byte_alphabet()
+        spelling, _ = byte_alphabet()
 
         # Token ids by spelled token (HF's vocab: a token stored outside the byte alphabet is
         # spelled as its UTF-8 bytes). A spelling that occurs twice: left to HF.
@@ -726,7 +726,7 @@ def _build_gpt2(model: GGUFFile, tokens: list[str], types, pre: str):
             raise ModelFormatError(f"{model.name}: metadata key 'tokenizer.ggml.merges' element {i} is {m!r}, "
                                    f"expected two tokens separated by a space")
         merges.append((left, right))
-    spelling, alphabet = _byte_alphabet()
+    spelling, alphabet = byte_alphabet()
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         if not alphabet.issuperset(t):  # stored as text, not in the byte alphabet (e.g. a control token)

@@ -10,6 +10,7 @@ ARCHITECTURES = {
     "llama": ("pagelm.models.llama", "LlamaConfig", "LlamaModel"),
     "gemma3": ("pagelm.models.gemma3", "Gemma3Config", "Gemma3Model"),
 }
+VISION_ARCHITECTURES = ("qwen35",)  # the models whose image tokens a vision tower (mmproj) makes
 # a Hugging Face config.json's model_type -> the architecture
 HF_MODEL_TYPES = {
     "qwen3_5": "qwen35", "qwen3_5_text": "qwen35",

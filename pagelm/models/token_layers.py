@@ -20,7 +20,7 @@ from pagelm.models.norms import _rms_rows
 from pagelm.models.token_ops import TokenStep, _attend, _rope, gated_rows
 from pagelm.quant.codegen import _F16_TO_F32
 from pagelm.quant.matmul import gemv_kernels, readonly
-from pagelm.threads import kernel_threads
+from pagelm.runtime.threads import kernel_threads
 from pagelm.weights.linear import MappedLinear, RowGroup
 
 _ROWS = types.Array(types.float32, 2, "C")

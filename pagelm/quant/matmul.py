@@ -11,7 +11,7 @@ from numba import carray, njit, prange, types
 from numba.extending import intrinsic, overload
 
 from pagelm.errors import ModelFormatError, UnsupportedError
-from pagelm.threads import kernel_threads
+from pagelm.runtime.threads import kernel_threads
 from pagelm.quant.blockir import (
     _acc_store,
     _acc_vectors,

@@ -28,9 +28,9 @@ from starlette.routing import Route
 from pagelm.chat.model import ChatModel, Prompt
 from pagelm.chat.tools import PlainStream, Tool, ToolCallStream, ToolFormat
 from pagelm.errors import ImageError, PagelmError
-from pagelm.grammar import Grammar, GrammarError
+from pagelm.chat.grammar import Grammar, GrammarError
 from pagelm.measure.memory import read_memory
-from pagelm.sampling import SamplingParams
+from pagelm.engine.sampling import SamplingParams
 from pagelm.serve.metrics import prometheus as histogram_lines
 from pagelm.serve.prefix_cache import PrefixCache
 from pagelm.serve.requests import RequestError, request_id

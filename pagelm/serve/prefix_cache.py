@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from pagelm.engine import Session
+from pagelm.engine.session import Session
 from pagelm.models.decoder import nbytes
 
 

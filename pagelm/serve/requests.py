@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from pagelm.chat.tools import Tool
-from pagelm.sampling import SamplingParams
+from pagelm.engine.sampling import SamplingParams
 
 MAX_IMAGE_BYTES = 20 << 20
 MAX_IMAGES = 16  # per request

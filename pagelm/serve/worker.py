@@ -9,7 +9,7 @@ request again), stop strings and the reasoning split. HTTP shapes belong to the 
 
 Answers do not depend on the load: a prompt is also cut every `prefill_chunk` tokens counted from
 its start, the same places whatever else runs, and a decode step gives each sequence bit for bit
-the logits it would get alone (`pagelm.batch.decode_batch`). With one slot, prompts are not
+the logits it would get alone (`pagelm.engine.batch.decode_batch`). With one slot, prompts are not
 chunked: today's arithmetic. While other slots decode, a segment of a long prompt is computed a few
 layers per step (`Session.prefill_layers`), about as long as the step's decode took, so that a long
 prompt arriving slows the running streams' tokens by a bounded factor; where a segment pauses
@@ -40,15 +40,16 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pagelm import heap
-from pagelm.batch import MAX_BATCH, Chooser, decode_batch
+from pagelm.runtime import heap
+from pagelm.engine.batch import MAX_BATCH, decode_batch
 from pagelm.chat.model import Prompt
 from pagelm.chat.reasoning import ReasoningSplitter
 from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
-from pagelm.engine import Model, Session
+from pagelm.engine.model import Model
+from pagelm.engine.session import Chooser, Session
 from pagelm.errors import PagelmError
-from pagelm.grammar import Grammar
-from pagelm.sampling import SamplingParams
+from pagelm.chat.grammar import Grammar
+from pagelm.engine.sampling import SamplingParams
 from pagelm.serve.metrics import EngineHistograms
 from pagelm.serve.prefix_cache import Checkpoint, PrefixCache
 

@@ -13,8 +13,8 @@ from PIL import Image
 from pagelm.chat.conversation import Conversation
 from pagelm.chat.model import ChatModel
 from pagelm.errors import ImageError, PagelmError
-from pagelm.sampling import SamplingParams
-from pagelm.vision import SHAPES, write_mmproj
+from pagelm.engine.sampling import SamplingParams
+from pagelm.tools.synth_tower import SHAPES, write_mmproj
 from pagelm.vision.inputs import IMAGE_PAD, VISION_END, VISION_START
 
 IM_START = 248_045

@@ -281,9 +281,9 @@ def test_vocabularies_compact_cannot_take_fall_back(tmp_path):
     """A byte-level vocabulary _ByteBPE cannot reproduce HF on goes to HF tokenizers: here every
     byte has a token, but one spelling occurs twice (HF keeps the later id for it)."""
     strings = lambda items: Typed(GGUFValueType.ARRAY, (GGUFValueType.STRING, items))  # noqa: E731
-    from pagelm.chat.tokenizer import _byte_alphabet
+    from pagelm.chat.tokenizer import byte_alphabet
 
-    chars = [_byte_alphabet()[0][b] for b in range(256)]
+    chars = [byte_alphabet()[0][b] for b in range(256)]
     base = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen35",
             "tokenizer.ggml.merges": strings(["a b", "Ġ ab"])}
     with _write(tmp_path / "ok.gguf", {**base, "tokenizer.ggml.tokens": strings(chars + ["ab", "Ġab"])}) as model:
@@ -317,7 +317,7 @@ def test_real_files_match_transformers(request, cache_dir, fixture, transformers
 
 
 def test_synthetic_vocabulary_metadata():
-    from pagelm.synth import QWEN35_VOCAB, tokenizer_metadata
+    from pagelm.tools.synth import QWEN35_VOCAB, tokenizer_metadata
 
     assert tokenizer_metadata(4096) == {"tokenizer.ggml.model": "none"}  # tiny shapes: token ids only
     md = tokenizer_metadata(QWEN35_VOCAB)

@@ -13,7 +13,7 @@ from hub_server import HF_DIR, PRIVATE, QWEN, SPLIT, TINY, TOKEN, HubServer, Run
 
 def _tiny(path, seed=0, layer_type="Q8_0"):
     from pagelm.quant.types import GGMLType
-    from pagelm.synth import SHAPES, write_model
+    from pagelm.tools.synth import SHAPES, write_model
 
     write_model(str(path), SHAPES["qwen3.5-tiny"], GGMLType[layer_type], seed=seed, name="synthetic qwen3.5-tiny")
     return path
@@ -23,10 +23,10 @@ def _tiny(path, seed=0, layer_type="Q8_0"):
 def hub_files(tmp_path_factory, qwen35_chat_gguf):
     """The repositories' files, written as `pagelm synth` writes them."""
     from pagelm.quant.types import GGMLType
-    from pagelm.synth import SHAPES, write_model
-    from pagelm.vision import SHAPES as TOWERS
-    from pagelm.vision import write_mmproj
-    from pagelm.weights.writer import write_directory
+    from pagelm.tools.synth import SHAPES, write_model
+    from pagelm.tools.synth_tower import SHAPES as TOWERS
+    from pagelm.tools.synth_tower import write_mmproj
+    from pagelm.tools.convert import write_directory
 
     d = tmp_path_factory.mktemp("hub-files")
     files = {"qwen-Q8_0": qwen35_chat_gguf, "qwen-Q4_0": d / "qwen-tiny-Q4_0.gguf",

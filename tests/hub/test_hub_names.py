@@ -3,7 +3,7 @@
 
 import pytest
 
-from pagelm.hub import HubError, HubName, choose_model, choose_tower, parse_name, quant_label
+from pagelm.sources.hub import HubError, HubName, choose_model, choose_tower, parse_name, quant_label
 
 UNSLOTH = ["Qwen3.5-0.8B-Q4_K_M.gguf", "Qwen3.5-0.8B-Q8_0.gguf", "Qwen3.5-0.8B-UD-Q4_K_XL.gguf",
            "Qwen3.5-0.8B-BF16.gguf", "mmproj-F16.gguf", "mmproj-BF16.gguf", "imatrix_unsloth.gguf_file",

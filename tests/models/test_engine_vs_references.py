@@ -10,7 +10,7 @@ from llama_cpp_oracle import import_llama_cpp
 from qwen35_hf import VARIANTS, build_hf_model, hf_logits, hf_to_gguf
 
 import pagelm
-from pagelm.sampling import SamplingParams
+from pagelm.engine.sampling import SamplingParams
 
 PROMPT_LEN = 64
 TOL = 1e-3

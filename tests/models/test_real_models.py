@@ -186,10 +186,10 @@ def test_gemma3_sliding_window_long_prompt(gemma3: Case):
 
 def test_engine_end_to_end(case: Case):
     """The engine's own path: mapped embedding, architecture from the registry, mapped head."""
-    from pagelm.engine import Model
-    from pagelm.sampling import SamplingParams
+    from pagelm.engine.load import load_model
+    from pagelm.engine.sampling import SamplingParams
 
-    model = Model(case.path, dtype="float32")
+    model = load_model(case.path, dtype="float32")
     ids = case.prompts[0]
     session = model.session(max_len=len(ids) + NEW_TOKENS)
     assert _rel(session.prefill(ids), case.hf_logits(ids, keep=1)[-1]) <= REL_TOL

@@ -9,7 +9,7 @@ from llama_cpp_oracle import import_llama_cpp
 
 import pagelm
 from pagelm.chat.tokenizer import Tokenizer
-from pagelm.sampling import SamplingParams
+from pagelm.engine.sampling import SamplingParams
 
 llama_cpp = import_llama_cpp()
 

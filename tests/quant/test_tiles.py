@@ -12,7 +12,7 @@ from pagelm.quant import GGMLType, encode, f32_to_bf16
 from pagelm.quant.matmul import MAX_GEMV_ROWS
 from pagelm.quant.tiles import (TILE_BYTES, TileKind, check_tiles, decode_groups, group_steps, pack_groups,
                                 tile_dequantize, tile_matmul)
-from pagelm.synth import bf16_scales
+from pagelm.tools.synth import bf16_scales
 
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402

@@ -60,7 +60,7 @@ def leaky(servers, smollm2_gguf) -> ServerProcess:
 def qwen35_tower(tmp_path_factory) -> str:
     """A tiny vision tower for the synthetic Qwen3.5, kept apart so that the qwen servers started
     without --mmproj find none beside the model."""
-    from pagelm.vision import SHAPES, write_mmproj
+    from pagelm.tools.synth_tower import SHAPES, write_mmproj
 
     tower = str(tmp_path_factory.mktemp("tower") / "mmproj.gguf")
     write_mmproj(tower, SHAPES["qwen3.5-tiny-chat"], seed=1)

@@ -113,7 +113,7 @@ def test_the_ingress_sends_again_what_a_lost_replica_had_not_started_and_fails_w
 
     from ray.exceptions import RayActorError
 
-    from pagelm.sampling import SamplingParams
+    from pagelm.engine.sampling import SamplingParams
     from pagelm.serve.cluster.deployments import RemoteWorker
     from pagelm.serve.worker import Delta, Failed, Job, Result
 

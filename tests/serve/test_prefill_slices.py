@@ -5,7 +5,7 @@ set to nothing, one layer per step; both answers are still each one's alone."""
 import asyncio
 
 from pagelm.chat.model import Prompt
-from pagelm.sampling import SamplingParams
+from pagelm.engine.sampling import SamplingParams
 from pagelm.serve import worker as worker_module
 from pagelm.serve.prefix_cache import PrefixCache
 from pagelm.serve.worker import Delta, Job, Result, Worker

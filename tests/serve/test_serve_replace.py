@@ -11,7 +11,7 @@ import numpy as np
 from serve_helpers import ServerProcess
 
 from pagelm.formats.safetensors import SafetensorsFile, TensorToWrite, write_safetensors
-from pagelm.weights.writer import write_directory
+from pagelm.tools.convert import write_directory
 
 
 def _answer(server: ServerProcess) -> str:

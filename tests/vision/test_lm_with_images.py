@@ -18,13 +18,14 @@ import torch
 from PIL import Image
 
 import pagelm
-from pagelm.engine import find_mmproj
+from pagelm.engine.load import find_mmproj
 from pagelm.errors import PagelmError, UnsupportedError
 from pagelm.models.qwen35 import mrope_axes, mrope_positions
 from pagelm.quant import GGMLType
-from pagelm.sampling import SamplingParams
+from pagelm.engine.sampling import SamplingParams
 from pagelm.serve.prefix_cache import PrefixCache
-from pagelm.vision import VisionConfig, write_mmproj
+from pagelm.tools.synth_tower import write_mmproj
+from pagelm.vision import VisionConfig
 from pagelm.vision.inputs import IMAGE_PAD, VISION_END, VISION_START, ImageInput, prepare_image
 
 transformers = pytest.importorskip("transformers")
@@ -238,8 +239,8 @@ def test_a_tower_is_found_beside_its_model(tmp_path):
 
 
 def test_a_tower_must_fit_its_model(tmp_path, twins):
-    from pagelm.synth import SHAPES, write_model
-    from pagelm.vision import SHAPES as TOWERS
+    from pagelm.tools.synth import SHAPES, write_model
+    from pagelm.tools.synth_tower import SHAPES as TOWERS
 
     tiny, tower = str(tmp_path / "tiny.gguf"), str(tmp_path / "tower.gguf")
     write_model(tiny, SHAPES["qwen3.5-tiny"])
@@ -254,7 +255,7 @@ def test_a_tower_must_fit_its_model(tmp_path, twins):
 
 
 def test_a_tower_found_beside_a_model_it_does_not_fit_is_skipped(tmp_path, twins, caplog):
-    from pagelm.vision import SHAPES as TOWERS
+    from pagelm.tools.synth_tower import SHAPES as TOWERS
 
     (tmp_path / "model.gguf").symlink_to(os.path.dirname(twins.model.mmproj) + "/model.gguf")
     write_mmproj(str(tmp_path / "mmproj-wide.gguf"), TOWERS["qwen3.5-tiny-k"])

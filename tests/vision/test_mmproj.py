@@ -13,9 +13,10 @@ import pytest
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.formats.gguf import GGUFValueType, TensorToWrite, Typed, write_gguf
 from pagelm.quant import GGMLType
-from pagelm.synth import plan_nbytes, tensor_chunks
-from pagelm.vision import SHAPES, VisionConfig, VisionTower, plan_mmproj, write_mmproj
-from pagelm.vision.mmproj import mmproj_metadata
+from pagelm.tools.synth import plan_nbytes, tensor_chunks
+from pagelm.tools.synth_tower import SHAPES, plan_mmproj, write_mmproj
+from pagelm.vision import VisionConfig, VisionTower
+from pagelm.tools.synth_tower import mmproj_metadata
 from pagelm.weights.loader import WeightLoader
 
 TINY = SHAPES["qwen3.5-tiny"]

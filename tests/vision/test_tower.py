@@ -15,7 +15,8 @@ from PIL import Image
 
 from pagelm.errors import PagelmError, UnsupportedError
 from pagelm.quant import GGMLType
-from pagelm.vision import SHAPES, VisionTower, preprocess, write_mmproj
+from pagelm.tools.synth_tower import SHAPES, write_mmproj
+from pagelm.vision import VisionTower, preprocess
 from pagelm.vision.tower import attention
 from pagelm.weights.loader import WeightLoader
 

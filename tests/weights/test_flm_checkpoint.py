@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagelm.cli import main
-from pagelm.engine import Model
+from pagelm.engine.load import load_model
 from pagelm.errors import ModelFormatError, PagelmError
 from pagelm.formats.safetensors import SafetensorsFile, TensorToWrite, write_safetensors
 from pagelm.weights.flm import MODEL_FILE, FLMCheckpoint, copy_name
@@ -58,7 +58,7 @@ def test_tiles_hold_the_ggufs_values_bit_for_bit(twins):
 
 
 def _teacher_forced(path: str, weights: str) -> np.ndarray:
-    session = Model(path, weights=weights).session(len(PROMPT) + 8)
+    session = load_model(path, weights=weights).session(len(PROMPT) + 8)
     logits = [session.prefill(PROMPT)]
     for token in range(40, 48):
         logits.append(session.decode(token))
@@ -75,8 +75,8 @@ def test_the_model_computes_what_its_hf_twin_computes(twins, weights):
 
 def test_mapped_prefill_is_bit_identical_to_dense(twins):
     _, flm_path, _ = twins
-    mapped = Model(flm_path, weights="mapped").session(64).prefill(PROMPT)
-    dense = Model(flm_path, weights="dense").session(64).prefill(PROMPT)
+    mapped = load_model(flm_path, weights="mapped").session(64).prefill(PROMPT)
+    dense = load_model(flm_path, weights="dense").session(64).prefill(PROMPT)
     assert np.array_equal(mapped, dense)
 
 
@@ -171,7 +171,7 @@ BETA = "model.layers.1.linear_attn.ssm_beta_proj.weight"
 def test_broken_directories_name_the_file_and_the_problem(q8_dirs, tmp_path, edit, config, words):
     path = _broken(q8_dirs, tmp_path, edit, **config)
     with pytest.raises(PagelmError, match=re.escape(words)):
-        Model(path)
+        load_model(path)
 
 
 def test_a_truncated_model_file_is_refused(q8_dirs, tmp_path):
@@ -180,7 +180,7 @@ def test_a_truncated_model_file_is_refused(q8_dirs, tmp_path):
     with open(model, "r+b") as fh:
         fh.truncate(os.path.getsize(model) - 1)
     with pytest.raises(ModelFormatError, match="model.q4nx"):
-        Model(path)
+        load_model(path)
 
 
 NUMBERS = [0, 1, 3, 4, 8, 31, 32, 33, 255, 256, 257, 4736, 5120, 8704, 2**31, 2**40, 2**64]
@@ -220,7 +220,7 @@ def test_mutated_headers_fail_cleanly(fuzz_dir, edits):
     with open(os.path.join(path, MODEL_FILE), "wb") as fh:
         fh.write(len(header).to_bytes(8, "little") + header + data)
     try:
-        Model(path).session(8).prefill([1, 2, 3])
+        load_model(path).session(8).prefill([1, 2, 3])
     except PagelmError:
         pass
 

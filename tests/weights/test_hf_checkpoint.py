@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from pagelm.chat.model import ChatModel
-from pagelm.engine import Model
+from pagelm.engine.load import load_model
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.formats.safetensors import SafetensorsFile, TensorToWrite, write_safetensors
 from pagelm.weights import linear
-from pagelm.weights.writer import write_directory
+from pagelm.tools.convert import write_directory
 
 transformers = pytest.importorskip("transformers")
 
@@ -62,7 +62,7 @@ def _rel(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(a - ref).max() / np.abs(ref).max())
 
 
-def _greedy(model: Model, ids: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+def _greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
     session = model.session(len(ids) + steps)
     logits, tokens, seen = session.prefill(ids), [], []
     for _ in range(steps):
@@ -91,7 +91,7 @@ def test_transformers_checkpoints_match_transformers(saved, arch, dtype):
     path = saved[arch, dtype]
     # the reference computes in float32 from the stored values (bf16 ones are exact in float32)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model = Model(path, dtype="float32")
+    model = load_model(path, dtype="float32")
     assert model.config.vocab == 256
     tokens, logits = _greedy(model, PROMPT, STEPS)
     _check_greedy(reference, PROMPT, tokens, logits)
@@ -99,7 +99,7 @@ def test_transformers_checkpoints_match_transformers(saved, arch, dtype):
 
 def test_both_weights_modes_agree_and_bf16_prefill_is_bit_identical(saved):
     path = saved["qwen35", torch.bfloat16]
-    mapped, dense = Model(path, weights="mapped"), Model(path, weights="dense")
+    mapped, dense = load_model(path, weights="mapped"), load_model(path, weights="dense")
     prompt = PROMPT * 4  # many rows: the GEMM path, the same calls in both modes
     assert np.array_equal(mapped.session(64).prefill(prompt), dense.session(64).prefill(prompt))
     scratch = mapped.loader.scratch.nbytes  # the largest prefill tile, bf16 and widened to float32 for the GEMM
@@ -118,7 +118,7 @@ def twin(request, tmp_path_factory):
 
 def test_real_models_and_their_hf_twins_agree(twin):
     gguf, directory = twin
-    a, b = Model(gguf, dtype="float32"), Model(directory, dtype="float32")
+    a, b = load_model(gguf, dtype="float32"), load_model(directory, dtype="float32")
     prompt = [int(t) for t in np.random.default_rng(0).integers(100, 5000, 12)]
     tokens_a, logits_a = _greedy(a, prompt, STEPS)
     tokens_b, logits_b = _greedy(b, prompt, STEPS)
@@ -132,7 +132,7 @@ def test_the_twin_is_a_checkpoint_transformers_reads_the_same_way(twin):
     reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.inference_mode():
         ref = reference(torch.tensor([PROMPT])).logits[0, -1].numpy()
-    assert _rel(Model(directory, dtype="float32").session(32).prefill(PROMPT), ref) <= REL_TOL
+    assert _rel(load_model(directory, dtype="float32").session(32).prefill(PROMPT), ref) <= REL_TOL
 
 
 def test_chat_through_the_twin_answers_as_the_gguf_does(twin):
@@ -179,7 +179,7 @@ def _edit_config(path, **changes):
 def test_config_errors_name_the_file_and_the_problem(broken, changes, error, words):
     _edit_config(broken, **changes)
     with pytest.raises(error) as e:
-        Model(str(broken))
+        load_model(str(broken))
     for word in words:
         assert word in str(e.value)
 
@@ -187,11 +187,11 @@ def test_config_errors_name_the_file_and_the_problem(broken, changes, error, wor
 def test_directory_errors(broken, tmp_path):
     (broken / "config.json").write_text("{not json")
     with pytest.raises(ModelFormatError, match="config.json is not valid JSON"):
-        Model(str(broken))
+        load_model(str(broken))
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ModelFormatError, match="without config.json"):
-        Model(str(empty))
+        load_model(str(empty))
 
 
 def test_missing_tensor_and_shards(saved, tmp_path):
@@ -209,11 +209,11 @@ def test_missing_tensor_and_shards(saved, tmp_path):
     index = {"weight_map": {n: shard for shard, part in shards.items() for n in part}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ModelFormatError, match="blk.1.ffn_up.weight"):
-        Model(str(path))
+        load_model(str(path))
     index["weight_map"]["model.layers.1.mlp.up_proj.weight"] = "c.safetensors"
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ModelFormatError, match="shard 'c.safetensors' is missing"):
-        Model(str(path))
+        load_model(str(path))
 
 
 def test_a_matrix_of_an_integer_dtype_is_refused(saved, tmp_path):
@@ -226,7 +226,7 @@ def test_a_matrix_of_an_integer_dtype_is_refused(saved, tmp_path):
                                    lambda: np.zeros(tensors[0].shape, np.int32))
         write_safetensors(str(path / "model.safetensors"), tensors)
     with pytest.raises(UnsupportedError, match="dtype I32"):
-        Model(str(path))
+        load_model(str(path))
 
 
 def test_chat_needs_a_tokenizer(saved):
@@ -254,6 +254,6 @@ def test_random_config_mutations_fail_cleanly(saved, tmp_path):
                 config[key] = value
         (path / "config.json").write_text(json.dumps(config))
         try:
-            Model(str(path), dtype="float32")
+            load_model(str(path), dtype="float32")
         except PagelmError as e:
             assert str(e)

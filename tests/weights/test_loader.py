@@ -147,7 +147,7 @@ def check_prefill_identical(path: str, dtype: str, vocab_limit: int = 4096):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_qwen35_prefill_is_bit_identical(tmp_path_factory, dtype):
-    from pagelm.synth import SHAPES, write_model
+    from pagelm.tools.synth import SHAPES, write_model
 
     path = tmp_path_factory.getbasetemp() / "qwen35-tiny-modes.gguf"
     if not path.exists():
@@ -165,7 +165,7 @@ def test_gemma3_prefill_is_bit_identical(gemma3_gguf):
 
 @pytest.mark.skipif(not int8dot.available(), reason="the int8 kernels need AVX2")
 def test_qwen35_int8_mode_moves_logits_not_prefill_state(tmp_path_factory):
-    from pagelm.synth import SHAPES, write_model
+    from pagelm.tools.synth import SHAPES, write_model
 
     path = tmp_path_factory.getbasetemp() / "qwen35-tiny-modes.gguf"
     if not path.exists():

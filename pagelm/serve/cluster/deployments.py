@@ -25,7 +25,7 @@ from ray.serve.exceptions import BackPressureError
 
 from pagelm.chat.model import ChatModel
 from pagelm.errors import PagelmError
-from pagelm.grammar import Grammar
+from pagelm.chat.grammar import Grammar
 from pagelm.measure.memory import read_memory
 from pagelm.serve.app import Server, ServeSettings, create_app
 from pagelm.serve.cluster.loopback import keep_replica_on_loopback

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from pagelm.chat.model import ChatModel, Prompt
-from pagelm.sampling import SamplingParams
+from pagelm.engine.sampling import SamplingParams
 
 
 @dataclass

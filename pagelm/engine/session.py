@@ -1,0 +1,193 @@
+"""One conversation over a model: its tokens, state and last logits; prefill, decode, generate,
+checkpoint and restore (`Session`), and a sequence's choice of its next tokens (`Chooser`).
+
+Owns the token bookkeeping of one sequence; the arithmetic is the network's and the kernels'.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generator, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from pagelm.engine.sampling import Constraint, Sampler, SamplingParams
+from pagelm.errors import PagelmError
+from pagelm.models.decoder import finish
+from pagelm.runtime import heap
+from pagelm.runtime import threads as threads_module
+from pagelm.vision.inputs import IMAGE_PAD
+
+if TYPE_CHECKING:
+    from pagelm.engine.model import Model
+    from pagelm.vision.inputs import ImageInput
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    tokens: tuple[int, ...]
+    images: tuple[str, ...]  # keys of the images among the tokens, in order
+    position_delta: int
+    state: object  # the network's own checkpoint (KV[:pos] + conv + recurrent)
+    logits: np.ndarray | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.nbytes + (0 if self.logits is None else self.logits.nbytes)
+
+
+class Session:
+    """One conversation's state over a model: the tokens fed so far (and the keys of the images
+    among them), the last logits, and how far rope positions run ahead of token indices (images
+    take fewer positions than tokens)."""
+
+    def __init__(self, model: Model, max_len: int):
+        self.model = model
+        self.max_len = max_len
+        self.state = model.network.new_state(max_len)
+        self.tokens: list[int] = []
+        self.images: list[str] = []
+        self.position_delta = 0
+        self.logits: np.ndarray | None = None
+
+    def reset(self) -> None:
+        """Forget everything fed so far; the state's buffers are reused, not reallocated."""
+        with torch.inference_mode():
+            for t in self.state.fixed_tensors():
+                t.zero_()
+        self.state.pos = 0
+        self.tokens = []
+        self.images = []
+        self.position_delta = 0
+        self.logits = None
+
+    def check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if len(self.tokens) + ids.size > self.max_len:
+            raise PagelmError(f"context overflow: {len(self.tokens)} tokens held + {ids.size} new "
+                              f"> context length {self.max_len}")
+        return ids
+
+    def _image_runs(self, ids: np.ndarray, images: Sequence[ImageInput]) -> list[tuple[int, ImageInput]]:
+        """(offset, image) of each image's run of pad tokens in `ids`; with images, the runs must be
+        theirs (without, a pad token is text, as one the model samples is)."""
+        if not images:
+            return []
+        if self.model.tower is None:
+            raise PagelmError("this model has no vision tower: it cannot read images")
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], (ids == IMAGE_PAD).astype(np.int8), [0]))))
+        runs = list(zip(edges[::2].tolist(), (edges[1::2] - edges[::2]).tolist()))
+        if [n for _, n in runs] != [image.tokens for image in images]:
+            raise PagelmError(f"image pad tokens in runs of {[n for _, n in runs][:8]} for images of "
+                              f"{[image.tokens for image in images][:8]} tokens")
+        return [(offset, image) for (offset, _), image in zip(runs, images)]
+
+    def prefill(self, tokens: Sequence[int], images: Sequence[ImageInput] = ()) -> np.ndarray:
+        """Feed tokens (a prompt, or the rest of one after restore); returns the last position's
+        logits. `images`: those whose pad tokens (each image's full run) are among the tokens, in order."""
+        with torch.inference_mode():
+            return finish(self._prefill_steps(tokens, images))
+
+    @torch.inference_mode()
+    def prefill_layers(self, tokens: Sequence[int], images: Sequence[ImageInput] = ()) -> Generator:
+        """`prefill` one layer at a time: yields after each layer, returns prefill's result, bit for
+        bit (a server steps other sessions between two layers). Until it has returned, the session
+        is half-updated: drop it (reset or restore) if the generator is not run to its end."""
+        return (yield from self._prefill_steps(tokens, images))
+
+    def _prefill_steps(self, tokens: Sequence[int], images: Sequence[ImageInput] = ()) -> Generator:
+        """prefill_layers' steps, for a caller in inference mode (Decoder.forward_layers says why)."""
+        ids = self.check_tokens(tokens)
+        if ids.size == 0:
+            raise PagelmError("prefill needs at least one token")
+        runs = self._image_runs(ids, images)
+        threads_module.use()
+        x = self.model.embed(ids)
+        positions = None
+        if runs or self.position_delta:
+            for offset, image in runs:
+                x[offset : offset + image.tokens] = self.model.image_embedding(image).to(x.dtype)
+            first = len(self.tokens) + self.position_delta
+            positions, after = self.model.network.image_positions(first, ids.size, [(offset, *image.merged)
+                                                                                    for offset, image in runs])
+        hidden = yield from self.model.network.forward_layers(x, self.state, positions)
+        self.tokens.extend(ids.tolist())
+        self.images.extend(image.key for image in images)
+        if positions is not None:
+            self.position_delta = after - len(self.tokens)
+        self.logits = self.model.head.logits(hidden[-1].float().cpu().numpy())
+        if ids.size > heap.TRIM_AFTER_TOKENS:
+            heap.trim()  # give the prefill's temporaries back to the OS
+        return self.logits
+
+    def decode(self, token: int) -> np.ndarray:
+        """Feed one token (normally the one just sampled); returns the next logits."""
+        return self.prefill([token])
+
+    @property
+    def nbytes(self) -> int:
+        """Anonymous bytes this session holds: its state (KV caches preallocated for max_len, the
+        DeltaNet states) and its last logits."""
+        return self.state.nbytes + (0 if self.logits is None else self.logits.nbytes)
+
+    def checkpoint(self) -> Checkpoint:
+        logits = None if self.logits is None else self.logits.copy()
+        return Checkpoint(tuple(self.tokens), tuple(self.images), self.position_delta, self.state.checkpoint(), logits)
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        self.state.restore(checkpoint.state)
+        self.tokens = list(checkpoint.tokens)
+        self.images = list(checkpoint.images)
+        self.position_delta = checkpoint.position_delta
+        self.logits = None if checkpoint.logits is None else checkpoint.logits.copy()
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
+                 cancel: threading.Event | None = None, constraint: Constraint | None = None,
+                 images: Sequence[ImageInput] = ()) -> Iterator[int]:
+        """Prefill `prompt` (may be empty to continue from the current state) with the `images`
+        among its tokens, then yield sampled tokens until a stop token, max_tokens, the context
+        end, or `cancel` is set (checked before every step). A stop token is yielded, then
+        generation ends. `constraint` (a grammar's matcher) forbids the tokens its grammar does
+        not allow at each step."""
+        logits = self.prefill(prompt, images) if len(prompt) else self.logits
+        if logits is None:
+            raise PagelmError("generate needs a prompt or a prefilled session")
+        chooser = Chooser(self, params, constraint)
+        try:
+            for _ in range(params.max_tokens):
+                if cancel is not None and cancel.is_set():
+                    return
+                token, done = chooser.choose(logits)
+                yield token
+                if done:
+                    return
+                logits = self.decode(token)
+        finally:
+            heap.trim()  # what the decode steps' temporaries left free on the heap
+
+
+class Chooser:
+    """One sequence's choice of its next tokens, as Session.generate makes it: its sampler and seed,
+    the counts its penalties see, its stop tokens and its grammar's matcher."""
+
+    def __init__(self, session: Session, params: SamplingParams, constraint: Constraint | None = None):
+        self.session, self.params, self.constraint = session, params, constraint
+        self.sampler = Sampler(params)
+        self.stops = set(params.stop_tokens) | set(session.model.eos_tokens)
+        self.seen = Counter(session.tokens)
+
+    def choose(self, logits: np.ndarray) -> tuple[int, bool]:
+        """(the next token, whether generation ends with it: a stop token or the context's end)."""
+        if self.constraint is not None:
+            # a copy: the session's logits stay the model's own (checkpoints keep them)
+            logits = self.constraint.mask(logits.copy())
+        token = self.sampler.sample(logits, self.seen)
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        done = token in self.stops or len(self.session.tokens) >= self.session.max_len
+        if not done:
+            self.seen[token] += 1
+        return token, done
