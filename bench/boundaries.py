@@ -4,7 +4,7 @@ A 42-message conversation of about 5,000 tokens (a system prompt, then users and
 turn, seeded pseudo-word text) on a model's own tokenizer and chat template. Times, median of
 --runs calls of each in turn: rendering and encoding the prompt (what every request pays), the
 old boundaries (each prefix of the conversation rendered and encoded again; the oracle in
-tests/test_boundaries.py) and the new ones (one marked render, tokens mapped at special tokens).
+tests/chat/test_boundaries.py) and the new ones (one marked render, tokens mapped at special tokens).
 
     .venv/bin/python bench/boundaries.py [--models qwen3.5-tiny-chat smollm2-135m] [--runs 20]
 """

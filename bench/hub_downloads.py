@@ -1,6 +1,6 @@
 """Benchmark: what a pull costs and keeps when the network fails, `pagelm pull` vs huggingface_hub.
 
-The loopback Hub of the tests (tests/hub/hub_server.py) serves a synthetic Qwen3.5 tiny-chat GGUF
+The loopback Hub of the tests (tests/sources/hub_server.py) serves a synthetic Qwen3.5 tiny-chat GGUF
 (`pagelm synth --shape qwen3.5-tiny-chat`, 50.6 MB); each case starts from an empty Hugging Face cache:
 the connection cut at 50 % of the file (once, the client retries in the same process), the client
 interrupted (SIGINT, as Ctrl-C) once the Hub has sent half the file and then run again, one byte of
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "hub"))
+sys.path.insert(0, str(ROOT / "tests" / "sources"))
 from hub_server import Fault, HubServer, RunningHub  # noqa: E402
 
 REPO, FILE = "org/qwen-tiny", "qwen-tiny-Q8_0.gguf"

@@ -268,22 +268,7 @@ def _models_dir(parser: argparse.ArgumentParser) -> None:
                         help=f"where synthetic models are found or written (default {DEFAULT_MODELS_DIR})")
 
 
-def register(commands) -> None:
-    """Add `pagelm bench` and its subcommands to pagelm's argparse subparsers."""
-    from pagelm.bench.inputs import synthetic_shapes
-    from pagelm.bench.memory import DEFAULT_MODELS
-
-    model_help = (f"a synthetic shape ({', '.join(synthetic_shapes())}; written with `pagelm synth` when "
-                  f"missing), a known model (smollm2-135m, gemma3-270m; pulled when missing), a .gguf file or a "
-                  f"model directory (Hugging Face or FastFlowLM)")
-    bench = commands.add_parser(
-        "bench", help="measure what the embedding mode changes: outputs (nothing) and memory",
-        description="Benchmarks that drive real `pagelm serve` processes: scenarios (identical outputs across "
-                    "embedding modes and prefix cache settings), memory (dense vs mapped), pressure (page cache "
-                    "evicted) and shared (two servers on one file); `all` runs them and regenerates the marked "
-                    "block of docs/results.md. Tables go to stdout, progress to stderr. MODEL is " + model_help + ".")
-    subcommands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
-
+def _add_scenarios(subcommands, model_help: str) -> None:
     scenarios = subcommands.add_parser(
         "scenarios", help="the same 11 seeded scenarios on dense/mapped × prefix cache on/off; exit 1 if any differ",
         description="Start one `pagelm serve` per configuration (embedding dense or mapped, prefix cache on or "
@@ -301,6 +286,10 @@ def register(commands) -> None:
                            help="layer weights of every configuration (default mapped)")
     _models_dir(scenarios)
     scenarios.set_defaults(run=_scenarios)
+
+
+def _add_memory(subcommands) -> None:
+    from pagelm.bench.memory import DEFAULT_MODELS
 
     memory = subcommands.add_parser(
         "memory", help="anonymous memory, peak RSS, TTFT and decode speed: dense vs mapped, one server each",
@@ -320,6 +309,8 @@ def register(commands) -> None:
     _models_dir(memory)
     memory.set_defaults(run=_memory)
 
+
+def _add_pressure(subcommands, model_help: str) -> None:
     pressure = subcommands.add_parser(
         "pressure", help="TTFT with the model file's pages evicted, with and without the prefetch hint",
         description="In process, mapped embedding: TTFT of a prompt of many distinct tokens with the page "
@@ -336,6 +327,8 @@ def register(commands) -> None:
     _models_dir(pressure)
     pressure.set_defaults(run=_pressure)
 
+
+def _add_shared(subcommands, model_help: str) -> None:
     shared = subcommands.add_parser(
         "shared", help="two servers on one model file: the second one's anonymous memory and PSS, dense vs mapped",
         description="Start two `pagelm serve` processes on the same file (both alive, one chat each) and read "
@@ -349,6 +342,8 @@ def register(commands) -> None:
     _models_dir(shared)
     shared.set_defaults(run=_shared)
 
+
+def _add_vision(subcommands) -> None:
     vision = subcommands.add_parser(
         "vision", help="what one image costs a Qwen3.5 server: tokens, tower time, TTFT, TTFT again, peak memory",
         description="For each synthetic Qwen3.5 shape (its model and a random vision tower of the real geometry, "
@@ -370,6 +365,8 @@ def register(commands) -> None:
     _models_dir(vision)
     vision.set_defaults(run=_vision)
 
+
+def _add_perplexity(subcommands, model_help: str) -> None:
     perplexity = subcommands.add_parser(
         "perplexity", help="perplexity on a fixed English text per weights mode and dtype, via prefill and via decode",
         description="Tokenize the text with the model's tokenizer (its BOS first when it adds one), take the first "
@@ -390,6 +387,8 @@ def register(commands) -> None:
     _models_dir(perplexity)
     perplexity.set_defaults(run=_perplexity)
 
+
+def _add_batch(subcommands, model_help: str) -> None:
     batch = subcommands.add_parser(
         "batch", help="decode throughput of 1..16 sequences per step (weights mapped); exit 1 if any sequence's "
                       "logits differ from decoding it alone",
@@ -414,6 +413,8 @@ def register(commands) -> None:
     _models_dir(batch)
     batch.set_defaults(run=_batch)
 
+
+def _add_concurrency(subcommands, model_help: str) -> None:
     concurrency = subcommands.add_parser(
         "concurrency", help="a pagelm serve --parallel process under 1, 2, 4, 8 concurrent clients; exit 1 if any "
                             "answer differs from the same request alone",
@@ -441,6 +442,10 @@ def register(commands) -> None:
     _models_dir(concurrency)
     concurrency.set_defaults(run=_concurrency)
 
+
+def _add_all(subcommands) -> None:
+    from pagelm.bench.memory import DEFAULT_MODELS
+
     every = subcommands.add_parser(
         "all", help="run every benchmark and rewrite the generated block of OUT/results.md (+ PNGs)",
         description="Run scenarios, memory, pressure and shared, then replace the block between "
@@ -465,3 +470,28 @@ def register(commands) -> None:
     every.add_argument("--new-tokens", type=int, default=128, help="greedy tokens after it (default 128)")
     _models_dir(every)
     every.set_defaults(run=_all)
+
+
+def register(commands) -> None:
+    """Add `pagelm bench` and its subcommands to pagelm's argparse subparsers."""
+    from pagelm.bench.inputs import synthetic_shapes
+
+    model_help = (f"a synthetic shape ({', '.join(synthetic_shapes())}; written with `pagelm synth` when "
+                  f"missing), a known model (smollm2-135m, gemma3-270m; pulled when missing), a .gguf file or a "
+                  f"model directory (Hugging Face or FastFlowLM)")
+    bench = commands.add_parser(
+        "bench", help="measure what the embedding mode changes: outputs (nothing) and memory",
+        description="Benchmarks that drive real `pagelm serve` processes: scenarios (identical outputs across "
+                    "embedding modes and prefix cache settings), memory (dense vs mapped), pressure (page cache "
+                    "evicted) and shared (two servers on one file); `all` runs them and regenerates the marked "
+                    "block of docs/results.md. Tables go to stdout, progress to stderr. MODEL is " + model_help + ".")
+    subcommands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    _add_scenarios(subcommands, model_help)
+    _add_memory(subcommands)
+    _add_pressure(subcommands, model_help)
+    _add_shared(subcommands, model_help)
+    _add_vision(subcommands)
+    _add_perplexity(subcommands, model_help)
+    _add_batch(subcommands, model_help)
+    _add_concurrency(subcommands, model_help)
+    _add_all(subcommands)

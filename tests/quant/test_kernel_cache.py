@@ -3,7 +3,7 @@ name of its own. numba names a compiled function's symbols by its name and a per
 two types compiled in two processes could get the same symbol; a process that then loaded both from
 numba's cache found one type's code at the other's address (dispatchers and first-class functions
 look entries up by symbol name). Seen: a Gemma 3 decode in a process after a SmolLM2 process had
-filled the cache gave NaN logits (tests/test_batch_decode.py's Gemma 3 case after the SmolLM2 case,
+filled the cache gave NaN logits (tests/engine/test_batch_decode.py's Gemma 3 case after the SmolLM2 case,
 with a warm cache)."""
 
 from pagelm.quant import int8dot, matmul, tiles
