@@ -26,6 +26,13 @@ def _positive(flag: str, value: int) -> None:
 
 
 def _scenarios(args: argparse.Namespace) -> int:
+    """Start one `pagelm serve` per configuration (embedding dense or mapped, prefix cache on or off) and run
+    11 fixed, seeded scenarios: thinking on, thinking off, a 2,600-token prompt, a 4-turn conversation, a
+    new chat with the same system prompt, an image and the same image again (skipped, with the server's
+    reason, while there is no vision), a stream cancelled by id then a normal request, the Ollama route
+    streamed, seeded sampling, a raw completion. Content, reasoning, token counts and finish reasons are
+    compared across all configurations; prefix-cache lookups/hits only among those with the same cache
+    setting. Prints a table per scenario and 'differing scenarios: D of S in N runs'; exit 1 if D > 0."""
     from pagelm.bench.scenarios import run_scenarios
 
     _positive("--runs", args.runs)
@@ -45,6 +52,11 @@ def _memory_report(args: argparse.Namespace, models: list[str]):
 
 
 def _memory(args: argparse.Namespace) -> int:
+    """For each model, one fresh `pagelm serve` per mode and run (modes interleaved): all dense (--embedding
+    dense --weights dense), embedding mapped (--weights dense), all mapped (the defaults). A short chat,
+    then anonymous memory and its parts (prefix cache, weights, tokenizer, state, runtime), file-backed
+    RSS; then a long prompt for TTFT and decode tok/s; peak RSS. Prints a markdown table of medians and,
+    per model, what mapping the embedding and then the layers saves."""
     report = _memory_report(args, args.models)
     print(report.markdown())
     if args.png:
@@ -53,6 +65,9 @@ def _memory(args: argparse.Namespace) -> int:
 
 
 def _pressure(args: argparse.Namespace) -> int:
+    """In process, mapped embedding: TTFT of a prompt of many distinct tokens with the page cache warm, and
+    after evicting the model file (MADV_DONTNEED on its map, then posix_fadvise DONTNEED), each with the
+    prefetch hint on and off. Prints the cold penalty and what the hint saves."""
     from pagelm.bench.pressure import run_pressure
 
     _positive("--runs", args.runs)
@@ -66,6 +81,9 @@ def _pressure(args: argparse.Namespace) -> int:
 
 
 def _shared(args: argparse.Namespace) -> int:
+    """Start two `pagelm serve` processes on the same file (both alive, one chat each) and read the second
+    one's anonymous memory, PSS and file-backed RSS from /proc: mapped pages are shared between the
+    processes, unpacked tables are not."""
     from pagelm.bench.shared import run_shared
 
     _positive("--runs", args.runs)
@@ -92,6 +110,12 @@ def _image_sizes(value: str | None) -> tuple[tuple[str, int, int], ...]:
 
 
 def _vision(args: argparse.Namespace) -> int:
+    """For each synthetic Qwen3.5 shape (its model and a random vision tower of the real geometry, written
+    with `pagelm synth` when missing), one `pagelm serve --mmproj`: a warm-up image, then seeded
+    photograph-like JPEGs of 640×480, 1080×720, 1920×1080 and 4032×3024 (resized to the 1,024-token cap),
+    each sent as it is, again, and with a new question. Prints per geometry and size the image's prompt
+    tokens, the tower's seconds, TTFT, TTFT of the same request again and with the new question, the peak
+    anonymous memory the request added (and per megapixel) and what stays after it."""
     from pagelm.bench.vision import run_vision
 
     _positive("--runs", args.runs)
@@ -119,6 +143,13 @@ def _list_of(flag: str, value: str, allowed: tuple[str, ...]) -> list[str]:
 
 
 def _perplexity(args: argparse.Namespace) -> int:
+    """Tokenize the text with the model's tokenizer (its BOS first when it adds one), take the first --tokens
+    tokens, and for each weights mode × dtype load the model in process and compute the perplexity twice:
+    through one prefill over the whole text (the head on every position) and teacher-forced through decode
+    steps. Prints a markdown table, per dtype the ratio mapped/dense − 1 in % with its standard error (from
+    the per-token differences: a ratio within about two standard errors of 0 is one this text is too short
+    to tell from noise; raise --tokens), and the command line. The default text is the English
+    documentation bundled with Python (pydoc_data.topics, topics in sorted key order)."""
     from pagelm.bench.perplexity import DTYPES, WEIGHTS, run_perplexity
 
     _positive("--tokens", args.tokens)
@@ -148,6 +179,16 @@ def _sizes(value: str) -> list[int]:
 
 
 def _batch(args: argparse.Namespace) -> int:
+    """In process, weights mapped: for each batch size N, N sessions with their own seeded prompts (of
+    different lengths) decode --tokens greedy steps together, one decode_batch call a step. Prints per size
+    the aggregate and per-sequence tokens per second, ms per step split into matmuls + head + rest (llama's
+    one-token layers run as compiled calls: the matmuls are those calls, with their norms, rope and
+    attention), the matmuls' and head's GFLOP/s as a share of this machine's float32 FMA peak (measured in
+    the same run on FMA chains in registers), and the ratio to batch size 1 (medians of --runs runs, sizes
+    interleaved), then one line 'batch N: R× batch 1' per size. The first run's sequences are decoded again
+    alone and every step's logits compared bit for bit: the last line is 'differing sequences: D of S';
+    exit 1 if D > 0. With llama_cpp installed, llama.cpp decodes the same sequences of the same file, N per
+    llama_batch, right after pagelm's turn at each size and run."""
     from pagelm.bench.batch import run_batch
 
     sizes = _sizes(args.sizes)
@@ -172,6 +213,15 @@ def _counts(flag: str, value: str) -> list[int]:
 
 
 def _concurrency(args: argparse.Namespace) -> int:
+    """Starts `pagelm serve MODEL --parallel P` (P: the most clients, at least 5; prefix cache off) and sends
+    --requests seeded prompts of --prompt-tokens LOW,HIGH tokens as greedy streamed /v1/completions of
+    --new-tokens tokens, from each number of concurrent clients in turn over loopback. Prints per level:
+    aggregate completion tokens per second, its ratio to one client, time to first token and inter-token
+    latency p50/p95, mean queue wait and how many answers differ from one client's (the request alone);
+    then a 2,600-token prompt is sent while 4 streams decode, and their inter-token p95 before and during
+    its prefill is printed, and the anonymous memory of the busiest moment against the idle server (bound:
+    busy slots × (slot state + 4 MiB)). Last line: 'differing answers: D of N'; exit 1 if D > 0. With a
+    llama-server binary on PATH, the same clients run against `llama-server -np` on the same file."""
     from pagelm.bench.concurrency import run_concurrency
 
     clients = _counts("--clients", args.clients)
@@ -191,6 +241,11 @@ def _concurrency(args: argparse.Namespace) -> int:
 
 
 def _all(args: argparse.Namespace) -> int:
+    """Run scenarios, memory, pressure and shared, then replace the block between '<!-- pagelm bench all:
+    begin -->' and '<!-- pagelm bench all: end -->' in OUT/results.md (appended if absent; the rest of the
+    file is kept) and write the charts next to it. Exit 1 if any scenario differs. With the defaults this
+    takes roughly 40 minutes on 2 quiet cores (plus ~5 minutes to write the qwen3.5-4b model the first
+    time); --models, --runs and the other flags size it."""
     from pagelm.bench.memory import run_memory
     from pagelm.bench.pressure import run_pressure
     from pagelm.bench.report import machine_description, replace_generated_block
@@ -271,14 +326,7 @@ def _models_dir(parser: argparse.ArgumentParser) -> None:
 def _add_scenarios(subcommands, model_help: str) -> None:
     scenarios = subcommands.add_parser(
         "scenarios", help="the same 11 seeded scenarios on dense/mapped × prefix cache on/off; exit 1 if any differ",
-        description="Start one `pagelm serve` per configuration (embedding dense or mapped, prefix cache on or "
-                    "off) and run 11 fixed, seeded scenarios: thinking on, thinking off, a 2,600-token prompt, "
-                    "a 4-turn conversation, a new chat with the same system prompt, an image and the same image "
-                    "again (skipped, with the server's reason, while there is no vision), a stream cancelled by "
-                    "id then a normal request, the Ollama route streamed, seeded sampling, a raw completion. "
-                    "Content, reasoning, token counts and finish reasons are compared across all "
-                    "configurations; prefix-cache lookups/hits only among those with the same cache setting. "
-                    "Prints a table per scenario and 'differing scenarios: D of S in N runs'; exit 1 if D > 0.")
+        description=_scenarios.__doc__)
     scenarios.add_argument("model", metavar="MODEL", help=model_help)
     _mmproj(scenarios)
     scenarios.add_argument("--runs", type=int, default=2, help="runs of every configuration (default 2)")
@@ -293,12 +341,7 @@ def _add_memory(subcommands) -> None:
 
     memory = subcommands.add_parser(
         "memory", help="anonymous memory, peak RSS, TTFT and decode speed: dense vs mapped, one server each",
-        description="For each model, one fresh `pagelm serve` per mode and run (modes interleaved): all dense "
-                    "(--embedding dense --weights dense), embedding mapped (--weights dense), all mapped (the "
-                    "defaults). A short chat, then anonymous memory and its parts (prefix cache, weights, "
-                    "tokenizer, state, runtime), file-backed RSS; then a long prompt for TTFT and decode tok/s; "
-                    "peak RSS. Prints a markdown table of medians and, per model, what mapping the embedding "
-                    "and then the layers saves.")
+        description=_memory.__doc__)
     memory.add_argument("models", nargs="*", metavar="MODEL", default=list(DEFAULT_MODELS),
                         help=f"models to measure (default: {' '.join(DEFAULT_MODELS)})")
     memory.add_argument("--runs", type=int, default=DEFAULT_RUNS, help=f"runs per mode (default {DEFAULT_RUNS})")
@@ -313,10 +356,7 @@ def _add_memory(subcommands) -> None:
 def _add_pressure(subcommands, model_help: str) -> None:
     pressure = subcommands.add_parser(
         "pressure", help="TTFT with the model file's pages evicted, with and without the prefetch hint",
-        description="In process, mapped embedding: TTFT of a prompt of many distinct tokens with the page "
-                    "cache warm, and after evicting the model file (MADV_DONTNEED on its map, then "
-                    "posix_fadvise DONTNEED), each with the prefetch hint on and off. Prints the cold penalty "
-                    "and what the hint saves.")
+        description=_pressure.__doc__)
     pressure.add_argument("model", nargs="?", default="qwen3.5-0.8b", metavar="MODEL",
                           help="default qwen3.5-0.8b; " + model_help)
     pressure.add_argument("--runs", type=int, default=DEFAULT_RUNS, help=f"runs (default {DEFAULT_RUNS})")
@@ -331,9 +371,7 @@ def _add_pressure(subcommands, model_help: str) -> None:
 def _add_shared(subcommands, model_help: str) -> None:
     shared = subcommands.add_parser(
         "shared", help="two servers on one model file: the second one's anonymous memory and PSS, dense vs mapped",
-        description="Start two `pagelm serve` processes on the same file (both alive, one chat each) and read "
-                    "the second one's anonymous memory, PSS and file-backed RSS from /proc: mapped pages are "
-                    "shared between the processes, unpacked tables are not.")
+        description=_shared.__doc__)
     shared.add_argument("model", nargs="?", default="qwen3.5-0.8b", metavar="MODEL",
                         help="default qwen3.5-0.8b; " + model_help)
     shared.add_argument("--runs", type=int, default=1, help="runs per mode (default 1)")
@@ -346,13 +384,7 @@ def _add_shared(subcommands, model_help: str) -> None:
 def _add_vision(subcommands) -> None:
     vision = subcommands.add_parser(
         "vision", help="what one image costs a Qwen3.5 server: tokens, tower time, TTFT, TTFT again, peak memory",
-        description="For each synthetic Qwen3.5 shape (its model and a random vision tower of the real geometry, "
-                    "written with `pagelm synth` when missing), one `pagelm serve --mmproj`: a warm-up image, "
-                    "then seeded photograph-like JPEGs of 640×480, 1080×720, 1920×1080 and 4032×3024 (resized to "
-                    "the 1,024-token cap), each sent as it is, again, and with a new question. Prints per "
-                    "geometry and size the image's prompt tokens, the tower's seconds, TTFT, TTFT of the same "
-                    "request again and with the new question, the peak anonymous memory the request added (and "
-                    "per megapixel) and what stays after it.")
+        description=_vision.__doc__)
     vision.add_argument("models", nargs="*", metavar="SHAPE", default=list(VISION_SHAPES[:3]),
                         help=f"Qwen3.5 shapes with a tower ({', '.join(VISION_SHAPES)}; default: "
                              f"{' '.join(VISION_SHAPES[:3])})")
@@ -369,14 +401,7 @@ def _add_vision(subcommands) -> None:
 def _add_perplexity(subcommands, model_help: str) -> None:
     perplexity = subcommands.add_parser(
         "perplexity", help="perplexity on a fixed English text per weights mode and dtype, via prefill and via decode",
-        description="Tokenize the text with the model's tokenizer (its BOS first when it adds one), take the first "
-                    "--tokens tokens, and for each weights mode × dtype load the model in process and compute the "
-                    "perplexity twice: through one prefill over the whole text (the head on every position) and "
-                    "teacher-forced through decode steps. Prints a markdown table, per dtype the ratio mapped/dense "
-                    "− 1 in % with its standard error (from the per-token differences: a ratio within about two "
-                    "standard errors of 0 is one this text is too short to tell from noise; raise --tokens), and "
-                    "the command line. The default text is the English documentation bundled with "
-                    "Python (pydoc_data.topics, topics in sorted key order).")
+        description=_perplexity.__doc__)
     perplexity.add_argument("model", metavar="MODEL", help=model_help)
     perplexity.add_argument("--text", metavar="FILE", help="a UTF-8 text file instead of Python's documentation")
     perplexity.add_argument("--tokens", type=int, default=2048, help="tokens of the text to score (default 2048)")
@@ -392,17 +417,7 @@ def _add_batch(subcommands, model_help: str) -> None:
     batch = subcommands.add_parser(
         "batch", help="decode throughput of 1..16 sequences per step (weights mapped); exit 1 if any sequence's "
                       "logits differ from decoding it alone",
-        description="In process, weights mapped: for each batch size N, N sessions with their own seeded prompts "
-                    "(of different lengths) decode --tokens greedy steps together, one decode_batch call a step. "
-                    "Prints per size the aggregate and per-sequence tokens per second, ms per step split into "
-                    "matmuls + head + rest (llama's one-token layers run as compiled calls: the matmuls are those calls, with "
-                    "their norms, rope and attention), the matmuls' and head's GFLOP/s as a share of this machine's float32 "
-                    "FMA peak (measured in the same run on FMA chains in registers), and the ratio to batch size 1 "
-                    "(medians of --runs runs, sizes interleaved), then one line 'batch N: R× batch 1' per size. "
-                    "The first run's sequences are "
-                    "decoded again alone and every step's logits compared bit for bit: the last line is "
-                    "'differing sequences: D of S'; exit 1 if D > 0. With llama_cpp installed, llama.cpp decodes "
-                    "the same sequences of the same file, N per llama_batch, right after pagelm's turn at each size and run.")
+        description=_batch.__doc__)
     batch.add_argument("model", metavar="MODEL", help=model_help)
     batch.add_argument("--sizes", default="1,2,4,8,16", metavar="N,…",
                        help="batch sizes, 1 to 16 (default 1,2,4,8,16)")
@@ -418,16 +433,7 @@ def _add_concurrency(subcommands, model_help: str) -> None:
     concurrency = subcommands.add_parser(
         "concurrency", help="a pagelm serve --parallel process under 1, 2, 4, 8 concurrent clients; exit 1 if any "
                             "answer differs from the same request alone",
-        description="Starts `pagelm serve MODEL --parallel P` (P: the most clients, at least 5; prefix cache off) "
-                    "and sends --requests seeded prompts of --prompt-tokens LOW,HIGH tokens as greedy streamed "
-                    "/v1/completions of --new-tokens tokens, from each number of concurrent clients in turn over "
-                    "loopback. Prints per level: aggregate completion tokens per second, its ratio to one client, "
-                    "time to first token and inter-token latency p50/p95, mean queue wait and how many answers "
-                    "differ from one client's (the request alone); then a 2,600-token prompt is sent while 4 "
-                    "streams decode, and their inter-token p95 before and during its prefill is printed, and the "
-                    "anonymous memory of the busiest moment against the idle server (bound: busy slots × (slot "
-                    "state + 4 MiB)). Last line: 'differing answers: D of N'; exit 1 if D > 0. With a "
-                    "llama-server binary on PATH, the same clients run against `llama-server -np` on the same file.")
+        description=_concurrency.__doc__)
     concurrency.add_argument("model", metavar="MODEL", help=model_help)
     concurrency.add_argument("--clients", default="1,2,4,8", metavar="N,…",
                              help="numbers of concurrent clients (default 1,2,4,8; 1 is always run)")
@@ -448,12 +454,7 @@ def _add_all(subcommands) -> None:
 
     every = subcommands.add_parser(
         "all", help="run every benchmark and rewrite the generated block of OUT/results.md (+ PNGs)",
-        description="Run scenarios, memory, pressure and shared, then replace the block between "
-                    "'<!-- pagelm bench all: begin -->' and '<!-- pagelm bench all: end -->' in OUT/results.md "
-                    "(appended if absent; the rest of the file is kept) and write the charts next to it. "
-                    "Exit 1 if any scenario differs. With the defaults this takes roughly 40 minutes on "
-                    "2 quiet cores (plus ~5 minutes to write the qwen3.5-4b model the first time); --models, "
-                    "--runs and the other flags size it.")
+        description=_all.__doc__)
     every.add_argument("--out", default="docs", help="folder of results.md and the PNGs (default docs)")
     every.add_argument("--models", nargs="*", default=list(DEFAULT_MODELS), metavar="MODEL",
                        help=f"memory benchmark models (default: {' '.join(DEFAULT_MODELS)}); none skips it")

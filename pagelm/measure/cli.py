@@ -6,6 +6,8 @@ import argparse
 import json
 
 def _mem(args: argparse.Namespace) -> int:
+    """Read a process's memory from /proc: anonymous (what unpacked weights cost), file-backed RSS (mapped
+    model pages), RSS, peak RSS (VmHWM), PSS."""
     from pagelm.measure.memory import read_memory
 
     snapshot = read_memory(args.pid if args.pid is not None else "self")
@@ -24,8 +26,7 @@ def _mem(args: argparse.Namespace) -> int:
 def register(commands) -> None:
     mem = commands.add_parser(
         "mem", help="anonymous, file-backed, total and peak resident memory of a process",
-        description="Read a process's memory from /proc: anonymous (what unpacked weights cost), "
-                    "file-backed RSS (mapped model pages), RSS, peak RSS (VmHWM), PSS.")
+        description=_mem.__doc__)
     mem.add_argument("--pid", type=int, help="process to measure (default: this one)")
     mem.add_argument("--json", action="store_true", help="print one JSON object (MiB)")
     mem.set_defaults(run=_mem)

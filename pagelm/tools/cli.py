@@ -13,6 +13,11 @@ from tqdm import tqdm
 from pagelm.errors import PagelmError
 
 def _synth(args: argparse.Namespace) -> int:
+    """Write a complete random llama.cpp `qwen35` model (every tensor and metadata key, random seeded values
+    scaled to stay numerically healthy, peaked final logits), or with --embedding-only just its embedding
+    tables. The Qwen3.5 0.8b/2b/4b shapes have a tied Q8_0 token_embd and no output.weight; the 9b has a
+    BF16 token_embd and a Q8_0 output.weight. qwen3.5-tiny and qwen3.5-tiny-gqa (nv != nk) are small shapes
+    for tests; 'tiny' is an embedding-only geometry."""
     if args.seed < 0:
         raise PagelmError(f"--seed must be >= 0, got {args.seed}")
     if args.out is None and args.mmproj is None:
@@ -124,6 +129,9 @@ def _synth_directory(args: argparse.Namespace) -> None:
 
 
 def _verify_embeddings(args: argparse.Namespace) -> int:
+    """Compare every row (or --rows N spread evenly) of the mapped token embedding against the fully unpacked
+    bf16 table, and against gguf.quants when installed. The last line is 'rows: <N> checked, <D>
+    differing'; exit status 1 if D > 0."""
     from pagelm.tools.verify import select_rows, verify_copies, verify_embedding
     from pagelm.weights import TOKEN_EMBEDDING, MappedTensor, table_tensor
     from pagelm.weights.loader import open_checkpoint
@@ -175,12 +183,7 @@ def register(commands) -> None:
 
     synth = commands.add_parser(
         "synth", help="write a synthetic GGUF with a real model's geometry and random values",
-        description="Write a complete random llama.cpp `qwen35` model (every tensor and metadata key, "
-                    "random seeded values scaled to stay numerically healthy, peaked final logits), "
-                    "or with --embedding-only just its embedding tables. The Qwen3.5 0.8b/2b/4b shapes "
-                    "have a tied Q8_0 token_embd and no output.weight; the 9b has a BF16 token_embd and a "
-                    "Q8_0 output.weight. qwen3.5-tiny and qwen3.5-tiny-gqa (nv != nk) are small shapes "
-                    "for tests; 'tiny' is an embedding-only geometry.")
+        description=_synth.__doc__)
     synth.add_argument("--shape", required=True, choices=list(SHAPES), help="the geometry to copy")
     synth.add_argument("out", nargs="?", metavar="OUT", help="file (GGUF) or directory (hf) to write; written to "
                                                              "OUT.part, then renamed")
@@ -218,9 +221,7 @@ def register(commands) -> None:
 
     verify = commands.add_parser(
         "verify-embeddings", help="prove mapped embedding rows are bit-identical to the dense table",
-        description="Compare every row (or --rows N spread evenly) of the mapped token embedding "
-                    "against the fully unpacked bf16 table, and against gguf.quants when installed. "
-                    "The last line is 'rows: <N> checked, <D> differing'; exit status 1 if D > 0.")
+        description=_verify_embeddings.__doc__)
     verify.add_argument("model", metavar="MODEL",
                         help="a .gguf file, a Hugging Face checkpoint directory or a FastFlowLM model directory")
     verify.add_argument("--rows", type=int, help="check N rows spread from first to last (default: all)")
