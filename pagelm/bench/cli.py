@@ -14,6 +14,8 @@ from pagelm.bench.inputs import DEFAULT_MODELS_DIR, model_path, tower_path
 from pagelm.errors import PagelmError
 
 SCENARIO_MODELS = ("qwen3.5-tiny-chat", "smollm2-135m")
+BATCH_MODELS = ("smollm2-135m", "gemma3-270m", "qwen3.5-0.8b")
+BATCH_SIZES = (1, 4, 8)
 VISION_SHAPES = ("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b")
 DEFAULT_RUNS = 3
 RESULTS = "results.md"
@@ -241,11 +243,13 @@ def _concurrency(args: argparse.Namespace) -> int:
 
 
 def _all(args: argparse.Namespace) -> int:
-    """Run scenarios, memory, pressure and shared, then replace the block between '<!-- pagelm bench all:
-    begin -->' and '<!-- pagelm bench all: end -->' in OUT/results.md (appended if absent; the rest of the
-    file is kept) and write the charts next to it. Exit 1 if any scenario differs. With the defaults this
-    takes roughly 40 minutes on 2 quiet cores (plus ~5 minutes to write the qwen3.5-4b model the first
-    time); --models, --runs and the other flags size it."""
+    """Run scenarios, memory, pressure, shared and batched decode (beside llama.cpp when it is installed),
+    then replace the block between '<!-- pagelm bench all: begin -->' and '<!-- pagelm bench all: end -->'
+    in OUT/results.md (appended if absent; the rest of the file is kept) and write the charts next to it.
+    Exit 1 if any scenario or batched sequence differs. With the defaults this takes roughly 50 minutes on
+    2 quiet cores (plus ~5 minutes to write the qwen3.5-4b model the first time); --models, --runs and the
+    other flags size it."""
+    from pagelm.bench.batch import run_batch
     from pagelm.bench.memory import run_memory
     from pagelm.bench.pressure import run_pressure
     from pagelm.bench.report import machine_description, replace_generated_block
@@ -253,7 +257,7 @@ def _all(args: argparse.Namespace) -> int:
     from pagelm.bench.server import progress
     from pagelm.bench.shared import run_shared
 
-    for flag in ("runs", "scenario_runs", "prompt_tokens", "new_tokens"):
+    for flag in ("runs", "scenario_runs", "prompt_tokens", "new_tokens", "batch_tokens"):
         _positive(f"--{flag.replace('_', '-')}", getattr(args, flag))
     os.makedirs(args.out, exist_ok=True)
     started, start = datetime.now(timezone.utc), time.perf_counter()
@@ -293,6 +297,14 @@ def _all(args: argparse.Namespace) -> int:
         sections.append(section("Shared pages: two servers on one file",
                                 ["shared", args.shared_model, "--runs", str(args.runs), "--png", chart],
                                 report.markdown(), chart, "the second server's memory, dense vs mapped"))
+
+    for name in args.batch_models:
+        report = run_batch(name, resolve(name), list(BATCH_SIZES), args.batch_tokens, args.runs)
+        differing += report.differing
+        sizes = ",".join(map(str, BATCH_SIZES))
+        sections.append(section(f"Decode speed: {report.model}", ["batch", name, "--sizes", sizes, "--tokens",
+                                                                  str(args.batch_tokens), "--runs", str(args.runs)],
+                                report.markdown()))
 
     minutes = (time.perf_counter() - start) / 60
     argv = sys.argv[sys.argv.index("all"):] if "all" in sys.argv else ["all"]
@@ -465,8 +477,12 @@ def _add_all(subcommands) -> None:
                        help="pressure benchmark model (default qwen3.5-0.8b; '' skips it)")
     every.add_argument("--shared-model", default="qwen3.5-0.8b", metavar="MODEL",
                        help="two-process benchmark model (default qwen3.5-0.8b; '' skips it)")
+    every.add_argument("--batch-models", nargs="*", default=list(BATCH_MODELS), metavar="MODEL",
+                       help=f"batched decode models, sizes {','.join(map(str, BATCH_SIZES))} (default: "
+                            f"{' '.join(BATCH_MODELS)}); none skips them")
+    every.add_argument("--batch-tokens", type=int, default=16, help="decode steps per batch size and run (default 16)")
     every.add_argument("--runs", type=int, default=DEFAULT_RUNS,
-                       help=f"runs of the memory, pressure and shared benchmarks (default {DEFAULT_RUNS})")
+                       help=f"runs of the memory, pressure, shared and batch benchmarks (default {DEFAULT_RUNS})")
     every.add_argument("--prompt-tokens", type=int, default=2600, help="long prompt length (default 2600)")
     every.add_argument("--new-tokens", type=int, default=128, help="greedy tokens after it (default 128)")
     _models_dir(every)
