@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from pagelm import __version__
 from pagelm.chat.tools import ToolCall
-from pagelm.serve.app import JsonAnswer, Server, events
+from pagelm.serve.core import JsonAnswer, Server, events
 from pagelm.serve.requests import (RequestError, boolean, integer, messages_from, sampling, stop_strings, string,
                                    tools_from)
 from pagelm.serve.worker import Delta, Job, Result

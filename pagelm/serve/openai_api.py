@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pagelm.chat.tools import ToolCall
-from pagelm.serve.app import JsonAnswer, Server, events
+from pagelm.serve.core import JsonAnswer, Server, events
 from pagelm.serve.requests import (RequestError, boolean, integer, messages_from, sampling, stop_strings,
                                    string, tool_choice_from, tools_from)
 from pagelm.serve.worker import Delta, Job, Result

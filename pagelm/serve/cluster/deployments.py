@@ -27,7 +27,8 @@ from pagelm.chat.model import ChatModel
 from pagelm.errors import PagelmError
 from pagelm.grammar import Grammar
 from pagelm.measure.memory import read_memory
-from pagelm.serve.app import Server, ServeSettings, create_app
+from pagelm.serve.app import create_app
+from pagelm.serve.core import Server, ServeSettings
 from pagelm.serve.cluster.loopback import keep_replica_on_loopback
 from pagelm.serve.cluster.wire import WireJob, prefix_hashes
 from pagelm.serve.metrics import merge as merge_histograms
