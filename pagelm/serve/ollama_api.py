@@ -94,6 +94,7 @@ async def _ndjson(job: Job, record) -> AsyncIterator[str]:
 
 
 async def _respond(request: Request, job: Job, streamed: bool, record, merge) -> Response:
+    """The answer: NDJSON lines of `record(event)` when `streamed`, else one object, `merge(deltas, result)`."""
     if streamed:
         return StreamingResponse(_ndjson(job, record), media_type="application/x-ndjson",
                                  headers={"X-Request-Id": job.id})
@@ -107,6 +108,7 @@ async def _respond(request: Request, job: Job, streamed: bool, record, merge) ->
 
 
 def _check(server: Server, body: dict):
+    """The model checked; (the options read, whether to stream: unless `stream` is false)."""
     server.check_model(body.get("model"))
     streamed = boolean(body, "stream")
     return _options(server, body), streamed is not False

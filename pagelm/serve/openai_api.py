@@ -111,6 +111,7 @@ async def _stream(job: Job, chunks) -> AsyncIterator[str]:
 
 
 def _streaming(job: Job, chunks) -> Response:
+    """The answer as server-sent events, one a `chunks(event)` object, ending with [DONE]."""
     return StreamingResponse(_stream(job, chunks), media_type="text/event-stream",
                              headers={"X-Request-Id": job.id, "Cache-Control": "no-cache"})
 
