@@ -25,7 +25,7 @@ import httpx
 from pagelm.bench.server import ServerConfig, ServerProcess, free_port
 from pagelm.bench.shared import measure_pair, model_file_pages
 from pagelm.measure.memory import read_memory
-from pagelm.serve.app import ServeSettings
+from pagelm.serve.core import ServeSettings
 from pagelm.serve.cluster.loopback import LOOPBACK_ENV, start_local_ray
 
 MIB = 1 << 20

@@ -23,7 +23,8 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagelm.sources import store
-    from pagelm.serve.app import ServeSettings, create_app
+    from pagelm.serve.app import create_app
+    from pagelm.serve.core import ServeSettings
 
     for flag, value, low in [("--ctx-len", args.ctx_len, 16), ("--prefix-slots", args.prefix_slots, 0),
                              ("--prefix-cache-mib", args.prefix_cache_mib, 0),

@@ -1,5 +1,6 @@
-"""Latency and batch-size histograms the engine worker records and /metrics exposes as Prometheus
-histograms (cumulative buckets, sum, count); read from request handlers while the engine writes.
+"""Latency and batch-size histograms the engine worker records, and the Prometheus text of
+/metrics (counters of a Server's stats, histograms as cumulative buckets, sum, count); read from
+request handlers while the engine writes.
 """
 
 from __future__ import annotations
@@ -80,3 +81,17 @@ def prometheus(prefix: str, snapshot: dict, label: str = "") -> list[str]:
         lines.append(f"{prefix}_{name}_sum{plain} {h['sum']}")
         lines.append(f"{prefix}_{name}_count{plain} {h['count']}")
     return lines
+
+
+def prometheus_text(stats: dict) -> str:
+    """Prometheus text of a Server's stats: its totals, and with `replicas` (engines elsewhere)
+    each one's figures as pagelm_replica_* labelled by replica."""
+    lines = []
+    for prefix, label, figures in [("pagelm", "", stats)] + [
+            ("pagelm_replica", f'{{replica="{r["replica"]}"}}', r) for r in stats.get("replicas", ())]:
+        for group in ("prefix_cache", "image_cache", "requests", "memory", "slots"):
+            for key, value in figures.get(group, {}).items():
+                if isinstance(value, (bool, int, float)):
+                    lines.append(f"{prefix}_{group}_{key}{label} {int(value) if isinstance(value, bool) else value}")
+        lines += prometheus(prefix, figures.get("histograms", {}), label.strip("{}"))
+    return "\n".join(lines) + "\n"

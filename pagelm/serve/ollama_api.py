@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from datetime import datetime, timezone
+from functools import partial
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -15,7 +16,7 @@ from starlette.routing import Route
 
 from pagelm import __version__
 from pagelm.chat.tools import ToolCall
-from pagelm.serve.app import JsonAnswer, Server, events
+from pagelm.serve.core import JsonAnswer, Server, events
 from pagelm.serve.requests import (RequestError, boolean, integer, messages_from, sampling, stop_strings, string,
                                    tools_from)
 from pagelm.serve.worker import Delta, Job, Result
@@ -84,154 +85,167 @@ def _details(server: Server) -> dict:
             "parameter_size": "", "quantization_level": "" if file_type is None else str(file_type)}
 
 
-def routes(server: Server) -> list[Route]:
-    async def ndjson(job: Job, record) -> AsyncIterator[str]:
-        try:
-            async for event in events(job):
-                yield json.dumps(record(event), ensure_ascii=False) + "\n"
-        except RequestError as e:
-            yield json.dumps({"error": str(e)}) + "\n"
+async def _ndjson(job: Job, record) -> AsyncIterator[str]:
+    try:
+        async for event in events(job):
+            yield json.dumps(record(event), ensure_ascii=False) + "\n"
+    except RequestError as e:
+        yield json.dumps({"error": str(e)}) + "\n"
 
-    async def respond(request: Request, job: Job, streamed: bool, record, merge) -> Response:
-        if streamed:
-            return StreamingResponse(ndjson(job, record), media_type="application/x-ndjson",
-                                     headers={"X-Request-Id": job.id})
-        deltas, result = [], None
-        async for event in events(job, request):
-            if isinstance(event, Delta):
-                deltas.append(event)
-            else:
-                result = event
-        return JSONResponse(merge(deltas, result), headers={"X-Request-Id": job.id})
 
-    def check(body: dict):
-        server.check_model(body.get("model"))
-        streamed = boolean(body, "stream")
-        return _options(server, body), streamed is not False
-
-    async def chat(request: Request) -> Response:
-        body = await server.read_json(request)
-        (params, stop, num_ctx), streamed = check(body)
-        messages, images = messages_from(body.get("messages"), "ollama")
-        plan = await server.plan_chat(messages, _think(body), tools_from(body.get("tools")),
-                                      answer=_json_answer(body.get("format")), images=images)
-        job = server.start(request, plan.prompt, params, stop, "chat", max_len=num_ctx, grammar=plan.grammar)
-        name = server.chat.name
-        calls = plan.answer_stream()
-
-        def message(reasoning: str, pieces: list) -> dict:
-            m = {"role": "assistant", "content": "".join(p for p in pieces if isinstance(p, str))}
-            if reasoning:
-                m["thinking"] = reasoning
-            found = [p for p in pieces if isinstance(p, ToolCall)]
-            if found:
-                first = len(calls.calls) - len(found)
-                m["tool_calls"] = [_tool_call(c, first + i) for i, c in enumerate(found)]
-            return m
-
-        def record(event) -> dict:
-            if isinstance(event, Delta):
-                return {"model": name, "created_at": _now(), "message": message(event.reasoning,
-                                                                                calls.push(event.content)),
-                        "done": False}
-            return {"model": name, "created_at": _now(), "message": message("", calls.finish()), **_done(event)}
-
-        def merge(deltas: list[Delta], result: Result) -> dict:
-            pieces = [p for d in deltas for p in calls.push(d.content)] + calls.finish()
-            return {"model": name, "created_at": _now(),
-                    "message": message("".join(d.reasoning for d in deltas), pieces), **_done(result)}
-
-        return await respond(request, job, streamed, record, merge)
-
-    async def generate(request: Request) -> Response:
-        body = await server.read_json(request)
-        (params, stop, num_ctx), streamed = check(body)
-        text, system = string(body, "prompt"), string(body, "system")
-        if text is None:
-            raise RequestError("prompt is required (a string)")
-        if text == "" and not body.get("images"):  # how Ollama clients ask for the model to be loaded
-            server.require_ready()
-            return JSONResponse({"model": server.chat.name, "created_at": _now(), "response": "", "done": True,
-                                 "done_reason": "load"})
-        images = body.get("images") or []
-        if not isinstance(images, list):
-            raise RequestError("images must be a list of base64 strings")
-        (user,), images = messages_from([{"role": "user", "content": text, "images": images}], "ollama")
-        answer = _json_answer(body.get("format"))
-        if boolean(body, "raw"):
-            if images:
-                raise RequestError("a raw prompt cannot carry images: it has no chat template to place them")
-            prompt, grammar = await server.raw_prompt(text), await server.json_grammar(answer)
+async def _respond(request: Request, job: Job, streamed: bool, record, merge) -> Response:
+    """The answer: NDJSON lines of `record(event)` when `streamed`, else one object, `merge(deltas, result)`."""
+    if streamed:
+        return StreamingResponse(_ndjson(job, record), media_type="application/x-ndjson",
+                                 headers={"X-Request-Id": job.id})
+    deltas, result = [], None
+    async for event in events(job, request):
+        if isinstance(event, Delta):
+            deltas.append(event)
         else:
-            messages = ([{"role": "system", "content": system}] if system else []) + [user]
-            plan = await server.plan_chat(messages, _think(body), answer=answer, images=images)
-            # a generate client never sends the answer back: nothing to keep for a next turn
-            prompt, grammar = replace(plan.prompt, answered=None), plan.grammar
-        job = server.start(request, prompt, params, stop, "gen", max_len=num_ctx, grammar=grammar)
-        name = server.chat.name
+            result = event
+    return JSONResponse(merge(deltas, result), headers={"X-Request-Id": job.id})
 
-        def record(event) -> dict:
-            if isinstance(event, Delta):
-                r = {"model": name, "created_at": _now(), "response": event.content, "done": False}
-                if event.reasoning:
-                    r["thinking"] = event.reasoning
-                return r
-            return {"model": name, "created_at": _now(), "response": "", **_done(event)}
 
-        def merge(deltas: list[Delta], result: Result) -> dict:
-            r = {"model": name, "created_at": _now(), "response": "".join(d.content for d in deltas)}
-            reasoning = "".join(d.reasoning for d in deltas)
-            if reasoning:
-                r["thinking"] = reasoning
-            return {**r, **_done(result)}
+def _check(server: Server, body: dict):
+    """The model checked; (the options read, whether to stream: unless `stream` is false)."""
+    server.check_model(body.get("model"))
+    streamed = boolean(body, "stream")
+    return _options(server, body), streamed is not False
 
-        return await respond(request, job, streamed, record, merge)
 
-    def model_entry() -> dict:
-        chat = server.require_ready()
-        stat = chat.path.stat()
-        return {"name": chat.name, "model": chat.name,
-                "modified_at": datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat().replace("+00:00", "Z"),
-                "size": stat.st_size, "digest": "", "details": _details(server)}
+async def chat(server: Server, request: Request) -> Response:
+    body = await server.read_json(request)
+    (params, stop, num_ctx), streamed = _check(server, body)
+    messages, images = messages_from(body.get("messages"), "ollama")
+    plan = await server.plan_chat(messages, _think(body), tools_from(body.get("tools")),
+                                  answer=_json_answer(body.get("format")), images=images)
+    job = server.start(request, plan.prompt, params, stop, "chat", max_len=num_ctx, grammar=plan.grammar)
+    name = server.chat.name
+    calls = plan.answer_stream()
 
-    async def tags(request: Request) -> Response:
-        return JSONResponse({"models": [model_entry()]})
+    def message(reasoning: str, pieces: list) -> dict:
+        m = {"role": "assistant", "content": "".join(p for p in pieces if isinstance(p, str))}
+        if reasoning:
+            m["thinking"] = reasoning
+        found = [p for p in pieces if isinstance(p, ToolCall)]
+        if found:
+            first = len(calls.calls) - len(found)
+            m["tool_calls"] = [_tool_call(c, first + i) for i, c in enumerate(found)]
+        return m
 
-    async def ps(request: Request) -> Response:
-        entry = {**model_entry(), "size_vram": 0, "expires_at": "", "context_length": server.settings.ctx_len,
-                 "file": str(server.chat.path)}
-        return JSONResponse({"models": [entry], **(await server.current_stats())})
+    def record(event) -> dict:
+        if isinstance(event, Delta):
+            return {"model": name, "created_at": _now(), "message": message(event.reasoning,
+                                                                            calls.push(event.content)),
+                    "done": False}
+        return {"model": name, "created_at": _now(), "message": message("", calls.finish()), **_done(event)}
 
-    async def show(request: Request) -> Response:
-        body = await server.read_json(request)
-        server.check_model(body.get("model") or body.get("name"))
-        chat = server.chat
-        metadata = chat.model.file.metadata
-        info = {k: v for k, v in metadata.items() if not k.startswith("tokenizer.") and isinstance(v, (int, float, str))}
-        capabilities = (["completion"] + (["tools"] if chat.tool_form else [])
-                        + (["thinking"] if chat.thinks else []) + (["vision"] if chat.model.tower else []))
-        return JSONResponse({"modelfile": "", "parameters": "", "template": chat.template.source,
-                             "details": _details(server), "model_info": info, "capabilities": capabilities})
+    def merge(deltas: list[Delta], result: Result) -> dict:
+        pieces = [p for d in deltas for p in calls.push(d.content)] + calls.finish()
+        return {"model": name, "created_at": _now(),
+                "message": message("".join(d.reasoning for d in deltas), pieces), **_done(result)}
 
-    async def version(request: Request) -> Response:
-        return JSONResponse({"version": __version__})
+    return await _respond(request, job, streamed, record, merge)
 
-    async def cancel(request: Request) -> Response:
-        body = await server.read_json(request)
-        rid = body.get("id") or body.get("request_id")
-        if not isinstance(rid, str) or not rid:
-            raise RequestError("id is required: the request id (X-Request-Id header of the response to cancel)")
+
+async def generate(server: Server, request: Request) -> Response:
+    body = await server.read_json(request)
+    (params, stop, num_ctx), streamed = _check(server, body)
+    text, system = string(body, "prompt"), string(body, "system")
+    if text is None:
+        raise RequestError("prompt is required (a string)")
+    if text == "" and not body.get("images"):  # how Ollama clients ask for the model to be loaded
         server.require_ready()
-        if not server.worker.cancel(rid):
-            raise RequestError(f"no queued or running request with id '{rid}'", status=404)
-        return JSONResponse({"id": rid, "cancelled": True})
+        return JSONResponse({"model": server.chat.name, "created_at": _now(), "response": "", "done": True,
+                             "done_reason": "load"})
+    images = body.get("images") or []
+    if not isinstance(images, list):
+        raise RequestError("images must be a list of base64 strings")
+    (user,), images = messages_from([{"role": "user", "content": text, "images": images}], "ollama")
+    answer = _json_answer(body.get("format"))
+    if boolean(body, "raw"):
+        if images:
+            raise RequestError("a raw prompt cannot carry images: it has no chat template to place them")
+        prompt, grammar = await server.raw_prompt(text), await server.json_grammar(answer)
+    else:
+        messages = ([{"role": "system", "content": system}] if system else []) + [user]
+        plan = await server.plan_chat(messages, _think(body), answer=answer, images=images)
+        # a generate client never sends the answer back: nothing to keep for a next turn
+        prompt, grammar = replace(plan.prompt, answered=None), plan.grammar
+    job = server.start(request, prompt, params, stop, "gen", max_len=num_ctx, grammar=grammar)
+    name = server.chat.name
 
+    def record(event) -> dict:
+        if isinstance(event, Delta):
+            r = {"model": name, "created_at": _now(), "response": event.content, "done": False}
+            if event.reasoning:
+                r["thinking"] = event.reasoning
+            return r
+        return {"model": name, "created_at": _now(), "response": "", **_done(event)}
+
+    def merge(deltas: list[Delta], result: Result) -> dict:
+        r = {"model": name, "created_at": _now(), "response": "".join(d.content for d in deltas)}
+        reasoning = "".join(d.reasoning for d in deltas)
+        if reasoning:
+            r["thinking"] = reasoning
+        return {**r, **_done(result)}
+
+    return await _respond(request, job, streamed, record, merge)
+
+
+def _model_entry(server: Server) -> dict:
+    chat = server.require_ready()
+    stat = chat.path.stat()
+    return {"name": chat.name, "model": chat.name,
+            "modified_at": datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat().replace("+00:00", "Z"),
+            "size": stat.st_size, "digest": "", "details": _details(server)}
+
+
+async def tags(server: Server, request: Request) -> Response:
+    return JSONResponse({"models": [_model_entry(server)]})
+
+
+async def ps(server: Server, request: Request) -> Response:
+    entry = {**_model_entry(server), "size_vram": 0, "expires_at": "", "context_length": server.settings.ctx_len,
+             "file": str(server.chat.path)}
+    return JSONResponse({"models": [entry], **(await server.current_stats())})
+
+
+async def show(server: Server, request: Request) -> Response:
+    body = await server.read_json(request)
+    server.check_model(body.get("model") or body.get("name"))
+    chat = server.chat
+    metadata = chat.model.file.metadata
+    info = {k: v for k, v in metadata.items() if not k.startswith("tokenizer.") and isinstance(v, (int, float, str))}
+    capabilities = (["completion"] + (["tools"] if chat.tool_form else [])
+                    + (["thinking"] if chat.thinks else []) + (["vision"] if chat.model.tower else []))
+    return JSONResponse({"modelfile": "", "parameters": "", "template": chat.template.source,
+                         "details": _details(server), "model_info": info, "capabilities": capabilities})
+
+
+async def version(server: Server, request: Request) -> Response:
+    return JSONResponse({"version": __version__})
+
+
+async def cancel(server: Server, request: Request) -> Response:
+    body = await server.read_json(request)
+    rid = body.get("id") or body.get("request_id")
+    if not isinstance(rid, str) or not rid:
+        raise RequestError("id is required: the request id (X-Request-Id header of the response to cancel)")
+    server.require_ready()
+    if not server.worker.cancel(rid):
+        raise RequestError(f"no queued or running request with id '{rid}'", status=404)
+    return JSONResponse({"id": rid, "cancelled": True})
+
+
+def routes(server: Server) -> list[Route]:
     return [
-        Route("/api/chat", server.endpoint(chat), methods=["POST"]),
-        Route("/api/generate", server.endpoint(generate), methods=["POST"]),
-        Route("/api/tags", server.endpoint(tags), methods=["GET"]),
-        Route("/api/ps", server.endpoint(ps), methods=["GET"]),
-        Route("/api/show", server.endpoint(show), methods=["POST"]),
-        Route("/api/version", server.endpoint(version), methods=["GET"]),
-        Route("/api/cancel", server.endpoint(cancel), methods=["POST"]),
+        Route("/api/chat", server.endpoint(partial(chat, server)), methods=["POST"]),
+        Route("/api/generate", server.endpoint(partial(generate, server)), methods=["POST"]),
+        Route("/api/tags", server.endpoint(partial(tags, server)), methods=["GET"]),
+        Route("/api/ps", server.endpoint(partial(ps, server)), methods=["GET"]),
+        Route("/api/show", server.endpoint(partial(show, server)), methods=["POST"]),
+        Route("/api/version", server.endpoint(partial(version, server)), methods=["GET"]),
+        Route("/api/cancel", server.endpoint(partial(cancel, server)), methods=["POST"]),
     ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -15,7 +16,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pagelm.chat.tools import ToolCall
-from pagelm.serve.app import JsonAnswer, Server, events
+from pagelm.serve.core import JsonAnswer, Server, events
 from pagelm.serve.requests import (RequestError, boolean, integer, messages_from, sampling, stop_strings,
                                    string, tool_choice_from, tools_from)
 from pagelm.serve.worker import Delta, Job, Result
@@ -95,123 +96,130 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _model_name(server: Server) -> str:
+    return server.require_ready().name
+
+
+async def _stream(job: Job, chunks) -> AsyncIterator[str]:
+    try:
+        async for event in events(job):
+            for chunk in chunks(event):
+                yield _sse(chunk)
+    except RequestError as e:
+        yield _sse({"error": {"message": str(e), "type": "server_error", "code": None, "param": None}})
+    yield "data: [DONE]\n\n"
+
+
+def _streaming(job: Job, chunks) -> Response:
+    """The answer as server-sent events, one a `chunks(event)` object, ending with [DONE]."""
+    return StreamingResponse(_stream(job, chunks), media_type="text/event-stream",
+                             headers={"X-Request-Id": job.id, "Cache-Control": "no-cache"})
+
+
+async def chat_completions(server: Server, request: Request) -> Response:
+    body = await server.read_json(request)
+    params, stop, streamed = _common(server, body)
+    messages, images = messages_from(body.get("messages"), "openai")
+    tools = tools_from(body.get("tools"))
+    parallel = boolean(body, "parallel_tool_calls")
+    plan = await server.plan_chat(messages, _think(body), tools, tool_choice_from(body.get("tool_choice"), tools),
+                                  parallel is not False, _json_answer(body.get("response_format")), images)
+    job = server.start(request, plan.prompt, params, stop, "chatcmpl", grammar=plan.grammar)
+    created, name = int(time.time()), _model_name(server)
+    head = {"id": job.id, "object": "chat.completion.chunk", "created": created, "model": name}
+    calls = plan.answer_stream()
+
+    def finish_reason(result: Result) -> str:
+        return "tool_calls" if calls.calls and result.finish_reason == "stop" else result.finish_reason
+
+    if streamed:
+        first = [True]
+
+        def choice(delta: dict, reason: str | None = None) -> dict:
+            if first[0]:
+                delta, first[0] = {"role": "assistant", **delta}, False
+            return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
+
+        def chunks(event) -> list[dict]:
+            delta = {}
+            if isinstance(event, Delta):
+                if event.reasoning:
+                    delta["reasoning_content"] = event.reasoning
+                pieces = calls.push(event.content)
+            else:
+                pieces = calls.finish()
+            content, new_calls = _split(pieces)
+            if content:
+                delta["content"] = content
+            out = [choice(delta)] if delta else []
+            first_index = len(calls.calls) - len(new_calls)
+            out += [choice({"tool_calls": [_tool_call(call, first_index + i)]}) for i, call in enumerate(new_calls)]
+            if isinstance(event, Result):
+                out.append({**choice({}, finish_reason(event)), "usage": _usage(event)})
+            return out
+
+        return _streaming(job, chunks)
+
+    reasoning, parts, result = [], [], None
+    async for event in events(job, request):
+        if isinstance(event, Delta):
+            reasoning.append(event.reasoning)
+            parts += calls.push(event.content)
+        else:
+            result = event
+    content, found = _split(parts + calls.finish())
+    message = {"role": "assistant", "content": content if content or not found else None}
+    if "".join(reasoning):
+        message["reasoning_content"] = "".join(reasoning)
+    if found:
+        message["tool_calls"] = [_tool_call(c) for c in found]
+    return JSONResponse({"id": job.id, "object": "chat.completion", "created": created, "model": name,
+                         "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(result)}],
+                         "usage": _usage(result)}, headers={"X-Request-Id": job.id})
+
+
+async def completions(server: Server, request: Request) -> Response:
+    body = await server.read_json(request)
+    params, stop, streamed = _common(server, body)
+    text = body.get("prompt")
+    if isinstance(text, list) and len(text) == 1:
+        text = text[0]
+    if not isinstance(text, str):
+        raise RequestError("prompt must be a string (or a list of one string)", param="prompt")
+    prompt = await server.raw_prompt(text)
+    job = server.start(request, prompt, params, stop, "cmpl")
+    created, name = int(time.time()), _model_name(server)
+    head = {"id": job.id, "object": "text_completion", "created": created, "model": name}
+
+    if streamed:
+        def chunks(event) -> list[dict]:
+            if isinstance(event, Delta):
+                return [{**head, "choices": [{"index": 0, "text": event.content, "finish_reason": None,
+                                              "logprobs": None}]}]
+            return [{**head, "choices": [{"index": 0, "text": "", "finish_reason": event.finish_reason,
+                                          "logprobs": None}], "usage": _usage(event)}]
+
+        return _streaming(job, chunks)
+
+    parts, result = [], None
+    async for event in events(job, request):
+        if isinstance(event, Delta):
+            parts.append(event.content)
+        else:
+            result = event
+    return JSONResponse({**head, "choices": [{"index": 0, "text": "".join(parts), "logprobs": None,
+                                              "finish_reason": result.finish_reason}],
+                         "usage": _usage(result)}, headers={"X-Request-Id": job.id})
+
+
+async def models(server: Server, request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [{"id": _model_name(server), "object": "model",
+                                                     "created": int(server.started), "owned_by": "pagelm"}]})
+
+
 def routes(server: Server) -> list[Route]:
-    def model_name() -> str:
-        return server.require_ready().name
-
-    async def stream(job: Job, chunks) -> AsyncIterator[str]:
-        try:
-            async for event in events(job):
-                for chunk in chunks(event):
-                    yield _sse(chunk)
-        except RequestError as e:
-            yield _sse({"error": {"message": str(e), "type": "server_error", "code": None, "param": None}})
-        yield "data: [DONE]\n\n"
-
-    def streaming(job: Job, chunks) -> Response:
-        return StreamingResponse(stream(job, chunks), media_type="text/event-stream",
-                                 headers={"X-Request-Id": job.id, "Cache-Control": "no-cache"})
-
-    async def chat_completions(request: Request) -> Response:
-        body = await server.read_json(request)
-        params, stop, streamed = _common(server, body)
-        messages, images = messages_from(body.get("messages"), "openai")
-        tools = tools_from(body.get("tools"))
-        parallel = boolean(body, "parallel_tool_calls")
-        plan = await server.plan_chat(messages, _think(body), tools, tool_choice_from(body.get("tool_choice"), tools),
-                                      parallel is not False, _json_answer(body.get("response_format")), images)
-        job = server.start(request, plan.prompt, params, stop, "chatcmpl", grammar=plan.grammar)
-        created, name = int(time.time()), model_name()
-        head = {"id": job.id, "object": "chat.completion.chunk", "created": created, "model": name}
-        calls = plan.answer_stream()
-
-        def finish_reason(result: Result) -> str:
-            return "tool_calls" if calls.calls and result.finish_reason == "stop" else result.finish_reason
-
-        if streamed:
-            first = [True]
-
-            def choice(delta: dict, reason: str | None = None) -> dict:
-                if first[0]:
-                    delta, first[0] = {"role": "assistant", **delta}, False
-                return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
-
-            def chunks(event) -> list[dict]:
-                delta = {}
-                if isinstance(event, Delta):
-                    if event.reasoning:
-                        delta["reasoning_content"] = event.reasoning
-                    pieces = calls.push(event.content)
-                else:
-                    pieces = calls.finish()
-                content, new_calls = _split(pieces)
-                if content:
-                    delta["content"] = content
-                out = [choice(delta)] if delta else []
-                first_index = len(calls.calls) - len(new_calls)
-                out += [choice({"tool_calls": [_tool_call(call, first_index + i)]}) for i, call in enumerate(new_calls)]
-                if isinstance(event, Result):
-                    out.append({**choice({}, finish_reason(event)), "usage": _usage(event)})
-                return out
-
-            return streaming(job, chunks)
-
-        reasoning, parts, result = [], [], None
-        async for event in events(job, request):
-            if isinstance(event, Delta):
-                reasoning.append(event.reasoning)
-                parts += calls.push(event.content)
-            else:
-                result = event
-        content, found = _split(parts + calls.finish())
-        message = {"role": "assistant", "content": content if content or not found else None}
-        if "".join(reasoning):
-            message["reasoning_content"] = "".join(reasoning)
-        if found:
-            message["tool_calls"] = [_tool_call(c) for c in found]
-        return JSONResponse({"id": job.id, "object": "chat.completion", "created": created, "model": name,
-                             "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(result)}],
-                             "usage": _usage(result)}, headers={"X-Request-Id": job.id})
-
-    async def completions(request: Request) -> Response:
-        body = await server.read_json(request)
-        params, stop, streamed = _common(server, body)
-        text = body.get("prompt")
-        if isinstance(text, list) and len(text) == 1:
-            text = text[0]
-        if not isinstance(text, str):
-            raise RequestError("prompt must be a string (or a list of one string)", param="prompt")
-        prompt = await server.raw_prompt(text)
-        job = server.start(request, prompt, params, stop, "cmpl")
-        created, name = int(time.time()), model_name()
-        head = {"id": job.id, "object": "text_completion", "created": created, "model": name}
-
-        if streamed:
-            def chunks(event) -> list[dict]:
-                if isinstance(event, Delta):
-                    return [{**head, "choices": [{"index": 0, "text": event.content, "finish_reason": None,
-                                                  "logprobs": None}]}]
-                return [{**head, "choices": [{"index": 0, "text": "", "finish_reason": event.finish_reason,
-                                              "logprobs": None}], "usage": _usage(event)}]
-
-            return streaming(job, chunks)
-
-        parts, result = [], None
-        async for event in events(job, request):
-            if isinstance(event, Delta):
-                parts.append(event.content)
-            else:
-                result = event
-        return JSONResponse({**head, "choices": [{"index": 0, "text": "".join(parts), "logprobs": None,
-                                                  "finish_reason": result.finish_reason}],
-                             "usage": _usage(result)}, headers={"X-Request-Id": job.id})
-
-    async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": model_name(), "object": "model",
-                                                         "created": int(server.started), "owned_by": "pagelm"}]})
-
     return [
-        Route("/v1/chat/completions", server.endpoint(chat_completions), methods=["POST"]),
-        Route("/v1/completions", server.endpoint(completions), methods=["POST"]),
-        Route("/v1/models", server.endpoint(models), methods=["GET"]),
+        Route("/v1/chat/completions", server.endpoint(partial(chat_completions, server)), methods=["POST"]),
+        Route("/v1/completions", server.endpoint(partial(completions, server)), methods=["POST"]),
+        Route("/v1/models", server.endpoint(partial(models, server)), methods=["GET"]),
     ]

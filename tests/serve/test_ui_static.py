@@ -12,7 +12,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from pagelm.serve import ui
-from pagelm.serve.app import ServeSettings, create_app
+from pagelm.serve.app import create_app
+from pagelm.serve.core import ServeSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE_WEIGHT_LIMIT = 400 * 1024

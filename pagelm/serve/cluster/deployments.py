@@ -27,7 +27,8 @@ from pagelm.chat.model import ChatModel
 from pagelm.errors import PagelmError
 from pagelm.chat.grammar import Grammar
 from pagelm.measure.memory import read_memory
-from pagelm.serve.app import Server, ServeSettings, create_app
+from pagelm.serve.app import create_app
+from pagelm.serve.core import Server, ServeSettings
 from pagelm.serve.cluster.loopback import keep_replica_on_loopback
 from pagelm.serve.cluster.wire import WireJob, prefix_hashes
 from pagelm.serve.metrics import merge as merge_histograms
@@ -75,7 +76,7 @@ class PagelmEngine:
         `prefix` (the prompt's prefix hashes) is for the router, which reads it before this runs."""
         server = self.server
         try:
-            grammar = None if wire.grammar is None else await server._grammar(*wire.grammar, "grammar")
+            grammar = None if wire.grammar is None else await server.grammar(*wire.grammar, "grammar")
             job = Job(wire.prompt(server.chat), wire.params, wire.stop, wire.max_len, wire.request_id, grammar)
             server.worker.submit(job)
         except (RequestError, PagelmError) as e:
@@ -211,8 +212,8 @@ class ClusterServer(Server):
         self.load_s = time.perf_counter() - start
         self.on_load(self.load_error)
 
-    async def _grammar(self, kind: str, text: str, param: str) -> Grammar:
-        grammar = await super()._grammar(kind, text, param)
+    async def grammar(self, kind: str, text: str, param: str) -> Grammar:
+        grammar = await super().grammar(kind, text, param)
         self.worker.grammars[grammar] = (kind, text)  # what the replica compiles it from
         return grammar
 

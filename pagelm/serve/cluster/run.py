@@ -13,7 +13,7 @@ import time
 from dataclasses import replace
 
 from pagelm.errors import PagelmError
-from pagelm.serve.app import ServeSettings
+from pagelm.serve.core import ServeSettings
 from pagelm.serve.cluster import APP_NAME, require_ray
 from pagelm.serve.cluster.loopback import LOOPBACK_ENV, NICENESS_ENV, start_local_ray
 

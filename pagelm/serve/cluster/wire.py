@@ -28,7 +28,7 @@ class WireJob:
     stop: tuple[str, ...]
     max_len: int | None
     request_id: str
-    grammar: tuple[str, str] | None  # (kind, text) for Server._grammar
+    grammar: tuple[str, str] | None  # (kind, text) for Server.grammar
 
     @classmethod
     def of(cls, job, grammar: tuple[str, str] | None) -> WireJob:
