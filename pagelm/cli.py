@@ -100,6 +100,7 @@ def _synth_directory(args: argparse.Namespace) -> None:
     import contextlib
     import io
 
+    from pagelm.models import architecture_module
     from pagelm.weights.writer import write_directory
 
     container = {"hf": "Hugging Face", "flm": "FastFlowLM"}[args.format]
@@ -115,7 +116,8 @@ def _synth_directory(args: argparse.Namespace) -> None:
         with tqdm(total=os.path.getsize(staging), unit="B", unit_scale=True, file=sys.stderr,
                   desc=f"writing {os.path.basename(args.out.rstrip('/'))}", disable=args.quiet) as bar:
             rounded = write_directory(staging, args.out, args.format, quantized=args.hf_dtype,
-                                      flm_version=args.flm_version, progress=bar.update)
+                                      flm_version=args.flm_version, progress=bar.update,
+                                      architectures=architecture_module)
     finally:
         if os.path.exists(staging):
             os.remove(staging)
@@ -129,11 +131,12 @@ def _synth_directory(args: argparse.Namespace) -> None:
 def _verify_embeddings(args: argparse.Namespace) -> int:
     from pagelm.verify import select_rows, verify_copies, verify_embedding
     from pagelm.weights import TOKEN_EMBEDDING, MappedTensor, table_tensor
+    from pagelm.models import hf_layouts
     from pagelm.weights.loader import open_checkpoint
 
     if args.rows is not None and args.rows < 1:
         raise PagelmError(f"--rows must be at least 1, got {args.rows}")
-    with open_checkpoint(args.model) as model:
+    with open_checkpoint(args.model, hf_layouts) as model:
         tensor = table_tensor(model, TOKEN_EMBEDDING)
         rows = select_rows(tensor.rows, args.rows)
         descriptions = {"unpack": ("unpacking dense table", tensor.rows), "check": ("comparing rows", rows.size)}

@@ -20,7 +20,7 @@ import torch
 from pagelm import heap
 from pagelm import threads as threads_module
 from pagelm.errors import PagelmError, UnsupportedError
-from pagelm.models import ARCHITECTURES, architecture_module
+from pagelm.models import architecture_module, hf_layouts
 from pagelm.models.decoder import finish
 from pagelm.sampling import SamplingParams
 from pagelm.weights import EmbeddingMode
@@ -39,8 +39,7 @@ DEFAULT_IMAGE_CACHE_MIB = 256
 def architecture(loader: WeightLoader):
     """(ConfigClass, ModelClass) for the checkpoint's architecture."""
     module = architecture_module(loader.architecture, loader.name)
-    _, config_name, model_name = ARCHITECTURES[loader.architecture]
-    return getattr(module, config_name), getattr(module, model_name)
+    return module.Config, module.Model
 
 
 def find_mmproj(path: str) -> str | None:
@@ -78,7 +77,7 @@ class Model:
             raise PagelmError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         self.threads = threads_module.configure(threads)
         heap.map_large_blocks()
-        self.loader = WeightLoader.open(path, weights, DTYPES[dtype], device)
+        self.loader = WeightLoader.open(path, weights, DTYPES[dtype], device, hf_layouts)
         self.file = self.loader.file
         config_class, model_class = architecture(self.loader)
         self.config = config_class.from_loader(self.loader)

@@ -23,7 +23,6 @@ import torch
 from pagelm.errors import PagelmError
 from pagelm.formats.gguf import GGUFFile
 from pagelm.formats.safetensors import TensorToWrite, write_safetensors
-from pagelm.models import ARCHITECTURES, architecture_module
 from pagelm.quant import GGMLType, f32_to_bf16
 from pagelm.quant.tiles import COLUMNS, ROWS, TILE_BYTES, TileKind, pack_groups
 from pagelm.weights.flm import MODEL_FILE, VERSION_KEY, copy_name, flm_layout
@@ -34,6 +33,9 @@ Quantized = Literal["f32", "bf16"]
 Container = Literal["hf", "flm"]
 FLM_VERSIONS = ("1.0.3", "1.0.2")
 _KEEP = {GGMLType.F32: "F32", GGMLType.F16: "F16", GGMLType.BF16: "BF16"}
+# GGUF architecture, where (for messages) -> its module: `Config.from_loader`, `hf_config`, `hf_layout` (and
+# FastFlowLM's `FLM_NAMES`, `flm_rows` where it has them), e.g. `pagelm.models.architecture_module`
+Architectures = Callable[[str, str], object]
 _TILED = {GGMLType.Q8_0: TileKind.Q8, GGMLType.Q4_1: TileKind.Q4_1, GGMLType.Q4_K: TileKind.Q4_K}
 
 
@@ -94,20 +96,21 @@ class _Tiles:
 
 def write_directory(gguf_path: str, out_dir: str, container: Container = "hf", quantized: Quantized = "f32",
                     flm_version: str = FLM_VERSIONS[0], tokenizer: bool = True,
-                    progress: Callable[[int], None] | None = None) -> int:
+                    progress: Callable[[int], None] | None = None, *, architectures: Architectures) -> int:
     """Write the model in `gguf_path` as a directory `out_dir`: a Hugging Face checkpoint (config.json,
     generation_config.json, model.safetensors) or a FastFlowLM one (model.q4nx instead, and
     `flm_version` in config.json), with tokenizer.json + tokenizer_config.json + chat_template.jinja
     when `tokenizer` and the model has a vocabulary. The directory is built as `out_dir`.part and
-    renamed. Returns how many fp16 scales FastFlowLM's bf16 had to round (0: the same values)."""
+    renamed. `architectures` (`pagelm.models.architecture_module`) gives the GGUF architecture's module.
+    Returns how many fp16 scales FastFlowLM's bf16 had to round (0: the same values)."""
     if flm_version not in FLM_VERSIONS:
         raise PagelmError(f"flm_version must be one of {', '.join(FLM_VERSIONS)}, got {flm_version!r}")
     file = GGUFFile.open(gguf_path)
     try:
         loader = WeightLoader(file, "dense", torch.float32)
         arch = loader.architecture
-        module = architecture_module(arch, gguf_path)
-        config = getattr(module, ARCHITECTURES[arch][1]).from_loader(loader)
+        module = architectures(arch, gguf_path)
+        config = module.Config.from_loader(loader)
         tied = "output.weight" not in file.tensors
         hf_config = module.hf_config(config, tied)
         bos, eos = file.metadata.get("tokenizer.ggml.bos_token_id"), file.metadata.get("tokenizer.ggml.eos_token_id")

@@ -26,6 +26,7 @@ def hub_files(tmp_path_factory, qwen35_chat_gguf):
     from pagelm.synth import SHAPES, write_model
     from pagelm.vision import SHAPES as TOWERS
     from pagelm.vision import write_mmproj
+    from pagelm.models import architecture_module
     from pagelm.weights.writer import write_directory
 
     d = tmp_path_factory.mktemp("hub-files")
@@ -40,7 +41,7 @@ def hub_files(tmp_path_factory, qwen35_chat_gguf):
     for i, part in enumerate((data[:len(data) // 2], data[len(data) // 2:])):
         files[f"split-{i + 1}"] = d / f"split-{i + 1}.gguf"
         files[f"split-{i + 1}"].write_bytes(part)
-    write_directory(str(files["tiny-a"]), str(d / "hf"), "hf")
+    write_directory(str(files["tiny-a"]), str(d / "hf"), "hf", architectures=architecture_module)
     files["readme"] = d / "README.md"
     files["readme"].write_text("# a model card\n")
     files["pth"] = d / "consolidated.pth"

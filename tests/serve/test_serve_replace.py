@@ -11,6 +11,7 @@ import numpy as np
 from serve_helpers import ServerProcess
 
 from pagelm.formats.safetensors import SafetensorsFile, TensorToWrite, write_safetensors
+from pagelm.models import architecture_module
 from pagelm.weights.writer import write_directory
 
 
@@ -56,7 +57,7 @@ def test_a_gguf_renamed_over_the_served_one(tmp_path, smollm2_gguf, gemma3_gguf)
 
 def test_a_safetensors_file_renamed_over_the_served_one(tmp_path, smollm2_gguf):
     directory = tmp_path / "smollm2-hf"
-    write_directory(smollm2_gguf, str(directory), "hf", quantized="bf16")
+    write_directory(smollm2_gguf, str(directory), "hf", quantized="bf16", architectures=architecture_module)
     weights = directory / "model.safetensors"
 
     def replace():

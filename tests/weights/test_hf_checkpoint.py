@@ -17,6 +17,7 @@ from pagelm.engine import Model
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.formats.safetensors import SafetensorsFile, TensorToWrite, write_safetensors
 from pagelm.weights import linear
+from pagelm.models import architecture_module
 from pagelm.weights.writer import write_directory
 
 transformers = pytest.importorskip("transformers")
@@ -112,7 +113,7 @@ def twin(request, tmp_path_factory):
     """A real GGUF and its Hugging Face twin (quantized matrices as their exact float32 values)."""
     gguf = request.getfixturevalue(request.param)
     out = str(tmp_path_factory.mktemp("twin") / request.param.removesuffix("_gguf"))
-    write_directory(gguf, out, "hf", quantized="f32")
+    write_directory(gguf, out, "hf", quantized="f32", architectures=architecture_module)
     return gguf, out
 
 
