@@ -26,10 +26,10 @@ def worker(model_path: str, mode: str, prompt_tokens: int, single_lookups: int) 
 
     from pagelm.formats.gguf import GGUFFile
     from pagelm.measure.memory import read_memory
-    from pagelm.quant import kernels
+    from pagelm.quant import head
     from pagelm.weights import load_token_embedding
 
-    kernels.warmup()  # compiled code is the runtime's, not the table's: load it before the baseline
+    head.warmup()  # compiled code is the runtime's, not the table's: load it before the baseline
     model = GGUFFile.open(model_path)
     vocab = model.tensors["token_embd.weight"].shape[0]
     rng = np.random.default_rng(0)

@@ -40,11 +40,11 @@ def pagelm_worker(path: str, mode: str, dtype: str, prompt_tokens: int, new_toke
     import pagelm
     from pagelm.measure.memory import read_memory
     from pagelm.bench.batch import timed
-    from pagelm.quant import kernels, matmul
+    from pagelm.quant import head, matmul
     from pagelm.engine.sampling import SamplingParams
     from pagelm.weights import linear
 
-    kernels.warmup()
+    head.warmup()
     matmul.warmup()
     before = read_memory().anonymous
     embedding, weights = mode.split("/")

@@ -20,7 +20,7 @@ import torch
 
 from pagelm.formats.gguf import GGUFFile, TensorToWrite, write_gguf
 from pagelm.quant import BLOCK_LAYOUT, GGMLType, decode_bf16, row_nbytes
-from pagelm.quant.kernels import gather_rows_bf16, head_logits, warmup
+from pagelm.quant.head import gather_rows_bf16, head_logits, warmup
 
 SHAPES = ["248320x1024:Q8_0", "248320x2048:Q8_0", "248320x1024:Q6_K"]
 # Byte offset of the fp16 scale d in each block; set to a finite value so no logit is NaN.

@@ -263,8 +263,8 @@ def run_batch(name: str, path: str, sizes: list[int], tokens: int, runs: int, th
     linear.MappedLinear.rows = timed(linear.MappedLinear.rows, parts[0], x_at=1)  # after self; a decode step's every product
     model.head.logits = timed(model.head.logits, parts[1])
     # llama's compiled layers run their products inside two calls (with the norms, rope and attention)
-    token_layers._to_activation = timed_calls(token_layers._to_activation, parts[2])
-    token_layers._last_down = timed_calls(token_layers._last_down, parts[2])
+    token_layers.to_activation = timed_calls(token_layers.to_activation, parts[2])
+    token_layers.last_down = timed_calls(token_layers.last_down, parts[2])
     layer_flops = 2 * sum(m.in_features * m.out_features for w in model.network.layers for m in vars(w).values()
                           if isinstance(m, linear.Linear))
     prompts = _prompts(model.head.vocab_size, max(sizes))

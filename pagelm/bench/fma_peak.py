@@ -16,11 +16,11 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from pagelm.quant.blockir import _acc_vectors, _acc_zero, _fma16, _splat_f32, _vector
-from pagelm.quant.codegen import _wide_vectors
-from pagelm.quant.matmul import _AVX512
+from pagelm.quant.blockir import acc_vectors, acc_zero, fma16, splat_f32, vector_at
+from pagelm.quant.codegen import wide_vectors
+from pagelm.quant.matmul import AVX512
 
-CHAINS = 12 if _AVX512 else 5
+CHAINS = 12 if AVX512 else 5
 LANES = 16
 
 
@@ -32,10 +32,10 @@ def _fma_round(typingctx, acc, chains, w, c):
 
     def codegen(context, builder, signature, args):
         accp, _, w, c = args
-        fma = _fma16(builder)
-        ws, cs = _splat_f32(builder, w), _splat_f32(builder, c)
+        fma = fma16(builder)
+        ws, cs = splat_f32(builder, w), splat_f32(builder, c)
         for k in range(chains.literal_value):
-            ap = _vector(builder, accp, k)
+            ap = vector_at(builder, accp, k)
             builder.store(builder.call(fma, [builder.load(ap), ws, cs]), ap)
         return context.get_dummy_value()
 
@@ -51,7 +51,7 @@ def _first_lanes(typingctx, acc, chains, out):
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[2])(context, builder, args[2]).data
         for k in range(chains.literal_value):
-            lane = builder.extract_element(builder.load(_vector(builder, args[0], k)), ir.IntType(32)(0))
+            lane = builder.extract_element(builder.load(vector_at(builder, args[0], k)), ir.IntType(32)(0))
             builder.store(lane, builder.gep(data, [ir.IntType(32)(k)]))
         return context.get_dummy_value()
 
@@ -62,9 +62,9 @@ def _first_lanes(typingctx, acc, chains, out):
 def _chains(rounds, w, c, out):
     """out[t, k] = lane 0 of chain k of thread t after `rounds` of acc = fma(acc, w, c) from 0."""
     for t in prange(out.shape[0]):
-        _wide_vectors()
-        acc = _acc_vectors(CHAINS)
-        _acc_zero(acc, 1, CHAINS)
+        wide_vectors()
+        acc = acc_vectors(CHAINS)
+        acc_zero(acc, 1, CHAINS)
         for _ in range(rounds):
             _fma_round(acc, CHAINS, w, c)
         _first_lanes(acc, CHAINS, out[t])

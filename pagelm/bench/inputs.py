@@ -78,10 +78,11 @@ def display_name(name: str) -> str:
 
 def embedding_table_mib(path: str) -> float:
     """Size of the token embedding unpacked to bf16 (vocab × dim × 2 bytes): what dense adds."""
+    from pagelm.models import hf_layouts
     from pagelm.weights import TOKEN_EMBEDDING, table_tensor
     from pagelm.weights.loader import open_checkpoint
 
-    with open_checkpoint(path) as model:
+    with open_checkpoint(path, hf_layouts) as model:
         table = table_tensor(model, TOKEN_EMBEDDING)
         return table.rows * table.row_values * 2 / MIB
 
@@ -89,9 +90,10 @@ def embedding_table_mib(path: str) -> float:
 @lru_cache(maxsize=8)
 def _tokenizer(path: str):
     from pagelm.chat.tokenizer import Tokenizer
+    from pagelm.models import hf_layouts
     from pagelm.weights.loader import open_checkpoint
 
-    return Tokenizer.open(open_checkpoint(path))
+    return Tokenizer.open(open_checkpoint(path, hf_layouts))
 
 
 def text_of_tokens(path: str, n_tokens: int, seed: int = 0) -> str:

@@ -174,6 +174,7 @@ def run_perplexity(name: str, path: str, text: str | None = None, tokens: int = 
     for every weights mode × dtype, through prefill and through decode steps."""
     import pagelm
     from pagelm.chat.tokenizer import Tokenizer
+    from pagelm.models import hf_layouts
     from pagelm.weights.loader import open_checkpoint
 
     for mode in weights:
@@ -184,7 +185,7 @@ def run_perplexity(name: str, path: str, text: str | None = None, tokens: int = 
             raise PagelmError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if tokens < 2:
         raise PagelmError(f"--tokens must be at least 2 (one prediction), got {tokens}")
-    with open_checkpoint(path) as file:
+    with open_checkpoint(path, hf_layouts) as file:
         tokenizer = Tokenizer.open(file)
     ids = text_tokens(tokenizer, default_text() if text is None else text, tokens)
     if len(ids) < 2:

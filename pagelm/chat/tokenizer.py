@@ -37,7 +37,7 @@ from functools import lru_cache
 
 from pagelm.runtime import heap
 from pagelm.errors import ModelFormatError, UnsupportedError
-from pagelm.formats.gguf import _U64, GGUFArray, GGUFFile, GGUFValueType, _skip_strings
+from pagelm.formats.gguf import STRING_LENGTH, GGUFArray, GGUFFile, GGUFValueType
 
 # Bump when the way a tokenizer is built changes: old cache entries then stop matching.
 _BUILDER_VERSION = 2
@@ -332,12 +332,11 @@ class _ByteBPE:
             return None
         self = cls()
         n = self._n = len(tokens)
-        buf, start = tokens._buf, tokens._start
-        end = _skip_strings(buf, start, n, len(buf))
-        if end is None or end - start >= 1 << 32 or n >= 1 << 31:
+        packed = tokens.packed_strings()
+        if len(packed) >= 1 << 32 or n >= 1 << 31:
             return None
-        region = self._region = bytes(buf[start:end])
-        starts, pos, unpack = array("I"), 0, _U64.unpack_from
+        region = self._region = bytes(packed)
+        starts, pos, unpack = array("I"), 0, STRING_LENGTH.unpack_from
         for _ in range(n):
             starts.append(pos)
             pos += 8 + unpack(region, pos)[0]
@@ -421,8 +420,8 @@ class _ByteBPE:
         """HF's merge map ((left, right) -> (rank, merged id); a repeated pair keeps its last rank)."""
         import numpy as np
 
-        n, lookup, unpack = self._n, self._lookup, _U64.unpack_from
-        buf, pos = merges._buf, merges._start
+        n, lookup, unpack = self._n, self._lookup, STRING_LENGTH.unpack_from
+        buf, pos = merges.packed_strings(), 0
         m = len(merges)
         keys, new = array("q"), array("i")
         for k in range(m):
@@ -679,9 +678,7 @@ def _cache_key(model: GGUFFile) -> str:
         if isinstance(value, GGUFArray):
             h.update(struct.pack("<BQ", value.element_type, len(value)))
             if value.element_type == GGUFValueType.STRING:
-                start = value._start
-                end = _skip_strings(value._buf, start, len(value), len(value._buf))
-                h.update(value._buf[start:end])
+                h.update(value.packed_strings())
             else:
                 h.update(value.to_numpy().tobytes())
         else:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pagelm.engine.model import DEFAULT_IMAGE_CACHE_MIB, DTYPES, Model
 from pagelm.errors import PagelmError, UnsupportedError
-from pagelm.models import ARCHITECTURES, VISION_ARCHITECTURES, architecture_module
+from pagelm.models import VISION_ARCHITECTURES, architecture_module, hf_layouts
 from pagelm.runtime import heap
 from pagelm.runtime import threads as threads_module
 from pagelm.vision import VisionTower
@@ -35,14 +35,13 @@ def load_model(path: str, embedding: EmbeddingMode = "mapped", weights: WeightsM
         raise PagelmError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     threads = threads_module.configure(threads)
     heap.map_large_blocks()
-    loader = WeightLoader.open(path, weights, DTYPES[dtype], device)
+    loader = WeightLoader.open(path, weights, DTYPES[dtype], device, hf_layouts)
     module = architecture_module(loader.architecture, loader.name)
-    _, config_name, model_name = ARCHITECTURES[loader.architecture]
-    config = getattr(module, config_name).from_loader(loader)
+    config = module.Config.from_loader(loader)
     # float32 compute takes float32 rows so nothing is rounded on the way in; bf16 takes bf16
     token_embedding = loader.token_embedding(embedding, rows="f32" if dtype == "float32" else "bf16")
     head = loader.output_head()
-    network = getattr(module, model_name)(config, loader)
+    network = module.Model(config, loader)
     tower, tower_loader, mmproj = _open_tower(path, mmproj, loader.architecture, config.hidden, config.vocab,
                                               weights, dtype, device)
     loader.warmup()

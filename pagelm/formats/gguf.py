@@ -54,6 +54,7 @@ class GGUFValueType(IntEnum):
 _T = GGUFValueType
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
+STRING_LENGTH = _U64  # the length prefix of a string (GGUFArray.packed_strings)
 _SCALAR = {  # fixed-size value types: (struct, little-endian numpy dtype)
     _T.UINT8: (struct.Struct("<B"), np.dtype("<u1")),
     _T.INT8: (struct.Struct("<b"), np.dtype("<i1")),
@@ -187,6 +188,13 @@ class GGUFArray(Sequence):
 
     def tolist(self) -> list:
         return list(self)
+
+    def packed_strings(self) -> memoryview:
+        """A string array's elements as the file holds them, one after another: each a little-endian
+        uint64 byte length (STRING_LENGTH) and that many UTF-8 bytes; a view of the map, no copy."""
+        if self.element_type != _T.STRING:
+            raise UnsupportedError(f"{self._where}: packed_strings() needs a string array, this one holds numbers")
+        return self._buf[self._start : _skip_strings(self._buf, self._start, self._count, len(self._buf))]
 
     def to_numpy(self) -> np.ndarray:
         """A read-only zero-copy view of a numeric array (bool arrays are a converted copy)."""

@@ -15,7 +15,7 @@ import torch
 from numba import carray, njit, prange
 
 from pagelm.models.token_ops import pointer
-from pagelm.quant.codegen import _fma
+from pagelm.quant.codegen import fma
 
 
 @njit(cache=True)
@@ -30,19 +30,19 @@ def _advance_head(state, k, q, v, e, b, out):
     kq = np.float32(0)
     for i in range(dk):
         ki, qi = k[i], q[i]
-        kq = _fma(ki, qi, kq)
+        kq = fma(ki, qi, kq)
         for j in range(dv):
             s = state[i, j]
-            read_k[j] = _fma(s, ki, read_k[j])
-            read_q[j] = _fma(s, qi, read_q[j])
+            read_k[j] = fma(s, ki, read_k[j])
+            read_q[j] = fma(s, qi, read_q[j])
     delta = read_k  # reused
     for j in range(dv):
-        delta[j] = _fma(-e, read_k[j], v[j]) * b
-        out[j] = _fma(kq, delta[j], e * read_q[j])
+        delta[j] = fma(-e, read_k[j], v[j]) * b
+        out[j] = fma(kq, delta[j], e * read_q[j])
     for i in range(dk):
         ki = k[i]
         for j in range(dv):
-            state[i, j] = _fma(ki, delta[j], e * state[i, j])
+            state[i, j] = fma(ki, delta[j], e * state[i, j])
 
 
 @njit(parallel=True, cache=True)

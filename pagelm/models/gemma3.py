@@ -33,17 +33,19 @@ import torch
 import torch.nn.functional as F
 
 from pagelm.errors import ModelFormatError, UnsupportedError
-from pagelm.models.base import (KVState, RopeRows, apply_rope_, attend_spans, attention, inv_freq, rms_norm, rope_tables,
-                                token_ropes)
 from pagelm.models.decoder import Decoder, Span, advance, per_sequence
+from pagelm.models.layers import (KVState, apply_rope_, attend_spans, attention, gated_mlp, inv_freq, rms_norm,
+                                  rope_tables)
 from pagelm.models.token_layers import NORMS, TokenLayers
-from pagelm.models.token_ops import TokenStep
+from pagelm.models.token_ops import RopeRows, TokenStep, token_ropes
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, layer_period,
                                rope_scaling, shift_norms, tensor_maps)
 from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
 ARCH_NAME = "gemma3"
+GGUF_ARCHITECTURES = ("gemma3",)  # general.architecture values read here (pagelm.models' registry)
+HF_MODEL_TYPES = ("gemma3", "gemma3_text")  # config.json model_types read here
 DEFAULT_PATTERN = 6
 DEFAULT_LOCAL_BASE = 10_000.0
 
@@ -276,9 +278,7 @@ class Gemma3Model(Decoder):
             if o is None:
                 o = per_sequence(attend, spans, ropes)
             h += rms_norm(w.out(o, alone).float(), w.post_attn_norm, c.rms_eps)
-            y = rms_norm(h, w.ffn_norm, c.rms_eps)
-            gate, up = w.gate_up(y, alone).chunk(2, -1)
-            m = w.down(_gelu_tanh(gate).mul_(up), alone)
+            m = gated_mlp(w.gate_up, w.down, rms_norm(h, w.ffn_norm, c.rms_eps), _gelu_tanh, alone)
             h += rms_norm(m.float(), w.post_ffn_norm, c.rms_eps)
             yield
         advance(spans)
@@ -379,3 +379,6 @@ def hf_config(c: Gemma3Config, tied: bool) -> dict:
         "query_pre_attn_scalar": _number(c.query_scale ** -2), "final_logit_softcapping": c.final_logit_softcapping,
         "attn_logit_softcapping": None, **decoder_hf_config(c, tied),
     }
+
+
+Config, Model = Gemma3Config, Gemma3Model  # the registry's names (pagelm.models)

@@ -25,17 +25,19 @@ import torch.nn.functional as F
 import numpy as np
 
 from pagelm.errors import ModelFormatError, UnsupportedError
-from pagelm.models.base import (KVState, RopeRows, apply_rope_, attend_spans, attention, inv_freq, rms_norm, rope_tables,
-                                token_ropes)
 from pagelm.models.decoder import Decoder, Span, advance, per_sequence
+from pagelm.models.layers import (KVState, apply_rope_, attend_spans, attention, gated_mlp, inv_freq, rms_norm,
+                                  rope_tables)
 from pagelm.models.token_layers import TokenLayers
-from pagelm.models.token_ops import TokenStep
+from pagelm.models.token_ops import RopeRows, TokenStep, token_ropes
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, rope_scaling,
                                tensor_maps)
 from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
 ARCH_NAME = "llama"
+GGUF_ARCHITECTURES = ("llama",)  # general.architecture values read here (pagelm.models' registry)
+HF_MODEL_TYPES = ("llama",)  # config.json model_types read here
 
 
 @dataclass(frozen=True)
@@ -196,9 +198,7 @@ class LlamaModel(Decoder):
 
             o = None if tokens is None else attend_spans(q, k, v, spans, i, tokens, scale)
             h += w.out(per_sequence(attend, spans, ropes) if o is None else o, alone)
-            y = rms_norm(h, w.ffn_norm, c.rms_eps)
-            gate, up = w.gate_up(y, alone).chunk(2, -1)
-            h += w.down(F.silu(gate).mul_(up), alone)
+            h += gated_mlp(w.gate_up, w.down, rms_norm(h, w.ffn_norm, c.rms_eps), F.silu, alone)
             yield
         advance(spans)
         return rms_norm(h, self.output_norm, c.rms_eps)
@@ -258,3 +258,6 @@ def hf_config(c: LlamaConfig, tied: bool) -> dict:
     """config.json for a Hugging Face twin of a checkpoint with this config."""
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
             "rope_parameters": hf_rope(c.rope_base, c.rope_scale), **decoder_hf_config(c, tied)}
+
+
+Config, Model = LlamaConfig, LlamaModel  # the registry's names (pagelm.models)

@@ -15,7 +15,7 @@ MAX_ROWS = 64  # rows of at most one decode step (a token's heads, for the q/k n
 
 
 @njit(cache=True, fastmath={"contract"})
-def _rms_rows(x, w, eps, out):
+def rms_rows(x, w, eps, out):
     rows, n = x.shape
     for r in range(rows):
         ss = 0.0  # float64: one rounding for the whole sum
@@ -45,5 +45,5 @@ def norm_rows(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None =
     decode step's own arrays): written into `out` (float32 (rows, n), not x) or a new array."""
     if out is None:
         out = np.empty(x.shape, np.float32)
-    _rms_rows(x, w, eps, out)
+    rms_rows(x, w, eps, out)
     return out

@@ -19,14 +19,16 @@ import torch.nn.functional as F
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.models.decoder import Decoder, Span, advance, nbytes, per_sequence
 from pagelm.models.delta_rule import delta_rule_step, deltanet_tokens
-from pagelm.models.norms import rms_norm_rows
-from pagelm.models.token_ops import attend_token, attend_tokens, cache_views, rope_rows_, RopeRows, token_ropes
+from pagelm.models.layers import apply_rope_, attention, gated_mlp, inv_freq, rms_norm, rope_tables
+from pagelm.models.token_ops import RopeRows, attend_tokens, cache_views, token_ropes
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, heads_tiled, hf_rope,
                                layer_period, rope_scaling, shift_norms, tensor_maps)
 from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
 ARCH = "qwen35"
+GGUF_ARCHITECTURES = ("qwen35",)  # general.architecture values read here (pagelm.models' registry)
+HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")  # config.json model_types read here
 CHUNK = 64  # tokens per chunk of the chunked gated-delta rule
 L2_EPS = 1e-6  # the L2 normalisation of DeltaNet q and k (fla's constant, not the rms eps)
 
@@ -236,27 +238,8 @@ class Qwen35State:
 # ---------------------------------------------------------------------------------- math
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, tokens_alone: bool = False) -> torch.Tensor:
-    """x * rsqrt(mean(x²) + eps) * w over the last axis (GGUF form: any +1 is already in w);
-    `tokens_alone` as norms.rms_norm_rows'."""
-    few = rms_norm_rows(x, w, eps, tokens_alone)
-    return F.rms_norm(x, w.shape, w, eps) if few is None else few
-
-
 def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """NeoX (rotate-half) rope, in place, on the first 2·cos.shape[-1] dims of x (T, heads, D)."""
-    if rope_rows_(x, cos, sin):
-        return
-    half = cos.shape[-1]
-    x1, x2 = x[..., :half], x[..., half : 2 * half]
-    c, s = cos[:, None], sin[:, None]
-    r1 = x1 * c - x2 * s
-    x2.mul_(c).addcmul_(x1, s)
-    x1.copy_(r1)
 
 
 def mrope_axes(sections: Sequence[int], pairs: int) -> torch.Tensor:
@@ -483,11 +466,9 @@ class Qwen35Model(Decoder):
         self.config, self.dtype, self.device = config, model.dtype, model.device
         self.layers = [load_layer(config, model, i) for i in range(config.n_layers)]
         self.output_norm = model.tensor("output_norm.weight", (config.hidden,))
-        rd = config.rope_dim
-        # as transformers computes it, in fp32
-        self.inv_freq = 1.0 / (config.rope_base ** (torch.arange(0, rd, 2, dtype=torch.float32, device=self.device) / rd))
-        self.rope_axes = mrope_axes(config.rope_sections, rd // 2).to(self.device)
-        self.token_rope = RopeRows(lambda pos: self._text_rope(pos, 1))
+        self.inv_freq = inv_freq(config.rope_base, config.rope_dim, self.device)
+        self.rope_axes = mrope_axes(config.rope_sections, config.rope_dim // 2).to(self.device)
+        self.token_rope = RopeRows(lambda pos: rope_tables(self.inv_freq, pos, 1))
 
     def new_state(self, max_len: int) -> Qwen35State:
         return Qwen35State(self.config, max_len, self.dtype, self.device)
@@ -496,11 +477,7 @@ class Qwen35Model(Decoder):
         """cos, sin (rows, rope_dim / 2) of a span's positions."""
         if s.positions is None and s.hi - s.lo == 1:
             return self.token_rope(s.state.pos)
-        return self._text_rope(s.state.pos, s.hi - s.lo) if s.positions is None else self._mrope(s.positions)
-
-    def _text_rope(self, pos: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = torch.arange(pos, pos + T, dtype=torch.float32, device=self.device)[:, None] * self.inv_freq
-        return freqs.cos(), freqs.sin()
+        return rope_tables(self.inv_freq, s.state.pos, s.hi - s.lo) if s.positions is None else self._mrope(s.positions)
 
     def _mrope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # frequency pair i turns by position rope_axes[i]: for text (t = h = w) the same numbers
@@ -519,15 +496,10 @@ class Qwen35Model(Decoder):
             else:
                 h += self._deltanet(layer.mixer, y, i, spans, alone)
             y = rms_norm(h, layer.post_norm, c.rms_eps)
-            h += self._mlp(layer.mlp, y, alone)  # the mixers and the MLP return `dtype`, h stays fp32
+            h += gated_mlp(layer.mlp.gate_up, layer.mlp.down, y, F.silu, alone)  # `dtype`, as the mixers'; h stays fp32
             yield
         advance(spans)
         return rms_norm(h, self.output_norm, c.rms_eps)
-
-    def _mlp(self, w: MLPWeights, y: torch.Tensor, alone: bool) -> torch.Tensor:
-        gu = w.gate_up(y, alone)
-        gate, up = gu.chunk(2, -1)
-        return w.down(F.silu(gate).mul_(up), alone)
 
     def _attention(self, w: AttentionWeights, y, i: int, spans: list[Span], ropes: list, tokens, alone: bool) -> torch.Tensor:
         """`tokens`: with one token of each span's sequence, their rope tables as one (token_ropes)."""
@@ -557,27 +529,7 @@ class Qwen35Model(Decoder):
             v = rows[:, (2 * H + G) * D :].view(T, G, D)
             apply_rope_(q, *rope)
             apply_rope_(k, *rope)
-            o = attend_token(q, k, v, cache.views, pos, D**-0.5) if T == 1 else None
-            if o is not None:
-                return o * torch.sigmoid(gate)
-            cache.k[:, pos : pos + T] = k.transpose(0, 1)
-            cache.v[:, pos : pos + T] = v.transpose(0, 1)
-            keys, values = cache.k[None, :, : pos + T], cache.v[None, :, : pos + T]  # (1, G, S, D)
-            q = q.to(self.dtype).transpose(0, 1)  # (H, T, D)
-            if T == 1:  # the H/G query heads of one kv head form its query rows
-                o = F.scaled_dot_product_attention(q.reshape(1, G, H // G, D), keys, values, scale=D**-0.5)
-                o = o.reshape(1, H * D)
-            else:
-                if pos == 0:
-                    o = F.scaled_dot_product_attention(q[None], keys, values, is_causal=True, scale=D**-0.5,
-                                                       enable_gqa=True)
-                else:
-                    t = torch.arange(T, device=self.device)[:, None]
-                    mask = torch.arange(pos + T, device=self.device)[None, :] <= t + pos
-                    o = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, scale=D**-0.5,
-                                                       enable_gqa=True)
-                o = o[0].transpose(0, 1).reshape(T, H * D)
-            return o * torch.sigmoid(gate)
+            return attention(q, k, v, (cache.k, cache.v), pos, D**-0.5, views=cache.views) * torch.sigmoid(gate)
 
         return w.out(per_sequence(attend, spans, ropes), alone)
 
@@ -730,3 +682,6 @@ def hf_config(c: Qwen35Config, tied: bool) -> dict:
                                if c.rope_sections else {})},
         **decoder_hf_config(c, tied),
     }
+
+
+Config, Model = Qwen35Config, Qwen35Model  # the registry's names (pagelm.models)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 from numba import from_dtype, njit, typed, types
 
-from pagelm.models.norms import _rms_rows
-from pagelm.models.token_ops import TokenStep, _attend, _rope, gated_rows
-from pagelm.quant.codegen import _F16_TO_F32
+from pagelm.models.norms import rms_rows
+from pagelm.models.token_ops import TokenStep, attend_heads, rope_heads, gated_rows
+from pagelm.quant.codegen import F16_TO_F32
 from pagelm.quant.matmul import gemv_kernels, readonly
 from pagelm.runtime.threads import kernel_threads
 from pagelm.weights.linear import MappedLinear, RowGroup
@@ -89,14 +89,14 @@ def _down(gemv, datas, offsets, parts, f16, threads, span, act, r, h, norm, norm
 
 
 @njit(cache=True)
-def _last_down(gemv, datas, offsets, parts, f16, threads, span, act, r, h, norm, norms, post, eps, y):
+def last_down(gemv, datas, offsets, parts, f16, threads, span, act, r, h, norm, norms, post, eps, y):
     """_down of the last layer (the one compiled call after the layers' loop; never called from compiled code,
     so that a benchmark may time it in its place)."""
     _down(gemv, datas, offsets, parts, f16, threads, span, act, r, h, norm, norms, post, eps, y)
 
 
 @njit(cache=True)
-def _to_activation(i, gemv, datas, offsets, parts, products, f16, threads, norm, norms, eps, rope, cos, sin, kinds,
+def to_activation(i, gemv, datas, offsets, parts, products, f16, threads, norm, norms, eps, rope, cos, sin, kinds,
                    attend, k_at, v_at, like, lens, pos, los, scale, h, y, proj, q, k, v, qn, kn, o, r, gu, act):
     """Layer i up to its FFN's activation: the previous layer's down product of `act` added to h (i > 0),
     the attention norm, q/k/v (normed per head where layers have q/k norms), rope, attention, the output
@@ -159,7 +159,7 @@ class TokenLayers:
         self.products = np.array(products, np.int64)
         self.norms = typed.List([getattr(w, name).numpy() for w in layers for name in NORMS[:per]])
         self.per, self.kinds = per, np.array(kinds, np.int64)
-        self.norm, self.rope = _functions(_NORM, _rms_rows), _functions(_ROPE, _rope)
+        self.norm, self.rope = _functions(_NORM, rms_rows), _functions(_ROPE, rope_heads)
         self._attend = {}
 
     @classmethod
@@ -178,7 +178,7 @@ class TokenLayers:
             kind = types.FunctionType(types.void(_HEADS, _HEADS, _HEADS, _INTS, _INTS,
                                                  types.Array(from_dtype(like.dtype), 3, "C"), _INTS, _INTS, _INTS,
                                                  types.float32, _ROWS))
-            fn = self._attend[like.dtype] = _functions(kind, _attend)
+            fn = self._attend[like.dtype] = _functions(kind, attend_heads)
         return fn
 
     def run(self, step: TokenStep, H: int, G: int, D: int, eps: float, activation, windows: tuple = (None,)):
@@ -202,12 +202,12 @@ class TokenLayers:
         act = buffer("activation", (n, gu.shape[1] // 2))
         L = self.products.shape[0]
         for i in range(L):
-            _to_activation(i, self.gemv, self.datas, self.offsets, self.parts, self.products, _F16_TO_F32, threads,
+            to_activation(i, self.gemv, self.datas, self.offsets, self.parts, self.products, F16_TO_F32, threads,
                            self.norm, self.norms, eps, self.rope, cos, sin, self.kinds, attend, first.k_at,
                            first.v_at, first.like, first.lens, first.positions, los, first.scale, h, y, proj, q, k, v,
                            qn, kn, o, r, gu, act)
             gated_rows(gu, activation, act)
             yield
-        _last_down(self.gemv, self.datas, self.offsets, self.parts, _F16_TO_F32, threads, self.products[-1, DOWN], act,
+        last_down(self.gemv, self.datas, self.offsets, self.parts, F16_TO_F32, threads, self.products[-1, DOWN], act,
                    r, h, self.norm, self.norms, _slot(self.per, L - 1, POST_FFN_NORM), eps, y)
         return h

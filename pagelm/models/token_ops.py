@@ -22,7 +22,7 @@ from numba import carray, njit, prange, types
 from numba.extending import intrinsic, overload
 
 from pagelm.models.norms import MAX_ROWS, norm_rows  # MAX_ROWS: rows (tokens × heads) of one decode step take the kernels
-from pagelm.quant.matmul import _bf16_bits, _u32_as_f32
+from pagelm.quant.matmul import bf16_bits, u32_as_f32
 from pagelm.weights.linear import as_float32
 
 
@@ -34,7 +34,7 @@ def _cpu_f32(*tensors: torch.Tensor) -> bool:
 
 
 @njit(cache=True)
-def _rope(x, cos, sin):
+def rope_heads(x, cos, sin):
     T, heads, _ = x.shape
     half = cos.shape[1]
     for t in range(T):
@@ -58,14 +58,14 @@ def _rope_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tokens_al
 
 
 def rope_rows_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tokens_alone: bool = False) -> bool:
-    """NeoX rope in place on the first 2·cos.shape[-1] dims of x (T, heads, D), qwen35.apply_rope_'s
+    """NeoX rope in place on the first 2·cos.shape[-1] dims of x (T, heads, D), layers.apply_rope_'s
     formula in float32 (torch fuses one multiply-add, so the two differ in the last bit), when x
     is a float32 CPU tensor of at most MAX_ROWS rows with unit stride in its last axis; False
     otherwise. `tokens_alone`: each of the T tokens is a sequence's one token of a batched step,
     and the row limit is each token's (heads ≤ MAX_ROWS), the one it has decoding alone."""
     if not (x.dim() == 3 and _rope_takes(x, cos, sin, tokens_alone)):
         return False
-    _rope(x.numpy(), cos.numpy(), sin.numpy())
+    rope_heads(x.numpy(), cos.numpy(), sin.numpy())
     return True
 
 
@@ -111,7 +111,7 @@ def _kv_impl(cache, g, j, d):
     if cache.dtype == types.uint16:
 
         def from_bf16(cache, g, j, d):
-            return _u32_as_f32(np.uint32(cache[g, j, d]) << 16)
+            return u32_as_f32(np.uint32(cache[g, j, d]) << 16)
 
         return from_bf16
     return lambda cache, g, j, d: cache[g, j, d]
@@ -126,7 +126,7 @@ def _store_impl(cache, g, j, d, v):
     if cache.dtype == types.uint16:
 
         def to_bf16(cache, g, j, d, v):
-            cache[g, j, d] = _bf16_bits(v)
+            cache[g, j, d] = bf16_bits(v)
 
         return to_bf16
 
@@ -185,7 +185,7 @@ def _attend_head(q, ck, cv, g, pos, lo, scale, o):
 
 
 @njit(parallel=True, cache=True, fastmath={"contract", "reassoc"})
-def _attend(q, k, v, ks, vs, like, lens, pos, lo, scale, out):
+def attend_heads(q, k, v, ks, vs, like, lens, pos, lo, scale, out):
     n, H, D = q.shape
     G = k.shape[1]
     for s in range(n):
@@ -285,12 +285,12 @@ class TokenRows:
         to q and k in place): (n, H·D) float32, into `out` when given. `layer`: the step's layer whose
         caches these are."""
         if rope is not None:
-            _rope(qn, *rope)
-            _rope(kn, *rope)
+            rope_heads(qn, *rope)
+            rope_heads(kn, *rope)
         k_at, v_at = (self.k_at, self.v_at) if layer is None else (self.k_at[layer], self.v_at[layer])
         if out is None:
             out = np.empty((qn.shape[0], qn.shape[1] * qn.shape[2]), np.float32)
-        _attend(qn, kn, vn, k_at, v_at, self.like, self.lens, self.positions, self.los, self.scale, out)
+        attend_heads(qn, kn, vn, k_at, v_at, self.like, self.lens, self.positions, self.los, self.scale, out)
         return out
 
 

@@ -10,61 +10,61 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-_I8, _I32 = ir.IntType(8), ir.IntType(32)
-_V32I8 = ir.VectorType(_I8, 32)
-_V8I8 = ir.VectorType(_I8, 8)
+I8, I32 = ir.IntType(8), ir.IntType(32)
+V32I8 = ir.VectorType(I8, 32)
+_V8I8 = ir.VectorType(I8, 8)
 
 
-def _bytes_at(context, builder, arrty, arr, offset, n=32):
+def bytes_at(context, builder, arrty, arr, offset, n=32):
     """n bytes of a uint8/int8 array from byte `offset`, as an <n x i8> vector (unaligned load)."""
     base = context.make_array(arrty)(context, builder, arr).data
-    ptr = builder.gep(builder.bitcast(base, _I8.as_pointer()), [offset])
-    return builder.load(builder.bitcast(ptr, ir.VectorType(_I8, n).as_pointer()), align=1)
+    ptr = builder.gep(builder.bitcast(base, I8.as_pointer()), [offset])
+    return builder.load(builder.bitcast(ptr, ir.VectorType(I8, n).as_pointer()), align=1)
 
 
-def _nibbles16(context, builder, arrty, arr, at):
+def nibbles16(context, builder, arrty, arr, at):
     """32 values from the 16 bytes at `at`: the low nibbles, then the high nibbles."""
-    b = _bytes_at(context, builder, arrty, arr, at, 16)
-    both = builder.shuffle_vector(b, b, ir.Constant(ir.VectorType(_I32, 32), list(range(16)) * 2))
-    shifts = ir.Constant(_V32I8, [0] * 16 + [4] * 16)
-    return builder.and_(builder.lshr(both, shifts), ir.Constant(_V32I8, 15))
+    b = bytes_at(context, builder, arrty, arr, at, 16)
+    both = builder.shuffle_vector(b, b, ir.Constant(ir.VectorType(I32, 32), list(range(16)) * 2))
+    shifts = ir.Constant(V32I8, [0] * 16 + [4] * 16)
+    return builder.and_(builder.lshr(both, shifts), ir.Constant(V32I8, 15))
 
 
 def _bits32(builder, word):
     """Bit j of uint32 `word` as 16 or 0 in byte j (the fifth bit of a Q5_0/Q5_1 value)."""
-    b = builder.bitcast(word, ir.VectorType(_I8, 4))
-    spread = builder.shuffle_vector(b, b, ir.Constant(ir.VectorType(_I32, 32), [j // 8 for j in range(32)]))
-    mask = ir.Constant(_V32I8, [1 << (j % 8) for j in range(32)])
-    isset = builder.icmp_unsigned("!=", builder.and_(spread, mask), ir.Constant(_V32I8, 0))
-    return builder.select(isset, ir.Constant(_V32I8, 16), ir.Constant(_V32I8, 0))
+    b = builder.bitcast(word, ir.VectorType(I8, 4))
+    spread = builder.shuffle_vector(b, b, ir.Constant(ir.VectorType(I32, 32), [j // 8 for j in range(32)]))
+    mask = ir.Constant(V32I8, [1 << (j % 8) for j in range(32)])
+    isset = builder.icmp_unsigned("!=", builder.and_(spread, mask), ir.Constant(V32I8, 0))
+    return builder.select(isset, ir.Constant(V32I8, 16), ir.Constant(V32I8, 0))
 
 
-def _q5_group(context, builder, arrty, arr, qs, qh_word):
+def q5_group(context, builder, arrty, arr, qs, qh_word):
     """The 32 values (0..31) of a Q5_0/Q5_1 block: nibbles of the 16 bytes at `qs`, fifth bits from uint32 qh_word."""
-    return builder.or_(_nibbles16(context, builder, arrty, arr, qs), _bits32(builder, qh_word))
+    return builder.or_(nibbles16(context, builder, arrty, arr, qs), _bits32(builder, qh_word))
 
 
 @intrinsic
-def _stack_bytes(typingctx, n):
+def stack_bytes(typingctx, n):
     """n (a constant) bytes on the stack, uninitialised."""
     if not isinstance(n, types.IntegerLiteral):
         return None
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(cgutils.alloca_once(builder, ir.VectorType(_I8, n.literal_value)), _I8.as_pointer())
+        return builder.bitcast(cgutils.alloca_once(builder, ir.VectorType(I8, n.literal_value)), I8.as_pointer())
 
     return types.CPointer(types.uint8)(n), codegen
 
 
 @intrinsic
-def _q5_values(typingctx, data, qs, qh, buf):
+def q5_values(typingctx, data, qs, qh, buf):
     """buf[j] = value j (0..31) of a Q5_0/Q5_1 block: the nibble from the 16 bytes at data[qs]
     (low nibbles first), the fifth bit from bit j of uint32 qh. Four byte ops in place of a
     variable shift and a pack per 8 values."""
 
     def codegen(context, builder, signature, args):
-        values = _q5_group(context, builder, signature.args[0], args[0], args[1], args[2])
-        builder.store(values, builder.bitcast(args[3], _V32I8.as_pointer()), align=1)
+        values = q5_group(context, builder, signature.args[0], args[0], args[1], args[2])
+        builder.store(values, builder.bitcast(args[3], V32I8.as_pointer()), align=1)
         return context.get_dummy_value()
 
     return types.void(data, qs, qh, buf), codegen
@@ -76,9 +76,9 @@ def _lanes8(values):
 
 
 @intrinsic
-def _k4_scales(typingctx, data, at, d, dmin, buf):
+def k4_scales(typingctx, data, at, d, dmin, buf):
     """buf[g] = d · scale g and buf[8 + g] = dmin · min g for the 8 groups of a Q4_K/Q5_K block whose
-    12 packed 6-bit scale bytes start at data[at]: the values of matmul._scale_min_k4 for every group
+    12 packed 6-bit scale bytes start at data[at]: the values of matmul.scale_min_k4 for every group
     at once, in a few byte-vector ops instead of ~12 scalar ones a group.
 
     Groups 0-3: scale = S[g] & 63, min = S[g + 4] & 63; groups 4-7: scale = S[g + 4] & 15 | (S[g - 4] >> 6) << 4,
@@ -86,10 +86,10 @@ def _k4_scales(typingctx, data, at, d, dmin, buf):
     """
 
     def codegen(context, builder, signature, args):
-        s = _bytes_at(context, builder, signature.args[0], args[0], args[1], 12)
+        s = bytes_at(context, builder, signature.args[0], args[0], args[1], 12)
 
         def pick(first, second):
-            return builder.shuffle_vector(s, s, ir.Constant(ir.VectorType(_I32, 8), first + second))
+            return builder.shuffle_vector(s, s, ir.Constant(ir.VectorType(I32, 8), first + second))
 
         def tops(v):  # (v >> 6) << 4 in groups 4-7, 0 in groups 0-3
             return builder.and_(builder.shl(builder.lshr(v, _lanes8((6, 6))), _lanes8((4, 4))), _lanes8((0, 48)))
@@ -103,22 +103,22 @@ def _k4_scales(typingctx, data, at, d, dmin, buf):
         v8f = ir.VectorType(ir.FloatType(), 8)
         out = builder.bitcast(args[4], v8f.as_pointer())
         for i, (codes, factor) in enumerate(((scale, args[2]), (mins, args[3]))):
-            splat = builder.insert_element(ir.Constant(v8f, ir.Undefined), factor, _I32(0))
-            splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
+            splat = builder.insert_element(ir.Constant(v8f, ir.Undefined), factor, I32(0))
+            splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(I32, 8), [0] * 8))
             values = builder.fmul(splat, builder.uitofp(codes, v8f))
-            builder.store(values, builder.gep(out, [_I32(i)]), align=4)
+            builder.store(values, builder.gep(out, [I32(i)]), align=4)
         return context.get_dummy_value()
 
     return types.void(data, at, d, dmin, buf), codegen
 
 
-_V64I8 = ir.VectorType(_I8, 64)
+_V64I8 = ir.VectorType(I8, 64)
 
 
 @intrinsic
-def _q4k_floats(typingctx, data, at, scales, w):
+def q4k_floats(typingctx, data, at, scales, w):
     """w[n] = the value n < 256 of the Q4_K block at data[at], as float32: q · scale - min of its
-    group, with the 8 scales then the 8 mins at `scales` (a float32 pointer, _k4_scales' values).
+    group, with the 8 scales then the 8 mins at `scales` (a float32 pointer, k4_scales' values).
     AVX-512 only: each group's 16 possible values are one vector, fma(0..15, scale, -min), from which
     each value is picked by its nibble (vpermps reads the low 4 bits of each index), off the FMA
     pipes' int-to-float work. q · scale is exact in float32 (4 bits times an 11-bit half times a
@@ -127,22 +127,22 @@ def _q4k_floats(typingctx, data, at, scales, w):
 
     def codegen(context, builder, signature, args):
         arrty, data, at, sp = signature.args[0], args[0], args[1], args[2]
-        v16i = ir.VectorType(_I32, 16)
-        pick, fma, iota = _permvar16(builder), _fma16(builder), _iota16()
+        v16i = ir.VectorType(I32, 16)
+        pick, fma, iota = _permvar16(builder), fma16(builder), _iota16()
 
         def table(g):
-            scale = _splat_f32(builder, builder.load(builder.gep(sp, [_I32(g)])))
-            low = _splat_f32(builder, builder.fneg(builder.load(builder.gep(sp, [_I32(8 + g)]))))
+            scale = splat_f32(builder, builder.load(builder.gep(sp, [I32(g)])))
+            low = splat_f32(builder, builder.fneg(builder.load(builder.gep(sp, [I32(8 + g)]))))
             return builder.call(fma, [iota, scale, low])
 
         for p in range(4):  # groups 2p and 2p + 1: the low and high nibbles of 32 bytes
-            quants = _bytes_at(context, builder, arrty, data, builder.add(at, at.type(16 + 32 * p)), 32)
+            quants = bytes_at(context, builder, arrty, data, builder.add(at, at.type(16 + 32 * p)), 32)
             tables = table(2 * p), table(2 * p + 1)
             for h in range(2):
                 index = builder.zext(
                     builder.shuffle_vector(quants, quants, ir.Constant(v16i, list(range(16 * h, 16 * h + 16)))), v16i)
                 for k, nibble in enumerate((index, builder.lshr(index, ir.Constant(v16i, [4] * 16)))):
-                    builder.store(builder.call(pick, [tables[k], nibble]), _vector(builder, args[3], 4 * p + 2 * k + h),
+                    builder.store(builder.call(pick, [tables[k], nibble]), vector_at(builder, args[3], 4 * p + 2 * k + h),
                                   align=4)
         return context.get_dummy_value()
 
@@ -152,10 +152,10 @@ def _q4k_floats(typingctx, data, at, scales, w):
 def _permvar16(builder):
     """vpermps: lane l of the result is lane (index l & 15) of the table (AVX-512)."""
     return cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(_V16F, [_V16F, ir.VectorType(_I32, 16)]), "llvm.x86.avx512.permvar.sf.512")
+        builder.module, ir.FunctionType(_V16F, [_V16F, ir.VectorType(I32, 16)]), "llvm.x86.avx512.permvar.sf.512")
 
 
-def _fma16(builder):
+def fma16(builder):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
 
 
@@ -164,11 +164,11 @@ def _iota16(offset=0):
 
 
 def _splat8(n, value):
-    return ir.Constant(ir.VectorType(_I8, n), [value] * n)
+    return ir.Constant(ir.VectorType(I8, n), [value] * n)
 
 
 @intrinsic
-def _q6k_values(typingctx, data, at, buf):
+def q6k_values(typingctx, data, at, buf):
     """buf[n] = value n (-32..31, as int8 bits) of the Q6_K block at data[at], n < 256, in 64-byte vector ops.
 
     Half h (values 128h..128h+127) has low bytes L = ql[64h : 64h + 64] and 32 top bytes T = qh[32h : 32h + 32].
@@ -180,31 +180,31 @@ def _q6k_values(typingctx, data, at, buf):
         arrty, data, at = signature.args[0], args[0], args[1]
         out = builder.bitcast(args[2], _V64I8.as_pointer())
         for h in range(2):
-            low = _bytes_at(context, builder, arrty, data, builder.add(at, at.type(64 * h)), 64)
-            top = _bytes_at(context, builder, arrty, data, builder.add(at, at.type(128 + 32 * h)), 32)
+            low = bytes_at(context, builder, arrty, data, builder.add(at, at.type(64 * h)), 64)
+            top = bytes_at(context, builder, arrty, data, builder.add(at, at.type(128 + 32 * h)), 32)
             tops = builder.shuffle_vector(
-                top, builder.lshr(top, _splat8(32, 2)), ir.Constant(ir.VectorType(_I32, 64), list(range(64)))
+                top, builder.lshr(top, _splat8(32, 2)), ir.Constant(ir.VectorType(I32, 64), list(range(64)))
             )
             first = builder.or_(
                 builder.and_(low, _splat8(64, 15)), builder.and_(builder.shl(tops, _splat8(64, 4)), _splat8(64, 48))
             )
             second = builder.or_(builder.lshr(low, _splat8(64, 4)), builder.and_(tops, _splat8(64, 48)))
             for i, half in enumerate((first, second)):
-                builder.store(builder.sub(half, _splat8(64, 32)), builder.gep(out, [_I32(2 * h + i)]), align=1)
+                builder.store(builder.sub(half, _splat8(64, 32)), builder.gep(out, [I32(2 * h + i)]), align=1)
         return context.get_dummy_value()
 
     return types.void(data, at, buf), codegen
 
 
 @intrinsic
-def _q6k_scales16(typingctx, data, at, d, buf):
+def q6k_scales16(typingctx, data, at, d, buf):
     """buf[g] = d · int8 scale g for the 16 scale bytes at data[at] (a Q6_K block's, 16 values each)."""
 
     def codegen(context, builder, signature, args):
         v16f = ir.VectorType(ir.FloatType(), 16)
-        codes = _bytes_at(context, builder, signature.args[0], args[0], args[1], 16)
-        splat = builder.insert_element(ir.Constant(v16f, ir.Undefined), args[2], _I32(0))
-        splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+        codes = bytes_at(context, builder, signature.args[0], args[0], args[1], 16)
+        splat = builder.insert_element(ir.Constant(v16f, ir.Undefined), args[2], I32(0))
+        splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(I32, 16), [0] * 16))
         values = builder.fmul(splat, builder.sitofp(codes, v16f))
         builder.store(values, builder.bitcast(args[3], v16f.as_pointer()), align=4)
         return context.get_dummy_value()
@@ -222,17 +222,17 @@ def _q6k_scales16(typingctx, data, at, d, buf):
 
 _F32 = ir.FloatType()
 _V16F = ir.VectorType(_F32, 16)
-_V16I8 = ir.VectorType(_I8, 16)
+_V16I8 = ir.VectorType(I8, 16)
 
 
-def _vector(builder, ptr, k):
+def vector_at(builder, ptr, k):
     """The k-th <16 x float> at float pointer ptr (as a pointer)."""
-    return builder.gep(builder.bitcast(ptr, _V16F.as_pointer()), [_I32(k)])
+    return builder.gep(builder.bitcast(ptr, _V16F.as_pointer()), [I32(k)])
 
 
-def _splat_f32(builder, value):
-    v = builder.insert_element(ir.Constant(_V16F, ir.Undefined), value, _I32(0))
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+def splat_f32(builder, value):
+    v = builder.insert_element(ir.Constant(_V16F, ir.Undefined), value, I32(0))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 16), [0] * 16))
 
 
 def _literals(*ns):
@@ -240,7 +240,7 @@ def _literals(*ns):
 
 
 @intrinsic
-def _acc_vectors(typingctx, n):
+def acc_vectors(typingctx, n):
     """n (a constant) <16 x float> accumulators on the stack, as a float32 pointer."""
     if not _literals(n):
         return None
@@ -252,21 +252,21 @@ def _acc_vectors(typingctx, n):
 
 
 @intrinsic
-def _acc_zero(typingctx, acc, rows, vectors):
+def acc_zero(typingctx, acc, rows, vectors):
     """Zeroes the rows · vectors accumulators (constants)."""
     if not _literals(rows, vectors):
         return None
 
     def codegen(context, builder, signature, args):
         for k in range(rows.literal_value * vectors.literal_value):
-            builder.store(ir.Constant(_V16F, None), _vector(builder, args[0], k))
+            builder.store(ir.Constant(_V16F, None), vector_at(builder, args[0], k))
         return context.get_dummy_value()
 
     return types.void(acc, rows, vectors), codegen
 
 
 @intrinsic
-def _fma_rows(typingctx, acc, w, acc2, w2, pair, x, i0, n, xo, rows, vectors, runs):
+def fma_rows(typingctx, acc, w, acc2, w2, pair, x, i0, n, xo, rows, vectors, runs):
     """For each of `runs` runs r of 16 · vectors values, then i < rows and v < vectors (constants):
     accumulator i · vectors + v = fma(w[16 (r · vectors + v) :][:16], x[min(i0 + i, n - 1), xo + 16
     (r · vectors + v) :][:16], itself), and when pair (a constant) is 2 the same of acc2 with w2 (a
@@ -282,7 +282,7 @@ def _fma_rows(typingctx, acc, w, acc2, w2, pair, x, i0, n, xo, rows, vectors, ru
         base = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
         stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
         last = builder.sub(nv, nv.type(1))
-        fma = _fma16(builder)
+        fma = fma16(builder)
         count = vectors.literal_value
         col = builder.mul(xov, xov.type(4))
         starts = []
@@ -292,15 +292,15 @@ def _fma_rows(typingctx, acc, w, acc2, w2, pair, x, i0, n, xo, rows, vectors, ru
             starts.append(builder.add(builder.mul(row, stride), col))
         for r in range(runs.literal_value):
             first = r * count
-            weights = [(accp, [builder.load(_vector(builder, wp, first + v), align=4) for v in range(count)])]
+            weights = [(accp, [builder.load(vector_at(builder, wp, first + v), align=4) for v in range(count)])]
             if pair.literal_value == 2:
-                weights.append((accp2, [builder.load(_vector(builder, wp2, first + v), align=4) for v in range(count)]))
+                weights.append((accp2, [builder.load(vector_at(builder, wp2, first + v), align=4) for v in range(count)]))
             for i, at in enumerate(starts):
                 for v in range(count):
                     offset = builder.add(at, at.type(64 * (first + v)))
                     xv = builder.load(builder.bitcast(builder.gep(base, [offset]), _V16F.as_pointer()), align=4)
                     for accs, ws in weights:
-                        ap = _vector(builder, accs, i * count + v)
+                        ap = vector_at(builder, accs, i * count + v)
                         builder.store(builder.call(fma, [ws[v], xv, builder.load(ap)]), ap)
         return context.get_dummy_value()
 
@@ -317,14 +317,14 @@ def _lane_sum(builder, vs):
     v, w = vs[0], 16
     while w > 1:
         w //= 2
-        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, w), list(range(w))))
-        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, w), list(range(w, 2 * w))))
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, w), list(range(w))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, w), list(range(w, 2 * w))))
         v = builder.fadd(lo, hi)
-    return builder.extract_element(v, _I32(0))
+    return builder.extract_element(v, I32(0))
 
 
 @intrinsic
-def _acc_store(typingctx, acc, rows, vectors, out, i0, n, col):
+def acc_store(typingctx, acc, rows, vectors, out, i0, n, col):
     """out[i0 + i, col] = the lane sum (_lane_sum) of row i's accumulators, for i < rows (constants)
     with i0 + i < n; out a C-contiguous 2-D float32 array."""
     if not _literals(rows, vectors):
@@ -339,7 +339,7 @@ def _acc_store(typingctx, acc, rows, vectors, out, i0, n, col):
         for i in range(rows.literal_value):
             row = builder.add(i0v, i0v.type(i))
             with builder.if_then(builder.icmp_signed("<", row, nv)):
-                total = _lane_sum(builder, [builder.load(_vector(builder, accp, i * count + k)) for k in range(count)])
+                total = _lane_sum(builder, [builder.load(vector_at(builder, accp, i * count + k)) for k in range(count)])
                 at = builder.add(builder.mul(row, stride), builder.mul(colv, colv.type(4)))
                 builder.store(total, builder.bitcast(builder.gep(base, [at]), _F32.as_pointer()))
         return context.get_dummy_value()
@@ -347,18 +347,18 @@ def _acc_store(typingctx, acc, rows, vectors, out, i0, n, col):
     return types.void(acc, rows, vectors, out, i0, n, col), codegen
 
 
-# GGML type numbers of the 32-value layouts _values32 unpacks (as pagelm.quant.types.GGMLType).
+# GGML type numbers of the 32-value layouts values32 unpacks (as pagelm.quant.types.GGMLType).
 _F32_T, _F16_T, _Q4_0_T, _Q4_1_T, _Q5_0_T, _Q5_1_T, _Q8_0_T, _BF16_T = 0, 1, 2, 3, 6, 7, 8, 30
 _V32F = ir.VectorType(_F32, 32)
 
 
 def _splat32(builder, value):
-    v = builder.insert_element(ir.Constant(_V32F, ir.Undefined), value, _I32(0))
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 32), [0] * 32))
+    v = builder.insert_element(ir.Constant(_V32F, ir.Undefined), value, I32(0))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 32), [0] * 32))
 
 
 @intrinsic
-def _values32(typingctx, kind, data, at, qh, d, m, w):
+def values32(typingctx, kind, data, at, qh, d, m, w):
     """w[0:32] = the 32 values of a block of GGML type `kind` (a constant) as float32, decode_f32's
     (q · d, then + m where the type has one): quants from data[at:] (Q5's fifth bits from uint32 qh),
     or the 32 stored values of a float type from data[at:]."""
@@ -368,7 +368,7 @@ def _values32(typingctx, kind, data, at, qh, d, m, w):
     def codegen(context, builder, signature, args):
         t, arrty = kind.literal_value, signature.args[1]
         data, at, qh, d, m = args[1], args[2], args[3], args[4], args[5]
-        base = builder.gep(builder.bitcast(context.make_array(arrty)(context, builder, data).data, _I8.as_pointer()), [at])
+        base = builder.gep(builder.bitcast(context.make_array(arrty)(context, builder, data).data, I8.as_pointer()), [at])
         if t == _F32_T:
             values = builder.load(builder.bitcast(base, _V32F.as_pointer()), align=1)
         elif t == _F16_T:
@@ -376,15 +376,15 @@ def _values32(typingctx, kind, data, at, qh, d, m, w):
             values = builder.fpext(halves, _V32F)
         elif t == _BF16_T:
             bits = builder.load(builder.bitcast(base, ir.VectorType(ir.IntType(16), 32).as_pointer()), align=1)
-            wide = builder.shl(builder.zext(bits, ir.VectorType(_I32, 32)), ir.Constant(ir.VectorType(_I32, 32), 16))
+            wide = builder.shl(builder.zext(bits, ir.VectorType(I32, 32)), ir.Constant(ir.VectorType(I32, 32), 16))
             values = builder.bitcast(wide, _V32F)
         else:
             if t == _Q8_0_T:
-                q, signed = _bytes_at(context, builder, arrty, data, at), True
+                q, signed = bytes_at(context, builder, arrty, data, at), True
             elif t in (_Q4_0_T, _Q4_1_T):
-                q, signed = _nibbles16(context, builder, arrty, data, at), t == _Q4_0_T
+                q, signed = nibbles16(context, builder, arrty, data, at), t == _Q4_0_T
             else:
-                q, signed = _q5_group(context, builder, arrty, data, at, qh), t == _Q5_0_T
+                q, signed = q5_group(context, builder, arrty, data, at, qh), t == _Q5_0_T
             if t == _Q4_0_T:
                 q = builder.sub(q, _splat8(32, 8))
             elif t == _Q5_0_T:
@@ -399,8 +399,8 @@ def _values32(typingctx, kind, data, at, qh, d, m, w):
 
 
 @intrinsic
-def _q4_floats(typingctx, kind, data, at, d, m, w):
-    """w[0:32] = _values32's values of the Q4_0 / Q4_1 block (`kind`, a constant) whose 16 quant
+def q4_floats(typingctx, kind, data, at, d, m, w):
+    """w[0:32] = values32's values of the Q4_0 / Q4_1 block (`kind`, a constant) whose 16 quant
     bytes start at data[at], each picked by its nibble from the block's 16 possible floats (AVX-512
     vpermps, which reads the low 4 bits of each index): (q - 8) · d, or fma(q, d, m), the bits of
     q · d + m since q · d is exact in float32 (4 bits times an 11-bit half)."""
@@ -409,14 +409,14 @@ def _q4_floats(typingctx, kind, data, at, d, m, w):
 
     def codegen(context, builder, signature, args):
         t, arrty, (data, at, d, m) = kind.literal_value, signature.args[1], args[1:5]
-        v16i = ir.VectorType(_I32, 16)
+        v16i = ir.VectorType(I32, 16)
         if t == _Q4_0_T:
-            table = builder.fmul(_iota16(-8), _splat_f32(builder, d))
+            table = builder.fmul(_iota16(-8), splat_f32(builder, d))
         else:
-            table = builder.call(_fma16(builder), [_iota16(), _splat_f32(builder, d), _splat_f32(builder, m)])
-        index, pick = builder.zext(_bytes_at(context, builder, arrty, data, at, 16), v16i), _permvar16(builder)
+            table = builder.call(fma16(builder), [_iota16(), splat_f32(builder, d), splat_f32(builder, m)])
+        index, pick = builder.zext(bytes_at(context, builder, arrty, data, at, 16), v16i), _permvar16(builder)
         for h, nibble in enumerate((index, builder.lshr(index, ir.Constant(v16i, [4] * 16)))):
-            builder.store(builder.call(pick, [table, nibble]), _vector(builder, args[5], h), align=4)
+            builder.store(builder.call(pick, [table, nibble]), vector_at(builder, args[5], h), align=4)
         return context.get_dummy_value()
 
     return types.void(kind, data, at, d, m, w), codegen
@@ -425,13 +425,13 @@ def _q4_floats(typingctx, kind, data, at, d, m, w):
 def _permvar32(builder):
     """vpermi2ps: lane l of the result is lane (index l & 31) of the two tables, the first's lanes 0-15."""
     return cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(_V16F, [_V16F, ir.VectorType(_I32, 16), _V16F]),
+        builder.module, ir.FunctionType(_V16F, [_V16F, ir.VectorType(I32, 16), _V16F]),
         "llvm.x86.avx512.vpermi2var.ps.512")
 
 
 @intrinsic
-def _q5_floats(typingctx, kind, data, at, qh, d, m, w):
-    """w[0:32] = _values32's values of the Q5_0 / Q5_1 block (`kind`, a constant) whose 16 quant
+def q5_floats(typingctx, kind, data, at, qh, d, m, w):
+    """w[0:32] = values32's values of the Q5_0 / Q5_1 block (`kind`, a constant) whose 16 quant
     bytes start at data[at] and whose fifth bits are uint32 qh, each picked by its 5 bits from the
     block's 32 possible floats (AVX-512 vpermi2ps, which reads the low 5 bits of each index; the
     fifth bit set through a mask of qh's bits): (q - 16) · d, or fma(q, d, m), the bits of q · d + m
@@ -441,35 +441,35 @@ def _q5_floats(typingctx, kind, data, at, qh, d, m, w):
 
     def codegen(context, builder, signature, args):
         t, arrty, (data, at, qh, d, m) = kind.literal_value, signature.args[1], args[1:6]
-        v16i, mask16 = ir.VectorType(_I32, 16), ir.VectorType(ir.IntType(1), 16)
+        v16i, mask16 = ir.VectorType(I32, 16), ir.VectorType(ir.IntType(1), 16)
         if t == _Q5_0_T:
-            tables = [builder.fmul(_iota16(offset), _splat_f32(builder, d)) for offset in (-16, 0)]
+            tables = [builder.fmul(_iota16(offset), splat_f32(builder, d)) for offset in (-16, 0)]
         else:
-            tables = [builder.call(_fma16(builder), [_iota16(offset), _splat_f32(builder, d), _splat_f32(builder, m)])
+            tables = [builder.call(fma16(builder), [_iota16(offset), splat_f32(builder, d), splat_f32(builder, m)])
                       for offset in (0, 16)]
-        index = builder.zext(_bytes_at(context, builder, arrty, data, at, 16), v16i)
+        index = builder.zext(bytes_at(context, builder, arrty, data, at, 16), v16i)
         nibbles = (builder.and_(index, ir.Constant(v16i, [15] * 16)), builder.lshr(index, ir.Constant(v16i, [4] * 16)))
         pick = _permvar32(builder)
         for h, nibble in enumerate(nibbles):
             fifth = builder.bitcast(builder.trunc(builder.lshr(qh, qh.type(16 * h)), ir.IntType(16)), mask16)
             full = builder.select(fifth, builder.or_(nibble, ir.Constant(v16i, [16] * 16)), nibble)
-            builder.store(builder.call(pick, [tables[0], full, tables[1]]), _vector(builder, args[6], h), align=4)
+            builder.store(builder.call(pick, [tables[0], full, tables[1]]), vector_at(builder, args[6], h), align=4)
         return context.get_dummy_value()
 
     return types.void(kind, data, at, qh, d, m, w), codegen
 
 
 @intrinsic
-def _q6k_floats(typingctx, values, scales, w):
+def q6k_floats(typingctx, values, scales, w):
     """w[16g + j] = int8 values[16g + j] · scales[g] for g < 16, j < 16 (a Q6_K block's 256 values
-    from _q6k_values and _q6k_scales16)."""
+    from q6k_values and q6k_scales16)."""
 
     def codegen(context, builder, signature, args):
         q = builder.bitcast(args[0], _V16I8.as_pointer())
         for g in range(16):
-            s = builder.load(builder.gep(args[1], [_I32(g)]))
-            v = builder.sitofp(builder.load(builder.gep(q, [_I32(g)]), align=1), _V16F)
-            builder.store(builder.fmul(v, _splat_f32(builder, s)), _vector(builder, args[2], g), align=4)
+            s = builder.load(builder.gep(args[1], [I32(g)]))
+            v = builder.sitofp(builder.load(builder.gep(q, [I32(g)]), align=1), _V16F)
+            builder.store(builder.fmul(v, splat_f32(builder, s)), vector_at(builder, args[2], g), align=4)
         return context.get_dummy_value()
 
     return types.void(values, scales, w), codegen

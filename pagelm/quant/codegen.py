@@ -25,12 +25,12 @@ def kernel_of(name: str, **options):
 
 
 # fp16 bits -> float32, exactly as numpy converts (the same conversion decode_* uses).
-_F16_TO_F32 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
-_F16_TO_F32.flags.writeable = False
+F16_TO_F32 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+F16_TO_F32.flags.writeable = False
 
 
 @intrinsic
-def _wide_vectors(typingctx):
+def wide_vectors(typingctx):
     """Lets LLVM vectorize the calling function with 512-bit registers.
 
     LLVM's tuning for AVX-512 cores prefers 256-bit vectors. This sets the function attribute
@@ -48,7 +48,7 @@ def _wide_vectors(typingctx):
 
 
 @intrinsic
-def _prefetch(typingctx, array, offset):
+def prefetch(typingctx, array, offset):
     """Hints the cache line at byte `offset` of `array`'s data into cache; never faults."""
 
     def codegen(context, builder, signature, args):
@@ -65,7 +65,7 @@ def _prefetch(typingctx, array, offset):
 
 
 @intrinsic
-def _keep_loops(typingctx):
+def keep_loops(typingctx):
     """Marks the calling function optsize, so LLVM does not fully unroll its small fixed loops
     before the loop vectorizer sees them (numba runs no SLP vectorizer). Call it in each prange body."""
 
@@ -77,7 +77,7 @@ def _keep_loops(typingctx):
 
 
 @intrinsic
-def _stack_f32(typingctx, n):
+def stack_f32(typingctx, n):
     """n (a constant) float32 on the stack: unlike a heap array, LLVM can keep them in registers."""
     if not isinstance(n, types.IntegerLiteral):
         return None
@@ -89,7 +89,7 @@ def _stack_f32(typingctx, n):
 
 
 @intrinsic
-def _opaque(typingctx, ptr):
+def opaque(typingctx, ptr):
     """`ptr` through an empty asm statement. LLVM then cannot forward what an intrinsic stored
     there into registers, so each use stays a load, which x86 folds into the instruction using
     it (a scale broadcast from memory instead of a shuffle, on the port the FMAs need)."""
@@ -101,7 +101,7 @@ def _opaque(typingctx, ptr):
 
 
 @intrinsic
-def _f32_bits(typingctx, value):
+def f32_bits(typingctx, value):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.IntType(32))
 
@@ -109,7 +109,7 @@ def _f32_bits(typingctx, value):
 
 
 @intrinsic
-def _fma(typingctx, a, b, c):
+def fma(typingctx, a, b, c):
     """a · b + c for float32 with one rounding (llvm.fma): a multiply-add that does not depend on
     whether LLVM contracts it, which may differ between a kernel compiled in the process and the
     same kernel loaded from numba's cache."""

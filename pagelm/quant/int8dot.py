@@ -18,18 +18,18 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from pagelm.errors import UnsupportedError
-from pagelm.quant.blockir import _I8, _I32, _V32I8, _bytes_at, _nibbles16, _q5_group
-from pagelm.quant.codegen import _F16_TO_F32, _wide_vectors, kernel_of
-from pagelm.quant.kernels import _check_table
+from pagelm.quant.blockir import I8, I32, V32I8, bytes_at, nibbles16, q5_group
+from pagelm.quant.codegen import F16_TO_F32, wide_vectors, kernel_of
+from pagelm.quant.head import check_table
 from pagelm.quant.matmul import (
-    _ahead_rows,
-    _chunk,
-    _chunks,
-    _half,
-    _hint_block,
-    _load,
-    _row_at,
-    _scale_min_k4,
+    ahead_rows,
+    chunk_bounds,
+    thread_chunks,
+    fp16_at,
+    hint_block,
+    load_at,
+    row_at,
+    scale_min_k4,
     readonly,
 )
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
@@ -50,7 +50,7 @@ def available() -> bool:
 # --- IR pieces ----------------------------------------------------------------------
 
 _I16 = ir.IntType(16)
-_V16I16, _V8I32, _V8F32 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8), ir.VectorType(ir.FloatType(), 8)
+_V16I16, _V8I32, _V8F32 = ir.VectorType(_I16, 16), ir.VectorType(I32, 8), ir.VectorType(ir.FloatType(), 8)
 
 
 def _call(builder, name, ret, *args):
@@ -59,14 +59,14 @@ def _call(builder, name, ret, *args):
 
 
 def _splat(builder, value, vtype):
-    vec = builder.insert_element(ir.Constant(vtype, ir.Undefined), value, _I32(0))
-    return builder.shuffle_vector(vec, ir.Constant(vtype, ir.Undefined), ir.Constant(ir.VectorType(_I32, vtype.count), None))
+    vec = builder.insert_element(ir.Constant(vtype, ir.Undefined), value, I32(0))
+    return builder.shuffle_vector(vec, ir.Constant(vtype, ir.Undefined), ir.Constant(ir.VectorType(I32, vtype.count), None))
 
 
 def _low_bits(builder, v, shift, bits):
     """(v >> shift) & (2**bits - 1) per byte of <32 x i8> v; shift an intp."""
-    shifted = builder.lshr(v, _splat(builder, builder.trunc(shift, _I8), _V32I8))
-    return builder.and_(shifted, ir.Constant(_V32I8, (1 << bits) - 1))
+    shifted = builder.lshr(v, _splat(builder, builder.trunc(shift, I8), V32I8))
+    return builder.and_(shifted, ir.Constant(V32I8, (1 << bits) - 1))
 
 
 def _accumulate(builder, acc, w, x, scales, scale):
@@ -86,9 +86,9 @@ def _ones():
 
 def _halves(builder, lo, hi):
     """int16 scales: lo for the pair sums of bytes 0-15, hi for bytes 16-31."""
-    v = builder.insert_element(ir.Constant(ir.VectorType(_I16, 2), ir.Undefined), builder.trunc(lo, _I16), _I32(0))
-    v = builder.insert_element(v, builder.trunc(hi, _I16), _I32(1))
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), [0] * 8 + [1] * 8))
+    v = builder.insert_element(ir.Constant(ir.VectorType(_I16, 2), ir.Undefined), builder.trunc(lo, _I16), I32(0))
+    v = builder.insert_element(v, builder.trunc(hi, _I16), I32(1))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 16), [0] * 8 + [1] * 8))
 
 
 _ACC = types.CPointer(types.float32)
@@ -115,10 +115,10 @@ def _acc8_take(typingctx, acc):
         v = builder.load(ptr, align=4)
         builder.store(ir.Constant(_V8F32, None), ptr, align=4)
         for width in (4, 2, 1):
-            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
-            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width))))
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, width), list(range(width))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, width), list(range(width, 2 * width))))
             v = builder.fadd(lo, hi)
-        return builder.extract_element(v, _I32(0))
+        return builder.extract_element(v, I32(0))
 
     return types.float32(acc), codegen
 
@@ -128,10 +128,10 @@ def _dot_q8(typingctx, data, at, xq, xat, acc, scale):
     """acc += scale * w·x over 32 signed weight bytes at data[at] and xq[xat:] (|w| times x signed as w)."""
 
     def codegen(context, builder, signature, args):
-        w = _bytes_at(context, builder, signature.args[0], args[0], args[1])
-        x = _bytes_at(context, builder, signature.args[2], args[2], args[3])
-        magnitude = _call(builder, "llvm.abs.v32i8", _V32I8, w, ir.Constant(ir.IntType(1), 0))
-        signed_x = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, x, w)
+        w = bytes_at(context, builder, signature.args[0], args[0], args[1])
+        x = bytes_at(context, builder, signature.args[2], args[2], args[3])
+        magnitude = _call(builder, "llvm.abs.v32i8", V32I8, w, ir.Constant(ir.IntType(1), 0))
+        signed_x = _call(builder, "llvm.x86.avx2.psign.b", V32I8, x, w)
         _accumulate(builder, args[4], magnitude, signed_x, _ones(), args[5])
         return context.get_dummy_value()
 
@@ -143,8 +143,8 @@ def _dot_q4(typingctx, data, at, xq, xat, acc, scale):
     """acc += scale * q·x, q the 32 nibbles of the 16 bytes at data[at] (Q4_0, Q4_1 order)."""
 
     def codegen(context, builder, signature, args):
-        w = _nibbles16(context, builder, signature.args[0], args[0], args[1])
-        x = _bytes_at(context, builder, signature.args[2], args[2], args[3])
+        w = nibbles16(context, builder, signature.args[0], args[0], args[1])
+        x = bytes_at(context, builder, signature.args[2], args[2], args[3])
         _accumulate(builder, args[4], w, x, _ones(), args[5])
         return context.get_dummy_value()
 
@@ -156,8 +156,8 @@ def _dot_q5(typingctx, data, at, qh, xq, xat, acc, scale):
     """As _dot_q4, each value's fifth bit from bit j of uint32 qh (Q5_0, Q5_1)."""
 
     def codegen(context, builder, signature, args):
-        w = _q5_group(context, builder, signature.args[0], args[0], args[1], args[2])
-        x = _bytes_at(context, builder, signature.args[3], args[3], args[4])
+        w = q5_group(context, builder, signature.args[0], args[0], args[1], args[2])
+        x = bytes_at(context, builder, signature.args[3], args[3], args[4])
         _accumulate(builder, args[5], w, x, _ones(), args[6])
         return context.get_dummy_value()
 
@@ -171,13 +171,13 @@ def _dot_kq(typingctx, data, at, shift, qh_at, bit, xq, xat, acc, scale):
 
     def codegen(context, builder, signature, args):
         arrty = signature.args[0]
-        w = _low_bits(builder, _bytes_at(context, builder, arrty, args[0], args[1]), args[2], 4)
+        w = _low_bits(builder, bytes_at(context, builder, arrty, args[0], args[1]), args[2], 4)
         with_top = builder.icmp_signed(">=", args[3], ir.Constant(args[3].type, 0))
         top_at = builder.select(with_top, args[3], args[1])  # a valid address either way
-        top = builder.shl(_low_bits(builder, _bytes_at(context, builder, arrty, args[0], top_at), args[4], 1),
-                          ir.Constant(_V32I8, 4))
+        top = builder.shl(_low_bits(builder, bytes_at(context, builder, arrty, args[0], top_at), args[4], 1),
+                          ir.Constant(V32I8, 4))
         w = builder.select(with_top, builder.or_(w, top), w)
-        x = _bytes_at(context, builder, signature.args[5], args[5], args[6])
+        x = bytes_at(context, builder, signature.args[5], args[5], args[6])
         _accumulate(builder, args[7], w, x, _ones(), args[8])
         return context.get_dummy_value()
 
@@ -191,10 +191,10 @@ def _dot_q6(typingctx, data, ql_at, shift, qh_at, qshift, xq, xat, acc, scale, s
 
     def codegen(context, builder, signature, args):
         arrty = signature.args[0]
-        lo = _low_bits(builder, _bytes_at(context, builder, arrty, args[0], args[1]), args[2], 4)
-        hi = _low_bits(builder, _bytes_at(context, builder, arrty, args[0], args[3]), args[4], 2)
-        w = builder.or_(lo, builder.shl(hi, ir.Constant(_V32I8, 4)))
-        x = _bytes_at(context, builder, signature.args[5], args[5], args[6])
+        lo = _low_bits(builder, bytes_at(context, builder, arrty, args[0], args[1]), args[2], 4)
+        hi = _low_bits(builder, bytes_at(context, builder, arrty, args[0], args[3]), args[4], 2)
+        w = builder.or_(lo, builder.shl(hi, ir.Constant(V32I8, 4)))
+        x = bytes_at(context, builder, signature.args[5], args[5], args[6])
         _accumulate(builder, args[7], w, x, _halves(builder, args[9], args[10]), args[8])
         return context.get_dummy_value()
 
@@ -254,7 +254,7 @@ _F32 = np.float32
 def _kq_group(kind, acc, data, o, b, g, d, dmin, xq, xd, xm):
     """Group g (a constant, so shifts and scale bytes fold) of a Q4_K / Q5_K block; what it adds outside acc."""
     qs, qh = (o + 16, -1) if kind == _Q4_K else (o + 48, o + 16)
-    sc, mn = _scale_min_k4(data, o + 4, g)
+    sc, mn = scale_min_k4(data, o + 4, g)
     at = 8 * b + g
     _dot_kq(data, qs + 32 * (g >> 1), 4 * (g & 1), qh, g, xq, 32 * at, acc, d * _F32(sc) * xd[at])
     return -dmin * _F32(mn) * xm[at]
@@ -264,7 +264,7 @@ def _kq_group(kind, acc, data, o, b, g, d, dmin, xq, xd, xm):
 def _q6_group(acc, data, o, b, g, d, xq, xd, xs):
     """Group g (a constant) of a Q6_K block: values (q - 32) * d * int8 scale per 16; what it adds outside acc."""
     h, k, at = g >> 2, g & 3, 8 * b + g
-    s_lo, s_hi = _load(data, o + 192 + 2 * g, np.int8), _load(data, o + 193 + 2 * g, np.int8)
+    s_lo, s_hi = load_at(data, o + 192 + 2 * g, np.int8), load_at(data, o + 193 + 2 * g, np.int8)
     s = d * xd[at]
     _dot_q6(data, o + 64 * h + 32 * (k & 1), 4 * (k >> 1), o + 128 + 32 * h, 2 * k, xq, 32 * at, acc, s,
             np.intp(s_lo), np.intp(s_hi))
@@ -275,24 +275,24 @@ def _q6_group(acc, data, o, b, g, d, xq, xd, xs):
 def _block(kind, acc, data, o, b, xq, xd, xs, xm, f16):
     """acc += block b (at byte o) · the activations; returns what the block adds outside acc."""
     if kind == _Q8_0:
-        _dot_q8(data, o + 2, xq, 32 * b, acc, _half(f16, data, o) * xd[b])
+        _dot_q8(data, o + 2, xq, 32 * b, acc, fp16_at(f16, data, o) * xd[b])
         return _F32(0)
     if kind == _Q4_0 or kind == _Q4_1:
-        s = _half(f16, data, o) * xd[b]
+        s = fp16_at(f16, data, o) * xd[b]
         if kind == _Q4_0:
             _dot_q4(data, o + 2, xq, 32 * b, acc, s)
-            return _F32(-8) * _half(f16, data, o) * xm[b]
+            return _F32(-8) * fp16_at(f16, data, o) * xm[b]
         _dot_q4(data, o + 4, xq, 32 * b, acc, s)
-        return _half(f16, data, o + 2) * xm[b]
+        return fp16_at(f16, data, o + 2) * xm[b]
     if kind == _Q5_0 or kind == _Q5_1:
-        s = _half(f16, data, o) * xd[b]
+        s = fp16_at(f16, data, o) * xd[b]
         if kind == _Q5_0:
-            _dot_q5(data, o + 6, _load(data, o + 2, np.uint32), xq, 32 * b, acc, s)
-            return _F32(-16) * _half(f16, data, o) * xm[b]
-        _dot_q5(data, o + 8, _load(data, o + 4, np.uint32), xq, 32 * b, acc, s)
-        return _half(f16, data, o + 2) * xm[b]
+            _dot_q5(data, o + 6, load_at(data, o + 2, np.uint32), xq, 32 * b, acc, s)
+            return _F32(-16) * fp16_at(f16, data, o) * xm[b]
+        _dot_q5(data, o + 8, load_at(data, o + 4, np.uint32), xq, 32 * b, acc, s)
+        return fp16_at(f16, data, o + 2) * xm[b]
     if kind == _Q4_K or kind == _Q5_K:
-        d, dmin = _half(f16, data, o), _half(f16, data, o + 2)
+        d, dmin = fp16_at(f16, data, o), fp16_at(f16, data, o + 2)
         return (_kq_group(kind, acc, data, o, b, 0, d, dmin, xq, xd, xm)
                 + _kq_group(kind, acc, data, o, b, 1, d, dmin, xq, xd, xm)
                 + _kq_group(kind, acc, data, o, b, 2, d, dmin, xq, xd, xm)
@@ -301,7 +301,7 @@ def _block(kind, acc, data, o, b, xq, xd, xs, xm, f16):
                 + _kq_group(kind, acc, data, o, b, 5, d, dmin, xq, xd, xm)
                 + _kq_group(kind, acc, data, o, b, 6, d, dmin, xq, xd, xm)
                 + _kq_group(kind, acc, data, o, b, 7, d, dmin, xq, xd, xm))
-    d = _half(f16, data, o + 208)  # Q6_K
+    d = fp16_at(f16, data, o + 208)  # Q6_K
     return (_q6_group(acc, data, o, b, 0, d, xq, xd, xs) + _q6_group(acc, data, o, b, 1, d, xq, xd, xs)
             + _q6_group(acc, data, o, b, 2, d, xq, xd, xs) + _q6_group(acc, data, o, b, 3, d, xq, xd, xs)
             + _q6_group(acc, data, o, b, 4, d, xq, xd, xs) + _q6_group(acc, data, o, b, 5, d, xq, xd, xs)
@@ -314,16 +314,16 @@ def _kernel(kind: int, vb: int, bb: int):
         nblk = width // vb
         rnb = max(nblk * bb, 1)
         for c in prange(nch):
-            _wide_vectors()
-            r0, r1 = _chunk(c, nch, rows)
+            wide_vectors()
+            r0, r1 = chunk_bounds(c, nch, rows)
             acc = _acc8()
-            ahead = _ahead_rows(kind, rnb)
+            ahead = ahead_rows(kind, rnb)
             for r in range(r0, r1):
-                row = _row_at(offs, stride, r)
-                hint = _row_at(offs, stride, r + ahead) if r + ahead < rows else row
+                row = row_at(offs, stride, r)
+                hint = row_at(offs, stride, r + ahead) if r + ahead < rows else row
                 extra = _F32(0)
                 for b in range(nblk):
-                    _hint_block(data, hint, b, bb)
+                    hint_block(data, hint, b, bb)
                     extra += _block(kind, acc, data, row + b * bb, b, xq, xd, xs, xm, f16)
                 out[0, lo + r] = _acc8_take(acc) + extra
 
@@ -342,7 +342,7 @@ def _bound(data, t, offs, stride: int, rows: int, width: int):
     mv, offs, data = _KERNELS[t], readonly(offs), readonly(data)
 
     def run(row: Int8Row, out: np.ndarray, out_lo: int) -> None:
-        mv(data, offs, stride, rows, row.xq, row.xd, row.xs, row.xm, _F16_TO_F32, out, out_lo, width, _chunks(rows))
+        mv(data, offs, stride, rows, row.xq, row.xd, row.xs, row.xm, F16_TO_F32, out, out_lo, width, thread_chunks(rows))
 
     return run
 
@@ -358,9 +358,9 @@ def bound_rows_matmul_int8(data: np.ndarray, ggml_type, row_offsets: np.ndarray,
 
 def bound_table_matmul_int8(table: np.ndarray, ggml_type):
     """The same over every row of a C-contiguous (rows, row_nbytes) uint8 table (an output head),
-    checked as kernels.head_logits checks it; rows are addressed by stride, with no offset array
+    checked as head.head_logits checks it; rows are addressed by stride, with no offset array
     (it would be 8 bytes of anonymous memory a row)."""
-    _, width = _check_table(table, ggml_type)
+    _, width = check_table(table, ggml_type)
     return _bound(table.reshape(-1), ggml_type, _NO_OFFSETS, table.shape[1], table.shape[0], width)
 
 

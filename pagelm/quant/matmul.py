@@ -13,30 +13,30 @@ from numba.extending import intrinsic, overload
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.runtime.threads import kernel_threads
 from pagelm.quant.blockir import (
-    _acc_store,
-    _acc_vectors,
-    _acc_zero,
-    _fma_rows,
-    _k4_scales,
-    _q4_floats,
-    _q4k_floats,
-    _q5_floats,
-    _q5_values,
-    _q6k_scales16,
-    _q6k_values,
-    _q6k_floats,
-    _stack_bytes,
-    _values32,
+    acc_store,
+    acc_vectors,
+    acc_zero,
+    fma_rows,
+    k4_scales,
+    q4_floats,
+    q4k_floats,
+    q5_floats,
+    q5_values,
+    q6k_scales16,
+    q6k_values,
+    q6k_floats,
+    stack_bytes,
+    values32,
 )
 from pagelm.quant.codecs import DECODABLE
 from pagelm.quant.codegen import (
-    _F16_TO_F32,
-    _f32_bits,
-    _keep_loops,
-    _opaque,
-    _prefetch,
-    _stack_f32,
-    _wide_vectors,
+    F16_TO_F32,
+    f32_bits,
+    keep_loops,
+    opaque,
+    prefetch,
+    stack_f32,
+    wide_vectors,
     kernel_of,
 )
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
@@ -69,18 +69,18 @@ def _compiles_avx512() -> bool:
 
 
 # Whether the kernels compile for AVX-512: they then pick 4- and 5-bit values from tables (vpermps,
-# vpermi2ps), and a pass over several rows of x goes over two rows of W at once (blockir._fma_rows'
+# vpermi2ps), and a pass over several rows of x goes over two rows of W at once (blockir.fma_rows'
 # pair), so that each vector of x loaded serves two FMAs: 4 rows of x keep 16 accumulators, 2 vectors
 # of 16 lanes a row (a 256-value block runs through them 8 times, 32 values a time). AVX2's 16
 # registers hold no pair beside the block's values: one row of W, 2 rows of x.
-_AVX512 = _compiles_avx512()
+AVX512 = _compiles_avx512()
 
 
 # --- loads --------------------------------------------------------------------------
 
 
 @intrinsic
-def _load(typingctx, data, offset, ty):
+def load_at(typingctx, data, offset, ty):
     """The `ty` value at byte `offset` of uint8 array `data`, unaligned and without index wraparound."""
     rtype = ty.instance_type
 
@@ -105,8 +105,8 @@ def _shr8(typingctx, byte, shift):
 
 
 @intrinsic
-def _bf16_bits(typingctx, value):
-    """kernels._bf16 in 32-bit integer ops (numba's are 64-bit, which vectorize at half the width):
+def bf16_bits(typingctx, value):
+    """head._bf16 in 32-bit integer ops (numba's are 64-bit, which vectorize at half the width):
     round to nearest even; a NaN keeps its sign and upper bits, quieted."""
 
     def codegen(context, builder, signature, args):
@@ -122,7 +122,7 @@ def _bf16_bits(typingctx, value):
 
 
 @intrinsic
-def _u32_as_f32(typingctx, bits):
+def u32_as_f32(typingctx, bits):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
 
@@ -131,13 +131,13 @@ def _u32_as_f32(typingctx, bits):
 
 @njit(inline="always")
 def _u8(data, at):
-    return _load(data, at, np.uint8)
+    return load_at(data, at, np.uint8)
 
 
 @njit(inline="always")
-def _half(f16, data, at):
+def fp16_at(f16, data, at):
     """The fp16 at data[at : at + 2] as float32, through the table (numpy's exact conversion)."""
-    return f16[_load(data, at, np.uint16)]
+    return f16[load_at(data, at, np.uint16)]
 
 
 # --- one block type = _prep (scales of a group of 32 values) + _lane (one value) ----------
@@ -153,7 +153,7 @@ def _half(f16, data, at):
 
 
 @njit
-def _scale_min_k4(data, at, g):
+def scale_min_k4(data, at, g):
     """6-bit scale and min of sub-block g from the 12 scale bytes at `at` (Q4_K, Q5_K)."""
     if g < 4:
         return _u8(data, at + g) & 63, _u8(data, at + g + 4) & 63
@@ -166,19 +166,19 @@ def _prep(kind, data, o, g, f16):
     """(scale, offset) of halves 0 and 1 of group g of the block at byte o."""
     zero = np.float32(0)
     if kind == _Q8_0 or kind == _Q4_0 or kind == _Q5_0:
-        d = _half(f16, data, o)
+        d = fp16_at(f16, data, o)
         return d, zero, d, zero
     if kind == _Q4_1 or kind == _Q5_1:
-        d, m = _half(f16, data, o), _half(f16, data, o + 2)
+        d, m = fp16_at(f16, data, o), fp16_at(f16, data, o + 2)
         return d, m, d, m
     if kind == _Q4_K or kind == _Q5_K:
-        sc, mn = _scale_min_k4(data, o + 4, g)
-        s, m = _half(f16, data, o) * np.float32(sc), _half(f16, data, o + 2) * np.float32(mn)
+        sc, mn = scale_min_k4(data, o + 4, g)
+        s, m = fp16_at(f16, data, o) * np.float32(sc), fp16_at(f16, data, o + 2) * np.float32(mn)
         return s, m, s, m
     if kind == _Q6_K:
-        d = _half(f16, data, o + 208)
+        d = fp16_at(f16, data, o + 208)
         at = o + 192 + 2 * g  # int8 scales of 16 values each
-        return d * np.float32(_load(data, at, np.int8)), zero, d * np.float32(_load(data, at + 1, np.int8)), zero
+        return d * np.float32(load_at(data, at, np.int8)), zero, d * np.float32(load_at(data, at + 1, np.int8)), zero
     return zero, zero, zero, zero
 
 
@@ -186,15 +186,15 @@ def _prep(kind, data, o, g, f16):
 def _k4_scales_at(data, o, f16):
     """A float32 pointer to the 8 groups' scales, then their mins, of the Q4_K / Q5_K block at byte o
     (on the caller's stack)."""
-    buf = _stack_f32(16)
-    _k4_scales(data, o + 4, _half(f16, data, o), _half(f16, data, o + 2), buf)
+    buf = stack_f32(16)
+    k4_scales(data, o + 4, fp16_at(f16, data, o), fp16_at(f16, data, o + 2), buf)
     return buf
 
 
 @njit(inline="always")
 def _k4_block_scales(data, o, f16):
     """_k4_scales_at's values as an array (_prep's values)."""
-    return carray(_opaque(_k4_scales_at(data, o, f16)), 16)
+    return carray(opaque(_k4_scales_at(data, o, f16)), 16)
 
 
 @njit
@@ -220,10 +220,10 @@ def _plus(exact, a, b):
 def _val(kind, data, o, k, f16):
     """Value k of a float-typed row whose values start at byte o."""
     if kind == _F32:
-        return _load(data, o + 4 * k, np.float32)
+        return load_at(data, o + 4 * k, np.float32)
     if kind == _F16:
-        return f16[_load(data, o + 2 * k, np.uint16)]
-    return _u32_as_f32(np.uint32(_load(data, o + 2 * k, np.uint16)) << 16)
+        return f16[load_at(data, o + 2 * k, np.uint16)]
+    return u32_as_f32(np.uint32(load_at(data, o + 2 * k, np.uint16)) << 16)
 
 
 @njit
@@ -235,7 +235,7 @@ def _lane(kind, exact, data, o, g, h, j0, jj, s, m, f16):
     """
     j = j0 + jj
     if kind == _Q8_0:
-        return np.float32(_load(data, o + 2 + 16 * h + j, np.int8)) * s
+        return np.float32(load_at(data, o + 2 + 16 * h + j, np.int8)) * s
     if kind == _Q4_0:
         return np.float32(np.int8((_u8(data, o + 2 + j) >> 4 * h & 15) - 8)) * s
     if kind == _Q4_1:
@@ -279,18 +279,18 @@ def _is_float(kind):
 
 
 @njit(inline="always")
-def _chunk(c, nch, rows):
+def chunk_bounds(c, nch, rows):
     return c * rows // nch, (c + 1) * rows // nch
 
 
 @njit(inline="always")
-def _ahead_rows(kind, rnb):
+def ahead_rows(kind, rnb):
     """How many rows ahead of the one being read the hints run: about _AHEAD (_AHEAD_K) bytes."""
     return max((_AHEAD_K if kind == _Q4_K or kind == _Q5_K or kind == _Q6_K else _AHEAD) // rnb, 1)
 
 
 @njit(inline="always")
-def _row_at(offs, stride, r):
+def row_at(offs, stride, r):
     """Byte offset of row r: offs[r], or r · stride in a table (stride > 0: an output head, whose
     rows need no offset array, which would be 8 bytes of anonymous memory a row)."""
     return r * stride if stride > 0 else offs[r]
@@ -302,11 +302,11 @@ def _row_ahead(offs, stride, rows, r, ahead):
 
     Rows need not be contiguous (a row order, a fused projection): the hints follow the rows read.
     """
-    return _row_at(offs, stride, r + ahead if r + ahead < rows else r)
+    return row_at(offs, stride, r + ahead if r + ahead < rows else r)
 
 
 @njit(inline="always")
-def _hint_block(data, at, b, bb):
+def hint_block(data, at, b, bb):
     """Hints the lines of the row at byte `at` that start in its block b: one hint per 64 bytes,
     spread over the row as it is read. All of a row's hints at once as its reading starts (a
     burst) made cold rows 1.15-1.2x slower, side by side over every matrix of the 0.8B geometry.
@@ -314,7 +314,7 @@ def _hint_block(data, at, b, bb):
     first, end = (b * bb + 63) // 64 * 64, (b + 1) * bb
     for k in range((bb + 63) // 64):  # the most lines that can start in a block
         if first + 64 * k < end:
-            _prefetch(data, at + first + 64 * k)
+            prefetch(data, at + first + 64 * k)
 
 
 # --- kernels ------------------------------------------------------------------------
@@ -322,7 +322,7 @@ def _hint_block(data, at, b, bb):
 
 # A GEMV multiplies each block of W into up to MAX_GEMV_ROWS activation rows: the block is unpacked
 # once into float32 values w (decode_f32's values, on the stack), which are fused into the
-# accumulators of every row (blockir._fma_rows): row i's lane l sums w[l] · x[i, l] over the blocks
+# accumulators of every row (blockir.fma_rows): row i's lane l sums w[l] · x[i, l] over the blocks
 # in order, then its lanes are summed as one tree. A row's arithmetic does not depend on the other
 # rows, so column i of the product is bit for bit the product of row i alone (the contract of batched
 # decode); the one-row kernel is this code with n = 1, a constant LLVM folds.
@@ -337,38 +337,38 @@ def _put8(out, r, at, kind, data, o, g, h, j0, s, m, f16):
 @njit(inline="always")
 def _q5_block(kind, data, o, f16):
     """(values, d, m) of the Q5_0/Q5_1 block at byte o: its 32 values (0..31) unpacked as one byte
-    vector (blockir._q5_values), its scale, and its offset (0 for Q5_0)."""
+    vector (blockir.q5_values), its scale, and its offset (0 for Q5_0)."""
     qh_at = o + 2 if kind == _Q5_0 else o + 4
-    d, m = _half(f16, data, o), (np.float32(0) if kind == _Q5_0 else _half(f16, data, o + 2))
-    values = _stack_bytes(32)
-    _q5_values(data, qh_at + 4, _load(data, qh_at, np.uint32), values)
+    d, m = fp16_at(f16, data, o), (np.float32(0) if kind == _Q5_0 else fp16_at(f16, data, o + 2))
+    values = stack_bytes(32)
+    q5_values(data, qh_at + 4, load_at(data, qh_at, np.uint32), values)
     return carray(values, 32), d, m
 
 
 @njit(inline="always")
 def _q6k_block(data, o, f16):
     """(values, scales) of the Q6_K block at byte o: its 256 values (-32..31, as int8 bits) and the 16
-    scales (d · int8 scale, one per 16 values), each in one set of vector ops (blockir._q6k_values,
-    _q6k_scales16); the scales read back from memory (codegen._opaque)."""
-    values, scales = _stack_bytes(256), _stack_f32(16)
-    _q6k_values(data, o, values)
-    _q6k_scales16(data, o + 192, _half(f16, data, o + 208), scales)
-    return carray(values, 256), carray(_opaque(scales), 16)
+    scales (d · int8 scale, one per 16 values), each in one set of vector ops (blockir.q6k_values,
+    q6k_scales16); the scales read back from memory (codegen.opaque)."""
+    values, scales = stack_bytes(256), stack_f32(16)
+    q6k_values(data, o, values)
+    q6k_scales16(data, o + 192, fp16_at(f16, data, o + 208), scales)
+    return carray(values, 256), carray(opaque(scales), 16)
 
 
 @njit(inline="always")
 def _unpack(kind, data, o, f16, w, q6, s6):
     """w[0 : values of a block] = the values of the block at byte o as float32. Float types and the
-    32-value quants are unpacked in vector ops (blockir._values32), a Q6_K block's values and scales
+    32-value quants are unpacked in vector ops (blockir.values32), a Q6_K block's values and scales
     too (q6, s6: its bytes and scales, on the stack); Q4_K/Q5_K decode the 16 scales and mins of the
-    block in one byte-vector op (blockir._k4_scales); under AVX-512 each Q4_0 / Q4_1 value is picked
-    from its block's 16 possible floats (blockir._q4_floats), each Q5_0 / Q5_1 value from its block's
-    32 (blockir._q5_floats) and each Q4_K value from its group's 16 (blockir._q4k_floats), otherwise
+    block in one byte-vector op (blockir.k4_scales); under AVX-512 each Q4_0 / Q4_1 value is picked
+    from its block's 16 possible floats (blockir.q4_floats), each Q5_0 / Q5_1 value from its block's
+    32 (blockir.q5_floats) and each Q4_K value from its group's 16 (blockir.q4k_floats), otherwise
     both nibbles of each byte are taken at once."""
-    if kind == _Q4_K and _AVX512:  # each value picked from its group's 16
-        # the scales and mins read back from memory (codegen._opaque): each group's two are a broadcast
+    if kind == _Q4_K and AVX512:  # each value picked from its group's 16
+        # the scales and mins read back from memory (codegen.opaque): each group's two are a broadcast
         # load and an FMA's broadcast operand, not ~4 shuffles on the pipes the picks need
-        _q4k_floats(data, o, _opaque(_k4_scales_at(data, o, f16)), w)
+        q4k_floats(data, o, opaque(_k4_scales_at(data, o, f16)), w)
     elif kind == _Q4_K or kind == _Q5_K:
         sm = _k4_block_scales(data, o, f16)
         wa = carray(w, 256)
@@ -379,30 +379,30 @@ def _unpack(kind, data, o, f16, w, q6, s6):
                 wa[64 * p + j] = np.float32(lo) * s0 - m0
                 wa[64 * p + 32 + j] = np.float32(hi) * s1 - m1
     elif kind == _Q6_K:
-        _q6k_values(data, o, q6)
-        _q6k_scales16(data, o + 192, _half(f16, data, o + 208), s6)
-        if _AVX512:  # read back from memory (codegen._opaque), each 16 values a sign-extending load and a
+        q6k_values(data, o, q6)
+        q6k_scales16(data, o + 192, fp16_at(f16, data, o + 208), s6)
+        if AVX512:  # read back from memory (codegen.opaque), each 16 values a sign-extending load and a
             # multiply by a broadcast operand, where LLVM kept the block in registers and split it and the
             # scales apart with ~2.5 shuffles a 16 values (under AVX2, emulated, no faster)
-            _q6k_floats(_opaque(q6), _opaque(s6), w)
+            q6k_floats(opaque(q6), opaque(s6), w)
         else:
-            _q6k_floats(q6, s6, w)
+            q6k_floats(q6, s6, w)
     elif _is_float(kind):
-        _values32(kind, data, o, np.uint32(0), np.float32(0), np.float32(0), w)
+        values32(kind, data, o, np.uint32(0), np.float32(0), np.float32(0), w)
     elif kind == _Q5_0 or kind == _Q5_1:
         qh = o + 2 if kind == _Q5_0 else o + 4
-        m = _half(f16, data, o + 2) if kind == _Q5_1 else np.float32(0)
-        if _AVX512:  # each value picked from the block's 32
-            _q5_floats(kind, data, qh + 4, _load(data, qh, np.uint32), _half(f16, data, o), m, w)
+        m = fp16_at(f16, data, o + 2) if kind == _Q5_1 else np.float32(0)
+        if AVX512:  # each value picked from the block's 32
+            q5_floats(kind, data, qh + 4, load_at(data, qh, np.uint32), fp16_at(f16, data, o), m, w)
         else:
-            _values32(kind, data, qh + 4, _load(data, qh, np.uint32), _half(f16, data, o), m, w)
+            values32(kind, data, qh + 4, load_at(data, qh, np.uint32), fp16_at(f16, data, o), m, w)
     else:  # Q8_0, Q4_0, Q4_1
         at = o + 4 if kind == _Q4_1 else o + 2
-        m = _half(f16, data, o + 2) if kind == _Q4_1 else np.float32(0)
-        if kind != _Q8_0 and _AVX512:  # each value picked from the block's 16
-            _q4_floats(kind, data, at, _half(f16, data, o), m, w)
+        m = fp16_at(f16, data, o + 2) if kind == _Q4_1 else np.float32(0)
+        if kind != _Q8_0 and AVX512:  # each value picked from the block's 16
+            q4_floats(kind, data, at, fp16_at(f16, data, o), m, w)
         else:
-            _values32(kind, data, at, np.uint32(0), _half(f16, data, o), m, w)
+            values32(kind, data, at, np.uint32(0), fp16_at(f16, data, o), m, w)
 
 
 @njit(inline="always")
@@ -414,23 +414,23 @@ def _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, rows
     vectors of 16 lanes a row (lane l sums the values 32 k + l of every block, k in order); in a pair
     each vector of x is loaded once for both rows of W. A pair of one row with itself (col2 == col)
     stores it once."""
-    _acc_zero(acc, rows, 2)
-    _acc_zero(acc2, rows, 2)
+    acc_zero(acc, rows, 2)
+    acc_zero(acc2, rows, 2)
     for b in range(nblk):
         if i0 == 0:
-            _hint_block(data, hint, b, bb)
+            hint_block(data, hint, b, bb)
             if pair == 2:
-                _hint_block(data, hint2, b, bb)
+                hint_block(data, hint2, b, bb)
         _unpack(kind, data, row + b * bb, f16, w, q6, s6)
         if pair == 2:
             _unpack(kind, data, row2 + b * bb, f16, w2, q6, s6)
         if vb == 256:
-            _fma_rows(acc, w, acc2, w2, pair, x, i0, n, 256 * b, rows, 2, 8)
+            fma_rows(acc, w, acc2, w2, pair, x, i0, n, 256 * b, rows, 2, 8)
         else:
-            _fma_rows(acc, w, acc2, w2, pair, x, i0, n, 32 * b, rows, 2, 1)
+            fma_rows(acc, w, acc2, w2, pair, x, i0, n, 32 * b, rows, 2, 1)
     for p in range(1 if col2 == col else pair):
         at, c, a = (row, col, acc) if p == 0 else (row2, col2, acc2)
-        _acc_store(a, rows, 2, out, i0, n, c)
+        acc_store(a, rows, 2, out, i0, n, c)
         for i in range(min(rows, n - i0)):  # a float row's last width % 32 values
             for k in range(tail):
                 out[i0 + i, c] += _val(kind, data, at + nblk * bb, k, f16) * x[i0 + i, nblk * vb + k]
@@ -438,12 +438,12 @@ def _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, rows
 
 @njit(inline="always")
 def _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, nblk, tail, rnb):
-    """out[0, lo + r] = x[0] · dequant(row r) for rows r0..r1 of W (at _row_at): a pass over each."""
-    ahead = _ahead_rows(kind, rnb)
-    acc, w = _acc_vectors(16), _stack_f32(256)
-    q6, s6 = _stack_bytes(256), _stack_f32(16)
+    """out[0, lo + r] = x[0] · dequant(row r) for rows r0..r1 of W (at row_at): a pass over each."""
+    ahead = ahead_rows(kind, rnb)
+    acc, w = acc_vectors(16), stack_f32(256)
+    q6, s6 = stack_bytes(256), stack_f32(16)
     for r in range(r0, r1):
-        row, hint = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
+        row, hint = row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
         _pass(kind, vb, bb, data, row, row, hint, hint, nblk, tail, x, 0, 1, 1, 1, f16, out, lo + r, lo + r,
               acc, acc, w, w, q6, s6)
 
@@ -451,37 +451,37 @@ def _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, n
 # Rows of W a pass of _gemv_rows: 2 under AVX-512, 1 under AVX2; and of a tile, which every
 # group of rows of x passes over in turn (16 rows of 1,024 Q8_0 values: 17 KiB; tiles of 8 and 32 rows
 # measured no faster at 8 rows of x, bench/matmul.py).
-_W_ROWS = 2 if _AVX512 else 1
+_W_ROWS = 2 if AVX512 else 1
 _TILE = 16
 
 
 @njit(inline="always")
 def _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, f16, out, lo, r0, r1, nblk, tail, rnb):
-    """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W (at _row_at) and the n >= 2 rows of
+    """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W (at row_at) and the n >= 2 rows of
     x. Under AVX-512 passes of 4 rows of x (2 for the last 1-2 rows) over pairs of rows of W (an odd
     last row of a tile pairs with itself); under AVX2 passes of 2 rows over each row of W. Rows of x
     past the last repeat it (computed, never stored). The rows of W go in tiles of _TILE: every pass
     of one group of rows of x over the tile, then the next group's over the same rows of W, from the
     caches: a group's x stays in L1 over the tile (one group after another over each pair, the x of
     8 rows, 32 KiB at a width of 1,024, came from L2). Row i's arithmetic is _gemv_one's."""
-    ahead = _ahead_rows(kind, rnb)
-    acc, acc2, w, w2 = _acc_vectors(16), _acc_vectors(16), _stack_f32(256), _stack_f32(256)
-    q6, s6 = _stack_bytes(256), _stack_f32(16)
+    ahead = ahead_rows(kind, rnb)
+    acc, acc2, w, w2 = acc_vectors(16), acc_vectors(16), stack_f32(256), stack_f32(256)
+    q6, s6 = stack_bytes(256), stack_f32(16)
     for t0 in range(r0, r1, _TILE):
         t1 = min(t0 + _TILE, r1)
         i0 = 0
         while i0 < n:
             for r in range(t0, t1, _W_ROWS):
                 r2 = min(r + _W_ROWS - 1, t1 - 1)
-                row, hint = _row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
-                row2, hint2 = _row_at(offs, stride, r2), _row_ahead(offs, stride, rows, r2, ahead)
-                if _AVX512 and n - i0 > 2:
+                row, hint = row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
+                row2, hint2 = row_at(offs, stride, r2), _row_ahead(offs, stride, rows, r2, ahead)
+                if AVX512 and n - i0 > 2:
                     _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 4, _W_ROWS, f16, out,
                           lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
                 else:
                     _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 2, _W_ROWS, f16, out,
                           lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
-            i0 += 4 if _AVX512 and n - i0 > 2 else 2
+            i0 += 4 if AVX512 and n - i0 > 2 else 2
 
 
 def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
@@ -499,8 +499,8 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
         nblk, tail = width // vb, width % vb
         rnb = max(nblk * bb + tail * value_bytes, 1)
         for c in prange(nch):
-            _wide_vectors()
-            r0, r1 = _chunk(c, nch, rows)
+            wide_vectors()
+            r0, r1 = chunk_bounds(c, nch, rows)
             _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, nblk, tail, rnb)
 
     @kernel_of(GGMLType(kind).name, parallel=True, fastmath={"contract"})
@@ -508,8 +508,8 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
         nblk, tail = width // vb, width % vb
         rnb = max(nblk * bb + tail * value_bytes, 1)
         for c in prange(nch):
-            _wide_vectors()
-            r0, r1 = _chunk(c, nch, rows)
+            wide_vectors()
+            r0, r1 = chunk_bounds(c, nch, rows)
             _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, x.shape[0], f16, out, lo, r0, r1, nblk, tail, rnb)
 
     return mv, mm
@@ -524,7 +524,7 @@ def _put_impl(kind, out, r, k, v):
     if out.dtype == types.uint16:
 
         def put_bf16(kind, out, r, k, v):
-            out[r, k] = _f32_bits(v) >> 16 if kind == _BF16 else _bf16_bits(v)
+            out[r, k] = f32_bits(v) >> 16 if kind == _BF16 else bf16_bits(v)
 
         return put_bf16
 
@@ -537,7 +537,7 @@ def _put_impl(kind, out, r, k, v):
 @njit(inline="always")
 def _put_q4(kind, out, r, at, data, o, f16):
     """out[r, at : at + 32] = the Q4_0/Q4_1 block at byte o, both nibbles of each byte at once."""
-    d, m = _half(f16, data, o), (np.float32(0) if kind == _Q4_0 else _half(f16, data, o + 2))
+    d, m = fp16_at(f16, data, o), (np.float32(0) if kind == _Q4_0 else fp16_at(f16, data, o + 2))
     qs = o + 2 if kind == _Q4_0 else o + 4
     for j in range(16):
         b = _u8(data, qs + j)
@@ -583,15 +583,15 @@ def _dequant_kernel(kind: int, vb: int, bb: int):
         nblk, tail = width // vb, width % vb
         rnb = max(nblk * bb + tail * value_bytes, 1)
         for c in prange(nch):
-            _wide_vectors()
-            _keep_loops()
-            r0, r1 = _chunk(c, nch, rows)
-            ahead = _ahead_rows(kind, rnb)
+            wide_vectors()
+            keep_loops()
+            r0, r1 = chunk_bounds(c, nch, rows)
+            ahead = ahead_rows(kind, rnb)
             for r in range(r0, r1):
                 row, hint = offs[r], _row_ahead(offs, 0, rows, r, ahead)
                 for b in range(nblk):
                     o = row + b * bb
-                    _hint_block(data, hint, b, bb)
+                    hint_block(data, hint, b, bb)
                     if kind == _Q4_0 or kind == _Q4_1:
                         _put_q4(kind, out, r, b * 32, data, o, f16)
                         continue
@@ -624,14 +624,14 @@ def _dequant_kq_kernel(kind: int, bb: int):
         nblk = width // 256
         rnb = max(nblk * bb, 1)
         for c in prange(nch):
-            _wide_vectors()
-            r0, r1 = _chunk(c, nch, rows)
-            ahead = _ahead_rows(kind, rnb)
+            wide_vectors()
+            r0, r1 = chunk_bounds(c, nch, rows)
+            ahead = ahead_rows(kind, rnb)
             for r in range(r0, r1):
                 hint = _row_ahead(offs, 0, rows, r, ahead)
                 for b in range(nblk):
                     o = offs[r] + b * bb
-                    _hint_block(data, hint, b, bb)
+                    hint_block(data, hint, b, bb)
                     sm = _k4_block_scales(data, o, f16)
                     for p in range(4):
                         s0, m0, s1, m1 = sm[2 * p], sm[8 + 2 * p], sm[2 * p + 1], sm[9 + 2 * p]
@@ -681,7 +681,7 @@ def gemv_kernels(ggml_type) -> tuple:
     return _block(ggml_type)[0]
 
 
-def _chunks(rows: int) -> int:
+def thread_chunks(rows: int) -> int:
     # One contiguous chunk of rows per thread, so each thread's prefetch hints run ahead of it unbroken.
     return max(min(rows, kernel_threads()), 1)
 
@@ -725,7 +725,7 @@ def bound_rows_matmul(data: np.ndarray, ggml_type, row_offsets: np.ndarray, widt
     rows = len(offs)
 
     def run(x: np.ndarray, out: np.ndarray, out_lo: int = out_lo) -> None:
-        (mv if x.shape[0] == 1 else mm)(data, offs, 0, rows, readonly(x), _F16_TO_F32, out, out_lo, width, _chunks(rows))
+        (mv if x.shape[0] == 1 else mm)(data, offs, 0, rows, readonly(x), F16_TO_F32, out, out_lo, width, thread_chunks(rows))
 
     return run
 
@@ -740,12 +740,12 @@ TABLE_TYPES = frozenset({_T.Q8_0, _T.Q6_K})
 def table_matmul(table: np.ndarray, ggml_type, x: np.ndarray, out: np.ndarray) -> None:
     """out[i, v] = x[i] · dequant(table[v]) for a C-contiguous (rows, row_nbytes) uint8 table of one of
     TABLE_TYPES, x float32 (n, width) and out float32 (n, rows), n <= MAX_GEMV_ROWS, as checked by
-    kernels.head_logits; row i of out is bit for bit what x[i] alone gives."""
+    head.head_logits; row i of out is bit for bit what x[i] alone gives."""
     (mv, mm), _, vb = _block(ggml_type)
     rows, nbytes = table.shape
     width = nbytes // BLOCK_LAYOUT[ggml_type][1] * vb
     (mv if x.shape[0] == 1 else mm)(readonly(table).reshape(-1), _NO_OFFSETS, nbytes, rows, readonly(x),
-                                    _F16_TO_F32, out, 0, width, _chunks(rows))
+                                    F16_TO_F32, out, 0, width, thread_chunks(rows))
 
 
 def rows_dequantize(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width: int, out: np.ndarray) -> None:
@@ -758,7 +758,7 @@ def rows_dequantize(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width:
     _check_array("out", out, out.dtype, 2)
     if out.shape != (len(row_offsets), width) or width % vb or not out.flags.writeable:
         raise ValueError(f"out must be writeable with shape ({len(row_offsets)}, {width}), got {out.shape}")
-    dequant(readonly(data), readonly(row_offsets), _F16_TO_F32, out, _chunks(len(row_offsets)))
+    dequant(readonly(data), readonly(row_offsets), F16_TO_F32, out, thread_chunks(len(row_offsets)))
 
 
 def check_rows(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width: int) -> None:

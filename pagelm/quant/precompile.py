@@ -16,9 +16,9 @@ import multiprocessing
 
 
 def _one_row() -> None:
-    from pagelm.quant import int8dot, kernels, matmul, tiles
+    from pagelm.quant import head, int8dot, matmul, tiles
 
-    kernels.warmup()
+    head.warmup()
     tiles.warmup(tiles.TileKind)
     matmul.warmup(parts=("one-row",))
     int8dot.warmup()

@@ -24,8 +24,8 @@ from numba import carray, njit, prange
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.quant.codecs import bf16_to_f32, f32_to_bf16, k_scale_codes
-from pagelm.quant.codegen import _prefetch, _stack_f32, kernel_of
-from pagelm.quant.matmul import MAX_GEMV_ROWS, _bf16_bits, _load, _u32_as_f32, readonly
+from pagelm.quant.codegen import prefetch, stack_f32, kernel_of
+from pagelm.quant.matmul import MAX_GEMV_ROWS, bf16_bits, load_at, u32_as_f32, readonly
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType
 
 ROWS, COLUMNS = 32, 256  # one tile
@@ -179,18 +179,18 @@ def pack_groups(raw: np.ndarray, ggml_type: int, kind: TileKind) -> tuple[np.nda
 
 @njit(inline="always")
 def _bf16_at(data, at):
-    return _u32_as_f32(np.uint32(_load(data, at, np.uint16)) << np.uint32(16))
+    return u32_as_f32(np.uint32(load_at(data, at, np.uint16)) << np.uint32(16))
 
 
 @njit(inline="always")
 def _code(kind, data, t, c, r):
     """The integer code of row r, column c of the tile at byte t."""
     if kind == 0:
-        return np.float32(_load(data, t + 512 + c * 32 + r, np.int8))
+        return np.float32(load_at(data, t + 512 + c * 32 + r, np.int8))
     if kind == 1:
-        return np.float32(_load(data, t + 512 + (r // 16) * 4096 + c * 16 + r % 16, np.int8))
+        return np.float32(load_at(data, t + 512 + (r // 16) * 4096 + c * 16 + r % 16, np.int8))
     at = t + (1024 if kind == 2 else 512) + c * 16 + r // 2
-    return np.float32((_load(data, at, np.uint8) >> np.uint8(4 * (r & 1))) & np.uint8(15))
+    return np.float32((load_at(data, at, np.uint8) >> np.uint8(4 * (r & 1))) & np.uint8(15))
 
 
 @njit(inline="always")
@@ -200,8 +200,8 @@ def _scale_offset(kind, data, t, kb, r):
         return _bf16_at(data, t + 2 * (kb * 32 + r)), np.float32(0)
     if kind == 2:
         return _bf16_at(data, t + 2 * (kb * 32 + r)), _bf16_at(data, t + 512 + 2 * (kb * 32 + r))
-    scale = _bf16_at(data, t + 4608 + 2 * r) * np.float32(_load(data, t + kb * 32 + r, np.uint8))
-    minimum = -_bf16_at(data, t + 4672 + 2 * r) * np.float32(_load(data, t + 256 + kb * 32 + r, np.uint8))
+    scale = _bf16_at(data, t + 4608 + 2 * r) * np.float32(load_at(data, t + kb * 32 + r, np.uint8))
+    minimum = -_bf16_at(data, t + 4672 + 2 * r) * np.float32(load_at(data, t + 256 + kb * 32 + r, np.uint8))
     return scale, minimum
 
 
@@ -221,7 +221,7 @@ def _rows_kernel(kind: int, bf16: bool):
                         if kind >= 2:  # Q8 adds nothing: a zero code keeps its -0.0, as numpy's decode does
                             value += offset
                         if bf16:
-                            out[i, u * COLUMNS + c] = _bf16_bits(value)
+                            out[i, u * COLUMNS + c] = bf16_bits(value)
                         else:
                             out[i, u * COLUMNS + c] = value
 
@@ -240,17 +240,17 @@ def _tile_gemv(kind, data, t, x, xo, acc, w_scale, w_offset):
             if kind == 0:
                 at = t + 512 + c * 32
                 for r in range(ROWS):
-                    acc[r] += np.float32(_load(data, at + r, np.int8)) * w_scale[r] * xv
+                    acc[r] += np.float32(load_at(data, at + r, np.int8)) * w_scale[r] * xv
             elif kind == 1:
                 at = t + 512 + c * 16
                 for r in range(16):
-                    acc[r] += np.float32(_load(data, at + r, np.int8)) * w_scale[r] * xv
+                    acc[r] += np.float32(load_at(data, at + r, np.int8)) * w_scale[r] * xv
                 for r in range(16):
-                    acc[16 + r] += np.float32(_load(data, at + 4096 + r, np.int8)) * w_scale[16 + r] * xv
+                    acc[16 + r] += np.float32(load_at(data, at + 4096 + r, np.int8)) * w_scale[16 + r] * xv
             else:
                 at = t + (1024 if kind == 2 else 512) + c * 16
                 for h in range(16):
-                    byte = _load(data, at + h, np.uint8)
+                    byte = load_at(data, at + h, np.uint8)
                     lo, hi = 2 * h, 2 * h + 1
                     acc[lo] += (np.float32(byte & np.uint8(15)) * w_scale[lo] + w_offset[lo]) * xv
                     acc[hi] += (np.float32(byte >> np.uint8(4)) * w_scale[hi] + w_offset[hi]) * xv
@@ -260,9 +260,9 @@ def _matmul_kernel(kind: int):
     @kernel_of(TileKind(kind).name, parallel=True, fastmath={"contract"})
     def matmul(data, base, col_tiles, tile_bytes, groups, x, out):
         for p in prange(groups):
-            acc = carray(_stack_f32(ROWS), ROWS)
-            w_scale = carray(_stack_f32(ROWS), ROWS)
-            w_offset = carray(_stack_f32(ROWS), ROWS)
+            acc = carray(stack_f32(ROWS), ROWS)
+            w_scale = carray(stack_f32(ROWS), ROWS)
+            w_offset = carray(stack_f32(ROWS), ROWS)
             group = base + p * col_tiles * tile_bytes
             for i in range(x.shape[0]):
                 xi = x[i]
@@ -270,7 +270,7 @@ def _matmul_kernel(kind: int):
                     acc[r] = 0
                 for u in range(col_tiles):
                     t = group + u * tile_bytes
-                    _prefetch(data, t + tile_bytes)
+                    prefetch(data, t + tile_bytes)
                     _tile_gemv(kind, data, t, xi, u * COLUMNS, acc, w_scale, w_offset)
                 for r in range(ROWS):
                     out[i, p * ROWS + r] = acc[r]

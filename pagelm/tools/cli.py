@@ -134,11 +134,12 @@ def _verify_embeddings(args: argparse.Namespace) -> int:
     differing'; exit status 1 if D > 0."""
     from pagelm.tools.verify import select_rows, verify_copies, verify_embedding
     from pagelm.weights import TOKEN_EMBEDDING, MappedTensor, table_tensor
+    from pagelm.models import hf_layouts
     from pagelm.weights.loader import open_checkpoint
 
     if args.rows is not None and args.rows < 1:
         raise PagelmError(f"--rows must be at least 1, got {args.rows}")
-    with open_checkpoint(args.model) as model:
+    with open_checkpoint(args.model, hf_layouts) as model:
         tensor = table_tensor(model, TOKEN_EMBEDDING)
         rows = select_rows(tensor.rows, args.rows)
         descriptions = {"unpack": ("unpacking dense table", tensor.rows), "check": ("comparing rows", rows.size)}

@@ -23,7 +23,7 @@ import torch
 from pagelm.errors import PagelmError
 from pagelm.formats.gguf import GGUFFile
 from pagelm.formats.safetensors import TensorToWrite, write_safetensors
-from pagelm.models import ARCHITECTURES, architecture_module
+from pagelm.models import architecture_module
 from pagelm.quant import GGMLType, f32_to_bf16
 from pagelm.quant.tiles import COLUMNS, ROWS, TILE_BYTES, TileKind, pack_groups
 from pagelm.weights.flm import MODEL_FILE, VERSION_KEY, copy_name, flm_layout
@@ -107,7 +107,7 @@ def write_directory(gguf_path: str, out_dir: str, container: Container = "hf", q
         loader = WeightLoader(file, "dense", torch.float32)
         arch = loader.architecture
         module = architecture_module(arch, gguf_path)
-        config = getattr(module, ARCHITECTURES[arch][1]).from_loader(loader)
+        config = module.Config.from_loader(loader)
         tied = "output.weight" not in file.tensors
         hf_config = module.hf_config(config, tied)
         bos, eos = file.metadata.get("tokenizer.ggml.bos_token_id"), file.metadata.get("tokenizer.ggml.eos_token_id")

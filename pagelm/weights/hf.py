@@ -5,7 +5,7 @@ presenting it as `HFCheckpoint`: GGUF metadata keys, GGUF tensor names whose byt
 shard maps, and for each tensor the `TensorMap` that turns Hugging Face's convention into the
 GGUF one the models compute with (a row order and an input-column order, applied by the
 operators; a value conversion for small vectors only). Each architecture's module writes its own
-mapping (`hf_layout`); this module knows none of them.
+mapping (`hf_layout`) and reaches this module through its caller (`HFLayouts`); it imports none.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import numpy as np
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.formats.gguf import GGUFFile, GGUFValueType, TensorInfo
 from pagelm.formats.safetensors import ShardedSafetensors, read_json_file
-from pagelm.models import HF_MODEL_TYPES, architecture_module
 from pagelm.quant import GGMLType
 
 CONFIG_NAME = "config.json"
@@ -124,13 +123,10 @@ def _value_type(value: Any) -> GGUFValueType:
     return GGUFValueType.ARRAY
 
 
-def architecture_of(config: HFConfig) -> str:
-    """pagelm's architecture name for a config's `model_type`."""
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str) or model_type not in HF_MODEL_TYPES:
-        raise UnsupportedError(f"{config.name}: model_type {json.dumps(model_type)[:60]} is not supported "
-                               f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
-    return HF_MODEL_TYPES[model_type]
+# model_type (config.json's), where (for messages) -> the architecture's layout: an object with
+# `hf_layout(config, hf_names) -> HFLayout` (and FastFlowLM's `FLM_NAMES`, `flm_rows` where it has
+# them), e.g. `pagelm.models.hf_layouts`, which refuses an unknown model_type
+HFLayouts = Callable[[Any, str], Any]
 
 
 class HFCheckpoint:
@@ -160,11 +156,12 @@ class HFCheckpoint:
                                                  info.offset, info.nbytes)
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> HFCheckpoint:
+    def open(cls, path: str | os.PathLike, layouts: HFLayouts) -> HFCheckpoint:
+        """The directory at `path`, read with the layout `layouts` gives its config's model_type."""
         path = os.fspath(path)
         config_path = os.path.join(path, CONFIG_NAME)
         config = HFConfig(read_json_file(config_path, MAX_CONFIG_BYTES), config_path)
-        module = architecture_module(architecture_of(config), config.name)
+        module = layouts(config.get("model_type"), config.name)
         shards = cls._open_tensors(path)
         try:
             return cls(path, config, shards, cls._layout(module, config, set(shards.tensors)))

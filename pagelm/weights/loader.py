@@ -25,10 +25,10 @@ import torch
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.formats.gguf import GGUFArray, GGUFFile, GGUFValueType, TensorInfo
 from pagelm.quant import DECODABLE, decode_f32
-from pagelm.quant import int8dot, kernels, matmul, tiles
+from pagelm.quant import head, int8dot, matmul, tiles
 from pagelm.weights.embedding import EmbeddingMode, OutputHead, RowFormat, TokenEmbedding, load_output_head, load_token_embedding
 from pagelm.weights.flm import FLMCheckpoint, TiledMatrix, is_flm_directory
-from pagelm.weights.hf import HFCheckpoint, is_hf_directory
+from pagelm.weights.hf import HFCheckpoint, HFLayouts, is_hf_directory
 from pagelm.weights.linear import ColumnOrder, DenseLinear, Linear, MappedLinear, RowGroup, Scratch, TiledPart
 from pagelm.weights.mapped import MappedTensor, tiled_matrices
 
@@ -46,13 +46,16 @@ _INT_TYPES = (
 _FLOAT_TYPES = (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64)
 
 
-def open_checkpoint(path: str) -> Checkpoint:
+def open_checkpoint(path: str, hf_layouts: HFLayouts | None = None) -> Checkpoint:
     """A GGUF file, a FastFlowLM directory (one holding model.q4nx) or a Hugging Face directory
-    (one holding config.json)."""
+    (one holding config.json); a directory is read with the architectures' `hf_layouts`
+    (`pagelm.models.hf_layouts`), which its caller hands down."""
+    if (is_flm_directory(path) or is_hf_directory(path)) and hf_layouts is None:
+        raise PagelmError(f"{path}: a checkpoint directory, opened without the architectures' Hugging Face layouts")
     if is_flm_directory(path):
-        return FLMCheckpoint.open(path)
+        return FLMCheckpoint.open(path, hf_layouts)
     if is_hf_directory(path):
-        return HFCheckpoint.open(path)
+        return HFCheckpoint.open(path, hf_layouts)
     if os.path.isdir(path):
         raise ModelFormatError(f"{path}: a directory without config.json or model.q4nx; expected a GGUF file, "
                                f"a Hugging Face checkpoint directory or a FastFlowLM model directory")
@@ -138,8 +141,9 @@ class WeightLoader:
 
     @classmethod
     def open(cls, path: str, weights: WeightsMode = "mapped", dtype: torch.dtype = torch.float32,
-             device: str | torch.device = "cpu") -> WeightLoader:
-        return cls(open_checkpoint(path), weights, dtype, device)
+             device: str | torch.device = "cpu", hf_layouts: HFLayouts | None = None) -> WeightLoader:
+        """The checkpoint at `path` (open_checkpoint's, a directory read with `hf_layouts`)."""
+        return cls(open_checkpoint(path, hf_layouts), weights, dtype, device)
 
     # ------------------------------------------------------------------ metadata
 
@@ -279,14 +283,14 @@ class WeightLoader:
 
     def warmup(self) -> None:
         """Load the compiled kernels this model uses now rather than inside the first request."""
-        kernels.warmup()
+        head.warmup()
         if self.weights != "dense":
             types = {p.ggml_type for op in self._operators if isinstance(op, MappedLinear)
                      for p in op.parts if isinstance(p, RowGroup)}
             matmul.warmup(types)
             if self.weights == "mapped-int8":
-                head = getattr(self._head, "tensor", None)
-                int8dot.warmup(types | {getattr(head, "ggml_type", None)})  # a tiled head has none
+                head_table = getattr(self._head, "tensor", None)
+                int8dot.warmup(types | {getattr(head_table, "ggml_type", None)})  # a tiled head has none
         tiles.warmup({m.kind for m in self.tiles.values()})
 
     @property

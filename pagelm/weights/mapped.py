@@ -13,7 +13,7 @@ import numpy as np
 
 from pagelm.errors import PagelmError, UnsupportedError
 from pagelm.quant import DECODABLE, decode_bf16, decode_f32, f32_to_bf16
-from pagelm.quant.kernels import gather_rows_bf16, head_logits
+from pagelm.quant.head import gather_rows_bf16, head_logits
 from pagelm.quant.tiles import ROWS, decode_groups, tile_matmul, tile_dequantize
 
 # Bounds the fp32 temporaries of a decode (rows × dim × 4 bytes) while keeping numpy vectorised.

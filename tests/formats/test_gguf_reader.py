@@ -12,6 +12,7 @@ import pytest
 
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.formats.gguf import (
+    STRING_LENGTH,
     GGUFArray,
     GGUFFile,
     GGUFValueType as V,
@@ -124,10 +125,14 @@ def test_array_round_trip(tmp_path, vtype, values):
         if vtype == V.STRING:
             with pytest.raises(UnsupportedError, match="strings"):
                 a.to_numpy()
+            packed = b"".join(STRING_LENGTH.pack(len(v.encode())) + v.encode() for v in items)
+            assert bytes(a.packed_strings()) == packed and bytes(empty.packed_strings()) == b""
         else:
             arr = a.to_numpy()
             assert arr.tolist() == items and not arr.flags.writeable
             assert empty.to_numpy().shape == (0,)
+            with pytest.raises(UnsupportedError, match="numbers"):
+                a.packed_strings()
 
 
 @pytest.mark.parametrize("alignment", [32, 64, 1, 4096])

@@ -15,7 +15,7 @@ from pagelm.quant import matmul
 
 CHECK = """
 from pagelm.quant import GGMLType, matmul
-assert not matmul._AVX512, "numba compiled for AVX-512, not for Haswell"
+assert not matmul.AVX512, "numba compiled for AVX-512, not for Haswell"
 import test_batched_gemv, test_matmul
 for name in ("Q8_0", "Q4_K", "F16"):  # a 32-value block, a 256-value block, a float row with a tail
     test_batched_gemv.test_every_batch_size_gives_each_row_its_one_row_bits(GGMLType[name])
@@ -25,7 +25,7 @@ print("checked")
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="Haswell is an x86-64 CPU")
-@pytest.mark.skipif(not matmul._AVX512, reason="the kernels compile for AVX2 here: the other kernel tests run it")
+@pytest.mark.skipif(not matmul.AVX512, reason="the kernels compile for AVX2 here: the other kernel tests run it")
 def test_the_avx2_kernels_give_every_row_its_one_row_bits(tmp_path):
     env = dict(os.environ)
     here = os.path.dirname(os.path.abspath(__file__))

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from pagelm.quant import DECODABLE, GGMLType, decode_f32
-from pagelm.quant.kernels import MAX_HEAD_ROWS, head_logits
+from pagelm.quant.head import MAX_HEAD_ROWS, head_logits
 from pagelm.quant.matmul import MAX_GEMV_ROWS, check_rows, rows_matmul
 
-from test_kernels import random_table, readonly
+from test_head import random_table, readonly
 from test_matmul import assert_same_bits, oracle, two_tensors, widths
 
 TYPES = sorted(DECODABLE)

@@ -9,7 +9,7 @@ from pagelm.quant import BLOCK_LAYOUT, GGMLType
 from pagelm.quant.int8dot import GROUP, INT8_TYPES, Int8Row, available, bound_rows_matmul_int8, bound_table_matmul_int8
 from pagelm.quant.matmul import check_rows
 
-from test_kernels import random_table
+from test_head import random_table
 from test_matmul import oracle, two_tensors, widths
 
 TYPES = sorted(INT8_TYPES)

@@ -8,7 +8,7 @@ from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.quant import BLOCK_LAYOUT, DECODABLE, GGMLType, decode_bf16, decode_f32
 from pagelm.quant.matmul import MAX_GEMV_ROWS, check_rows, rows_dequantize, rows_matmul
 
-from test_kernels import random_table, readonly
+from test_head import random_table, readonly
 
 T = GGMLType
 TYPES = sorted(DECODABLE)

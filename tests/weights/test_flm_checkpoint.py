@@ -20,6 +20,7 @@ from pagelm.cli import main
 from pagelm.engine.load import load_model
 from pagelm.errors import ModelFormatError, PagelmError
 from pagelm.formats.safetensors import SafetensorsFile, TensorToWrite, write_safetensors
+from pagelm.models import hf_layouts
 from pagelm.weights.flm import MODEL_FILE, FLMCheckpoint, copy_name
 from pagelm.weights.loader import dequantize_tensor, open_checkpoint
 
@@ -47,7 +48,7 @@ def twins(request, tmp_path_factory):
 
 def test_tiles_hold_the_ggufs_values_bit_for_bit(twins):
     gguf_path, flm_path, _ = twins
-    with open_checkpoint(gguf_path) as gguf, open_checkpoint(flm_path) as flm:
+    with open_checkpoint(gguf_path, hf_layouts) as gguf, open_checkpoint(flm_path, hf_layouts) as flm:
         assert isinstance(flm, FLMCheckpoint) and flm.tiles
         assert "output.weight" not in flm.tiles and "output.weight" not in flm.tensors  # tied
         assert flm.conversion("token_embd.weight").hf == "lm_head.weight"  # the only copy of the embeddings
@@ -116,24 +117,24 @@ def q8_dirs(tmp_path_factory):
 
 def test_both_q8_code_orders_read_the_same_values(q8_dirs, tmp_path):
     new, old = q8_dirs
-    with open_checkpoint(new) as a, open_checkpoint(old) as b:
+    with open_checkpoint(new, hf_layouts) as a, open_checkpoint(old, hf_layouts) as b:
         assert {m.kind.name for m in b.tiles.values()} == {"Q8_V102"}
         for name in a.tiles:
             assert np.array_equal(a.tiles[name].values(), b.tiles[name].values()), name
     # without flm_version, the bf16 copies tell the order
     unversioned = shutil.copytree(old, tmp_path / "unversioned")
     _edit_config(unversioned, flm_version=None)
-    with open_checkpoint(str(unversioned)) as c:
+    with open_checkpoint(str(unversioned), hf_layouts) as c:
         assert {m.kind.name for m in c.tiles.values()} == {"Q8_V102"}
     # a version that contradicts the tiles is caught by the copies
     _edit_config(unversioned, flm_version="1.0.3")
     with pytest.raises(ModelFormatError, match="ssm_.*_proj.weight' decodes to values further from its bf16 copy"):
-        open_checkpoint(str(unversioned))
+        open_checkpoint(str(unversioned), hf_layouts)
     # no version and no copy: nothing can tell, and pagelm says what to add
     _edit_config(unversioned, flm_version=None)
     _rewrite(unversioned, lambda name, dtype, a: None if ".bf16." in name else (dtype, a))
     with pytest.raises(ModelFormatError, match='add "flm_version" to config.json'):
-        open_checkpoint(str(unversioned))
+        open_checkpoint(str(unversioned), hf_layouts)
 
 
 def test_verify_embeddings_checks_rows_and_copies(q8_dirs):

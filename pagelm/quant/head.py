@@ -1,5 +1,5 @@
-"""Numba kernels over GGML block bytes: output-head logits (GEMV: matmul's kernels over the table
-for Q8_0 and Q6_K) and row gathers to bf16.
+"""The output head's kernels over GGML block bytes: logits (GEMV: matmul's kernels over the table
+for Q8_0 and Q6_K), and the table's rows gathered to bf16 (a tied head is the token table).
 
 Kernels read the uint8 (rows, row_nbytes) views they are handed; they never open files, copy or write the table.
 """
@@ -9,19 +9,19 @@ from numba import njit
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.quant.codecs import DECODABLE, decode_bf16, decode_f32
-from pagelm.quant.codegen import _F16_TO_F32, _f32_bits, _wide_vectors
+from pagelm.quant.codegen import F16_TO_F32, f32_bits, wide_vectors
 from pagelm.quant.matmul import MAX_GEMV_ROWS, TABLE_TYPES, readonly, table_matmul
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
 
 _T = GGMLType
 
 # The fallback head decodes about this many values at a time.
-_CHUNK = 1 << 16
+FALLBACK_CHUNK = 1 << 16
 
 @njit(inline="always")
 def _bf16(f):
     """bf16 bits of float32 `f`: round to nearest even; NaN keeps sign and upper bits, quieted."""
-    u = _f32_bits(f)
+    u = f32_bits(f)
     if f != f:
         return (u >> 16) | 0x0040
     return (u + 0x7FFF + ((u >> 16) & 1)) >> 16
@@ -68,7 +68,7 @@ def _gather_q8_0(table, ids, f16, out):
     bad = _first_bad_id(ids, table.shape[0])
     if bad >= 0:
         return bad
-    _wide_vectors()
+    wide_vectors()
     for i in range(len(ids)):
         row = table[ids[i]]
         for b in range(len(row) // 34):
@@ -84,7 +84,7 @@ def _gather_q6_k(table, ids, f16, out):
     bad = _first_bad_id(ids, table.shape[0])
     if bad >= 0:
         return bad
-    _wide_vectors()
+    wide_vectors()
     for i in range(len(ids)):
         row = table[ids[i]]
         for b in range(len(row) // 210):
@@ -121,7 +121,7 @@ def _writeable(a: np.ndarray) -> np.ndarray:
     return a if a.flags.writeable else a.copy()
 
 
-def _check_table(table: np.ndarray, ggml_type: int) -> tuple[GGMLType, int]:
+def check_table(table: np.ndarray, ggml_type: int) -> tuple[GGMLType, int]:
     """The type and the values per row of a (rows, row_nbytes) table."""
     t = as_ggml_type(ggml_type)
     if t not in DECODABLE:
@@ -160,7 +160,7 @@ def head_logits(table: np.ndarray, ggml_type: int, x: np.ndarray, out: np.ndarra
     Q8_0 and Q6_K run a kernel over the bytes on numba's threads (numba.set_num_threads); other
     decodable types decode chunks of rows and multiply them with numpy.
     """
-    t, dim = _check_table(table, ggml_type)
+    t, dim = check_table(table, ggml_type)
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.shape[-1:] != (dim,) or x.ndim > 2 or (x.ndim == 2 and not 1 <= len(x) <= MAX_HEAD_ROWS):
         raise ValueError(f"x must have shape ({dim},) or (n, {dim}) with 1 <= n <= {MAX_HEAD_ROWS} for this table, "
@@ -170,7 +170,7 @@ def head_logits(table: np.ndarray, ggml_type: int, x: np.ndarray, out: np.ndarra
     if t in TABLE_TYPES:
         table_matmul(table, t, _writeable(xs), outs)
         return out
-    step = max(1, _CHUNK // max(dim, 1))
+    step = max(1, FALLBACK_CHUNK // max(dim, 1))
     scratch = np.empty((min(step, len(table)), dim), np.float32)
     for lo in range(0, len(table), step):
         part = table[lo : lo + step]
@@ -188,14 +188,14 @@ def gather_rows_bf16(
 
     Raises IndexError, before reading any row, if an id is outside [0, rows).
     """
-    t, dim = _check_table(table, ggml_type)
+    t, dim = check_table(table, ggml_type)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     if ids.ndim != 1:
         raise ValueError(f"ids must be 1-D, got shape {ids.shape}")
     out = _check_out(out, (len(ids), dim), np.uint16)
     kernel = _GATHER.get(t)
     if kernel is not None:
-        bad = kernel(readonly(table), _writeable(ids), _F16_TO_F32, out)
+        bad = kernel(readonly(table), _writeable(ids), F16_TO_F32, out)
     else:
         bad = _first_bad_id(_writeable(ids), len(table))
         if bad < 0:

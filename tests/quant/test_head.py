@@ -6,10 +6,10 @@ from numba.core import config as numba_config
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.quant import BLOCK_LAYOUT, DECODABLE, GGMLType, decode_bf16, decode_f32, encode
-from pagelm.quant import kernels
+from pagelm.quant import head
 from pagelm.quant import matmul
-from pagelm.quant.codegen import _F16_TO_F32
-from pagelm.quant.kernels import gather_rows_bf16, head_logits
+from pagelm.quant.codegen import F16_TO_F32
+from pagelm.quant.head import gather_rows_bf16, head_logits
 
 from pagelm.quant.types import SCALE_FIELDS
 from special_scales import F16_SPECIALS
@@ -89,7 +89,7 @@ def test_head_kernel_propagates_nan_and_inf_scales(t):
 def test_head_fallback_spans_chunks():
     t = T.Q4_0
     table = random_table(t, 300, 16, seed=9)  # 300 x 512 values: several chunks, the last ragged
-    assert table.shape[0] * 512 > kernels._CHUNK
+    assert table.shape[0] * 512 > head.FALLBACK_CHUNK
     x = np.random.default_rng(9).standard_normal(512).astype(np.float32)
     assert_close_to_f64(t, table, x, head_logits(table, t, x))
 
@@ -190,5 +190,5 @@ def test_gemv_kernel_gets_512_bit_vectors():
     mv = njit(parallel=True)(matmul._KERNELS[T.Q6_K][0][0].py_func)
     table = readonly(random_table(T.Q6_K, 2, 1, seed=0))
     mv(table.reshape(-1), readonly(np.zeros(0, np.int64)), table.shape[1], 2, readonly(np.zeros((1, 256), np.float32)),
-       _F16_TO_F32, np.zeros((1, 2), np.float32), 0, 256, 1)
+       F16_TO_F32, np.zeros((1, 2), np.float32), 0, 256, 1)
     assert "zmm" in "".join(mv.inspect_asm().values())
