@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.decoder import Decoder, Span, advance, per_sequence
-from pagelm.models.layers import (KVState, apply_rope_, attend_spans, attention, gated_mlp, inv_freq, rms_norm,
+from pagelm.models.layers import (KVState, apply_rope_, check_config, attend_spans, attention, gated_mlp, inv_freq, rms_norm,
                                   rope_tables)
 from pagelm.models.token_layers import NORMS, TokenLayers
 from pagelm.models.token_ops import RopeRows, TokenStep, token_ropes
@@ -132,21 +132,16 @@ class Gemma3Config:
         return config
 
     def validate(self, where: str = "gemma3 config") -> None:
-        for name in ("hidden", "n_layers", "ffn", "n_heads", "n_kv_heads", "head_dim", "sliding_window",
-                     "sliding_window_pattern", "vocab"):
-            if getattr(self, name) < 1:
-                raise ModelFormatError(f"{where}: {name} is {getattr(self, name)}, expected >= 1")
-        checks = (
+        counts = {name: getattr(self, name) for name in ("hidden", "n_layers", "ffn", "n_heads", "n_kv_heads", "head_dim",
+                                                         "sliding_window", "sliding_window_pattern", "vocab")}
+        check_config(where, counts, (
             (self.n_heads % self.n_kv_heads == 0, f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}"),
             (self.head_dim % 2 == 0, f"head dim {self.head_dim} must be even"),
             (self.rope_base > 0 and self.rope_local_base > 0, "rope bases must be > 0"),
             (self.rope_scale > 0, f"rope.scaling.factor {self.rope_scale} must be > 0"),
             (self.rms_eps > 0, f"attention.layer_norm_rms_epsilon {self.rms_eps} must be > 0"),
             (self.final_logit_softcapping is None or self.final_logit_softcapping > 0, "final_logit_softcapping must be > 0"),
-        )
-        for ok, message in checks:
-            if not ok:
-                raise ModelFormatError(f"{where}: {message}")
+        ))
 
     def is_global_layer(self, i: int) -> bool:
         return i % self.sliding_window_pattern == self.sliding_window_pattern - 1

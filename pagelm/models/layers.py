@@ -14,10 +14,21 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagelm.errors import PagelmError
+from pagelm.errors import ModelFormatError, PagelmError
 from pagelm.models.decoder import nbytes
 from pagelm.models.norms import rms_norm_rows
 from pagelm.models.token_ops import attend_token, attend_tokens, cache_views, rope_rows_, window_los
+
+
+def check_config(where: str, counts: dict, checks) -> None:
+    """A config's checks as every architecture makes them: each of `counts` (name -> value) at least 1,
+    then each (ok, message) of `checks`; a ModelFormatError naming `where` at the first that fails."""
+    for name, value in counts.items():
+        if value < 1:
+            raise ModelFormatError(f"{where}: {name} is {value}, expected >= 1")
+    for ok, message in checks:
+        if not ok:
+            raise ModelFormatError(f"{where}: {message}")
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, tokens_alone: bool = False) -> torch.Tensor:

@@ -26,7 +26,7 @@ import numpy as np
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.decoder import Decoder, Span, advance, per_sequence
-from pagelm.models.layers import (KVState, apply_rope_, attend_spans, attention, gated_mlp, inv_freq, rms_norm,
+from pagelm.models.layers import (KVState, apply_rope_, check_config, attend_spans, attention, gated_mlp, inv_freq, rms_norm,
                                   rope_tables)
 from pagelm.models.token_layers import TokenLayers
 from pagelm.models.token_ops import RopeRows, TokenStep, token_ropes
@@ -99,19 +99,14 @@ class LlamaConfig:
         return config
 
     def validate(self, where: str = "llama config") -> None:
-        for name, value in vars(self).items():
-            if name not in ("rope_base", "rope_scale", "rms_eps") and value < 1:
-                raise ModelFormatError(f"{where}: {name} is {value}, expected >= 1")
-        checks = (
+        counts = {name: value for name, value in vars(self).items() if name not in ("rope_base", "rope_scale", "rms_eps")}
+        check_config(where, counts, (
             (self.n_heads % self.n_kv_heads == 0, f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}"),
             (self.head_dim % 2 == 0, f"head dim {self.head_dim} must be even"),
             (self.rope_base > 0, f"rope.freq_base {self.rope_base} must be > 0"),
             (self.rope_scale > 0, f"rope.scaling.factor {self.rope_scale} must be > 0"),
             (self.rms_eps > 0, f"attention.layer_norm_rms_epsilon {self.rms_eps} must be > 0"),
-        )
-        for ok, message in checks:
-            if not ok:
-                raise ModelFormatError(f"{where}: {message}")
+        ))
 
 
 def rope_row_order(rows: int, n_heads: int) -> np.ndarray:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.models.decoder import Decoder, Span, advance, nbytes, per_sequence
 from pagelm.models.delta_rule import delta_rule_step, deltanet_tokens
-from pagelm.models.layers import apply_rope_, attention, gated_mlp, inv_freq, rms_norm, rope_tables
+from pagelm.models.layers import apply_rope_, attention, check_config, gated_mlp, inv_freq, rms_norm, rope_tables
 from pagelm.models.token_ops import RopeRows, attend_tokens, cache_views, token_ropes
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, heads_tiled, hf_rope,
                                layer_period, rope_scaling, shift_norms, tensor_maps)
@@ -111,10 +111,8 @@ class Qwen35Config:
         return config
 
     def validate(self, where: str = "qwen35 config") -> None:
-        for name, value in vars(self).items():
-            if name not in ("rope_base", "rms_eps", "rope_sections") and value < 1:
-                raise ModelFormatError(f"{where}: {name} is {value}, expected >= 1")
-        checks = (
+        counts = {name: value for name, value in vars(self).items() if name not in ("rope_base", "rms_eps", "rope_sections")}
+        check_config(where, counts, (
             (self.n_heads % self.n_kv_heads == 0, f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}"),
             (self.n_value_heads % self.n_key_heads == 0, f"ssm.time_step_rank {self.n_value_heads} is not a multiple of ssm.group_count {self.n_key_heads}"),
             (self.rope_dim % 2 == 0 and self.rope_dim <= self.head_dim, f"rope.dimension_count {self.rope_dim} must be even and <= key_length {self.head_dim}"),
@@ -123,10 +121,7 @@ class Qwen35Config:
             (self.conv_kernel >= 2, f"ssm.conv_kernel {self.conv_kernel} must be >= 2"),
             (all(0 <= n <= self.rope_dim for n in self.rope_sections),
              f"rope.dimension_sections {list(self.rope_sections)[:8]} must be counts of frequency pairs"),
-        )
-        for ok, message in checks:
-            if not ok:
-                raise ModelFormatError(f"{where}: {message}")
+        ))
 
     def is_attention_layer(self, i: int) -> bool:
         return i % self.full_attention_interval == self.full_attention_interval - 1
