@@ -246,9 +246,9 @@ def _all(args: argparse.Namespace) -> int:
     """Run scenarios, memory, pressure, shared and batched decode (beside llama.cpp when it is installed),
     then replace the block between '<!-- pagelm bench all: begin -->' and '<!-- pagelm bench all: end -->'
     in OUT/results.md (appended if absent; the rest of the file is kept) and write the charts next to it.
-    Exit 1 if any scenario or batched sequence differs. With the defaults this takes roughly 50 minutes on
-    2 quiet cores (plus ~5 minutes to write the qwen3.5-4b model the first time); --models, --runs and the
-    other flags size it."""
+    Exit 1 if any scenario or batched sequence differs. With the defaults this takes roughly 40 minutes on
+    2 quiet cores, of which the batched decode about 1 (without llama.cpp), plus ~5 minutes to write the
+    qwen3.5-4b model the first time; --models, --runs and the other flags size it."""
     from pagelm.bench.batch import run_batch
     from pagelm.bench.memory import run_memory
     from pagelm.bench.pressure import run_pressure
