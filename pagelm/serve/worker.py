@@ -138,7 +138,10 @@ class Job:
         self.submitted = time.perf_counter()
 
     def emit(self, event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the caller's loop has closed: nobody is left to tell
+            pass
 
 
 @dataclass
@@ -488,20 +491,14 @@ class Worker:
         return None if done else token
 
     def _finish(self, index: int, r: _Running) -> None:
-        """Flush the answer's held text, send the Result, free the slot, keep the answer."""
-        result, now = r.result, time.perf_counter()
-        if r.chooser is None or result.completion_tokens == 0:
-            result.prefill_s = now - r.started
-            r.started = now
-        if r.job.cancel.is_set() and result.finish_reason == "length":
-            result.finish_reason = "cancelled"
-        if r.decoder is not None:
-            if r.matcher is not None:  # None: a stop string ended it
-                text, stopped = r.matcher.push(r.decoder.flush())
-                r.send(text if stopped else text + r.matcher.flush())
-            if r.splitter:
-                r._emit(*r.splitter.finish())
-        result.decode_s = time.perf_counter() - r.started
+        """Flush the answer's held text, send the Result, free the slot, keep the answer. A flush
+        that raises fails the request instead: its slot is freed either way."""
+        try:
+            self._flush(r)
+        except Exception as e:  # noqa: BLE001 - the worker must outlive any one request
+            self._fail(index, r.job, e)
+            return
+        result = r.result
         self.cancelled += result.finish_reason == "cancelled"
         self.served += 1
         kept = None
@@ -515,6 +512,22 @@ class Worker:
                 self._keep_answer(kept, self._sessions[index] or self.session)
             else:
                 self._kept.append(kept)
+
+    def _flush(self, r: _Running) -> None:
+        """The answer's held text sent, its Result's reason and times set."""
+        result, now = r.result, time.perf_counter()
+        if r.chooser is None or result.completion_tokens == 0:
+            result.prefill_s = now - r.started
+            r.started = now
+        if r.job.cancel.is_set() and result.finish_reason == "length":
+            result.finish_reason = "cancelled"
+        if r.decoder is not None:
+            if r.matcher is not None:  # None: a stop string ended it
+                text, stopped = r.matcher.push(r.decoder.flush())
+                r.send(text if stopped else text + r.matcher.flush())
+            if r.splitter:
+                r._emit(*r.splitter.finish())
+        result.decode_s = time.perf_counter() - r.started
 
     def _fail(self, index: int, job: Job, error: Exception) -> None:
         if not isinstance(error, PagelmError):
