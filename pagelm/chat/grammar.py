@@ -15,6 +15,7 @@ import threading
 import weakref
 from functools import cached_property
 
+import jsonschema
 import llguidance
 import numpy as np
 
@@ -112,8 +113,7 @@ class Grammar:
         (chat.schema_bounds) so that an answer can close; None: any JSON object."""
         if schema is None:
             schema = {"type": "object"}
-        if not isinstance(schema, dict):
-            raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        check_schema(schema)
         try:
             text = json.dumps(schema)
         except (TypeError, ValueError) as e:
@@ -187,6 +187,18 @@ class Matcher:
     def _check(self) -> None:
         if self._matcher.is_error():
             raise GrammarError(f"constrained decoding failed: {self._matcher.get_error()}")
+
+
+def check_schema(schema, what: str = "the JSON schema") -> None:
+    """Refuse what JSON Schema's (2020-12) meta-schema refuses, saying where: the bounds and
+    grammars built from a schema read its keywords as the meta-schema types them."""
+    if not isinstance(schema, dict):
+        raise GrammarError(f"{what} must be a JSON schema object, got {type(schema).__name__}")
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        at = "/".join(map(str, e.absolute_path))
+        raise GrammarError(f"{what} is not a valid JSON schema: {e.message}" + (f" (at {at})" if at else "")) from None
 
 
 def _check_size(what: str, text: str) -> None:

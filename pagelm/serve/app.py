@@ -16,16 +16,18 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from pagelm.serve import ollama_api, openai_api, ui
-from pagelm.serve.core import Server, ServeSettings, error_response
+from pagelm.serve.core import Server, ServeSettings, error_response, internal_error
+from pagelm.serve.guard import Guard
 from pagelm.serve.metrics import prometheus_text
 from pagelm.serve.requests import RequestError
 
 log = logging.getLogger("pagelm.serve")
 
 
-def create_app(settings: ServeSettings, on_load=None, server: Server | None = None) -> Starlette:
-    """The app; the model starts loading when the server starts. `on_load(error or None)` is
-    called once loading ends. `server`: one built elsewhere (the cluster's ingress), else a Server."""
+def create_app(settings: ServeSettings, on_load=None, server: Server | None = None) -> Guard:
+    """The app behind its guard (serve.guard); the model starts loading when the server starts.
+    `on_load(error or None)` is called once loading ends. `server`: one built elsewhere (the
+    cluster's ingress), else a Server."""
     server = server or Server(settings)
     if on_load is not None:
         server.on_load = on_load
@@ -61,9 +63,8 @@ def create_app(settings: ServeSettings, on_load=None, server: Server | None = No
 
     async def crashed(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
-        return error_response(RequestError(f"internal error: {type(exc).__name__}: {exc}", status=500), request)
+        return error_response(internal_error(), request)
 
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={404: not_found, 405: wrong_method, Exception: crashed})
-    app.state.server = server
-    return app
+    return Guard(app, settings.host, settings.allowed_hosts, settings.allowed_origins)

@@ -18,13 +18,12 @@ def _serve(args: argparse.Namespace) -> int:
     steps), more wait in arrival order; each answer is the one the request gets alone. A prefix cache,
     shared by all slots, of checkpoints (message boundaries, ends of answers) lets a growing chat, or
     another one with the same system prompt, prefill only its new tokens."""
-    import ipaddress
-
     import uvicorn
 
     from pagelm.sources import store
     from pagelm.serve.app import create_app
     from pagelm.serve.core import ServeSettings
+    from pagelm.serve.guard import is_loopback
 
     for flag, value, low in [("--ctx-len", args.ctx_len, 16), ("--prefix-slots", args.prefix_slots, 0),
                              ("--prefix-cache-mib", args.prefix_cache_mib, 0),
@@ -46,12 +45,10 @@ def _serve(args: argparse.Namespace) -> int:
                              queue_size=args.queue_size, parallel=args.parallel,
                              max_body_mib=args.max_body_mib, max_tokens=args.max_tokens, mmproj=args.mmproj or tower,
                              image_cache_mib=args.image_cache_mib,
-                             image_tokens=(args.image_min_tokens, args.image_max_tokens), ui=not args.no_ui)
-    try:
-        loopback = ipaddress.ip_address(args.host).is_loopback
-    except ValueError:
-        loopback = args.host == "localhost"
-    if not loopback and args.api_key is None:
+                             image_tokens=(args.image_min_tokens, args.image_max_tokens), ui=not args.no_ui,
+                             host=args.host, allowed_hosts=tuple(args.allowed_host),
+                             allowed_origins=tuple(args.allowed_origin))
+    if not is_loopback(args.host) and args.api_key is None:
         print(f"pagelm serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     for given, flag in ((args.ray_address, "--ray-address"), (args.replica_niceness, "--replica-niceness")):
         if given is not None and args.replicas is None:
@@ -99,6 +96,13 @@ def register(commands) -> None:
                             "(default 512)")
     add_compute_options(serve)
     serve.add_argument("--api-key", help="require Authorization: Bearer KEY on every route but /health")
+    serve.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                       help="on a loopback --host, also answer requests whose Host is NAME (repeatable; by default "
+                            "only localhost, 127.0.0.1 and [::1]: a foreign name is a DNS-rebinding page, 403)")
+    serve.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
+                       help="let browser pages of ORIGIN (e.g. https://app.example.com; * for any) call the API, "
+                            "with CORS headers (repeatable; by default only the server's own pages and loopback "
+                            "origins: others get 403)")
     serve.add_argument("--parallel", type=int, default=4, metavar="N",
                        help="requests answered at once, each in a slot with its own state (allocated while in use); "
                             "1 = one at a time (default 4)")

@@ -27,7 +27,7 @@ from pagelm.chat.grammar import Grammar, GrammarError
 from pagelm.measure.memory import read_memory
 from pagelm.engine.sampling import SamplingParams
 from pagelm.serve.prefix_cache import PrefixCache
-from pagelm.serve.requests import RequestError, request_id
+from pagelm.serve.requests import MAX_JSON_DEPTH, RequestError, check_body, request_id
 from pagelm.serve.worker import Delta, Failed, Job, QueueFull, Result, Worker
 from pagelm.vision.preprocess import DEFAULT_MAX_TOKENS, DEFAULT_MIN_TOKENS
 
@@ -77,6 +77,9 @@ class ServeSettings:
     image_cache_mib: int = 256
     image_tokens: tuple[int, int] = (DEFAULT_MIN_TOKENS, DEFAULT_MAX_TOKENS)  # an image is resized within
     ui: bool = True  # the chat page on GET /
+    host: str = "127.0.0.1"  # the address bound: on loopback, only loopback names (and allowed_hosts) are answered
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()  # browser origins allowed besides loopback and the server's own ("*": any)
 
 
 class Server:
@@ -127,6 +130,11 @@ class Server:
                                param="model", code="model_not_found")
 
     async def read_json(self, request: Request) -> dict:
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json":
+            # text/plain and form types are what a page of another site may POST without asking first
+            raise RequestError(f"the body must be sent as Content-Type: application/json, got "
+                               f"{media_type or 'none'} (curl: -H 'Content-Type: application/json')", status=415)
         limit = self.settings.max_body_mib << 20
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -138,10 +146,13 @@ class Server:
                 raise RequestError(f"request body exceeds the limit of {limit} bytes", status=413)
         try:
             value = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except ValueError as e:  # not UTF-8, not JSON, an integer past Python's digit limit
             raise RequestError(f"malformed JSON body: {e}") from None
+        except RecursionError:
+            raise RequestError(f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels") from None
         if not isinstance(value, dict):
             raise RequestError(f"the body must be a JSON object, got {type(value).__name__}")
+        check_body(value)
         return value
 
     async def plan_chat(self, messages: list[dict], think: bool | None, tools: list[Tool] = (),
@@ -302,7 +313,9 @@ async def events(job: Job, request: Request | None = None) -> AsyncIterator[Delt
                 error = event.error
                 if isinstance(error, RequestError):  # already an HTTP answer (a remote engine's)
                     raise error
-                raise RequestError(str(error), status=400 if isinstance(error, PagelmError) else 500)
+                if isinstance(error, PagelmError):
+                    raise RequestError(str(error))
+                raise internal_error(job.id)
             yield event
             if isinstance(event, Result):
                 return
@@ -310,9 +323,15 @@ async def events(job: Job, request: Request | None = None) -> AsyncIterator[Delt
         job.cancel.set()  # a no-op when finished; stops the engine when the consumer went away
 
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-               503: "server_overloaded"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
+               413: "invalid_request_error", 415: "invalid_request_error", 503: "server_overloaded"}
+
+
+def internal_error(request_id: str | None = None) -> RequestError:
+    """A server fault as the client sees it: no exception text, no paths (the log has them)."""
+    which = f" (request {request_id})" if request_id else ""
+    return RequestError(f"internal server error{which}; the server log has the details", status=500)
 
 
 def error_response(e: RequestError, request: Request) -> JSONResponse:

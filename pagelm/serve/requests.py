@@ -8,9 +8,11 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import re
 from typing import Any
 
+from pagelm.chat.grammar import GrammarError, check_schema
 from pagelm.chat.tools import Tool
 from pagelm.engine.sampling import SamplingParams
 
@@ -25,6 +27,7 @@ MAX_TOOLS_BYTES = 256 << 10
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 TOOL_CHOICES = ("auto", "none", "required")
 ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_JSON_DEPTH = 64  # objects and lists inside each other; a deeper body is refused before any field is read
 
 
 class RequestError(Exception):
@@ -34,6 +37,37 @@ class RequestError(Exception):
                  headers: dict | None = None):
         super().__init__(message)
         self.status, self.param, self.code, self.headers = status, param, code, headers or {}
+
+
+def check_body(body: dict) -> None:
+    """Refuse a body nested deeper than MAX_JSON_DEPTH or holding NaN or Infinity (Python's json
+    reads them; JSON has no such numbers), naming where; walked without recursion."""
+    pending: list[tuple[Any, str, int]] = [(value, key, 1) for key, value in body.items()]
+    while pending:
+        value, where, depth = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise RequestError(f"{where} must be a finite number, got {value}", param=_param(where))
+        if isinstance(value, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise RequestError(f"{where}: the body is nested deeper than {MAX_JSON_DEPTH} levels",
+                                   param=_param(where))
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            pending += [(item, f"{where}.{key}" if isinstance(value, dict) else f"{where}[{key}]", depth + 1)
+                        for key, item in items]
+
+
+def _param(where: str) -> str:
+    """The top-level field of a place in the body (`messages` of `messages[0].content`)."""
+    return re.split(r"[.\[]", where, maxsplit=1)[0]
+
+
+def schema_from(value: Any, where: str, param: str) -> dict:
+    """A JSON schema a request gives (an answer's or a tool's), checked against JSON Schema's meta-schema."""
+    try:
+        check_schema(value, where)
+    except GrammarError as e:
+        raise RequestError(str(e), param=param) from None
+    return value
 
 
 def _typed(body: dict, key: str, kinds: tuple[type, ...], what: str, where: str) -> Any:
@@ -154,6 +188,7 @@ def tools_from(value: Any) -> list[Tool]:
                 or not isinstance(parameters.get("properties", {}), dict)):
             raise RequestError(f"{where}.function.parameters must be a JSON schema of type object (with "
                                f"\"properties\" an object)", param="tools")
+        schema_from(parameters, f"{where}.function.parameters", "tools")
         tools[name] = Tool(name, description, parameters)
     return list(tools.values())
 
@@ -220,7 +255,7 @@ def messages_from(value: Any, protocol: str) -> tuple[list[dict], list[bytes]]:
         if not isinstance(message, dict):
             raise RequestError(f"{where} must be an object, got {type(message).__name__}", param="messages")
         role = message.get("role")
-        if role not in ROLE_ALIASES:
+        if not isinstance(role, str) or role not in ROLE_ALIASES:
             raise RequestError(f"{where}.role must be one of system, user, assistant, tool (or developer), "
                                f"got {role!r}", param="messages")
         content = message.get("content")
@@ -250,7 +285,7 @@ def messages_from(value: Any, protocol: str) -> tuple[list[dict], list[bytes]]:
             call_ids.update(c["id"] for c in plain["tool_calls"] if "id" in c)
         if role == "tool" and protocol == "openai":
             call_id = message.get("tool_call_id")
-            if call_id not in call_ids:
+            if not isinstance(call_id, str) or call_id not in call_ids:
                 raise RequestError(f"{where}.tool_call_id {call_id!r} matches no tool call of an earlier assistant "
                                    f"message", param="messages")
             plain["tool_call_id"] = call_id

@@ -43,8 +43,10 @@ def qwen_nocache(servers, qwen35_chat_gguf) -> ServerProcess:
 
 @pytest.fixture(scope="session")
 def strict(servers, smollm2_gguf) -> ServerProcess:
-    """Tight limits and an API key: queue of 1, 1 MiB bodies, 64-token context."""
+    """Tight limits and an API key: queue of 1, 1 MiB bodies, 64-token context; one more Host name
+    and one more browser origin allowed."""
     return servers.get("strict", smollm2_gguf, "--ctx-len", "64", "--queue-size", "1", "--max-body-mib", "1",
+                       "--allowed-host", "pagelm.test", "--allowed-origin", "https://app.example",
                        "--max-tokens", "32", api_key=API_KEY)
 
 

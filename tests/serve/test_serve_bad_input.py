@@ -1,6 +1,7 @@
 """Bad requests get a 4xx error in the protocol's own shape, and the server keeps answering."""
 
 import base64
+import json
 import struct
 import zlib
 
@@ -37,6 +38,12 @@ def ollama_image(image: str) -> dict:
 
 CHAT = {"model": MODEL, "messages": CAPITAL, "max_tokens": 4}
 OCHAT = {"model": MODEL, "messages": CAPITAL, "stream": False, "options": {"num_predict": 4}}
+
+
+def _with(body: dict, field: str) -> bytes:
+    """`body` as JSON text with `field` (raw JSON text, which may be what JSON does not allow) added."""
+    return (json.dumps(body)[:-1] + ", " + field + "}").encode()
+
 
 # (id, method, path, body (bytes sent as is, else JSON), status, words the error message must contain)
 CASES = [
@@ -112,6 +119,38 @@ CASES = [
      openai_image(f"data:text/plain;base64,{TEXT64}"), 400, ["data URL"]),
     ("ollama-images-not-list", "POST", "/api/generate", {"model": MODEL, "prompt": "x", "images": "abc"}, 400,
      ["images"]),
+    # numbers JSON does not have (Python's json reads them), and one past Python's digit limit
+    *[(f"openai-{field}-nan", "POST", "/v1/chat/completions", _with(CHAT, f'"{field}": NaN'), 400, [field, "finite"])
+      for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")],
+    ("openai-temperature-infinity", "POST", "/v1/chat/completions", _with(CHAT, '"temperature": -Infinity'), 400,
+     ["temperature", "finite"]),
+    ("ollama-repeat-penalty-nan", "POST", "/api/chat", _with(OCHAT, '"options": {"repeat_penalty": NaN}'), 400,
+     ["options.repeat_penalty", "finite"]),
+    ("ollama-nan-deep-in-a-message", "POST", "/api/chat",
+     _with(OCHAT, '"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", '
+                  '"properties": {"x": {"type": "number", "maximum": NaN}}}}}]'), 400, ["tools[0]", "maximum"]),
+    ("openai-huge-integer", "POST", "/v1/chat/completions", _with(CHAT, '"seed": ' + "9" * 5000), 400,
+     ["malformed JSON"]),
+    ("openai-deep-nesting", "POST", "/v1/chat/completions", _with(CHAT, '"user": ' + "[" * 100_000 + "]" * 100_000),
+     400, ["nested deeper"]),
+    ("ollama-moderate-nesting", "POST", "/api/chat", _with(OCHAT, '"x": ' + "[" * 500 + "]" * 500), 400,
+     ["x", "nested deeper than 64"]),
+    # fields of the wrong shape where a hashable value was taken for granted
+    ("openai-role-list", "POST", "/v1/chat/completions", {**CHAT, "messages": [{"role": ["user"], "content": "hi"}]},
+     400, ["role"]),
+    ("ollama-role-object", "POST", "/api/chat", {**OCHAT, "messages": [{"role": {"a": 1}, "content": "hi"}]}, 400,
+     ["role"]),
+    ("openai-tool-call-id-list", "POST", "/v1/chat/completions", {**CHAT, "messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": ["c1"], "content": "4"}]}, 400, ["tool_call_id"]),
+    ("openai-schema-type-list-of-objects", "POST", "/v1/chat/completions", {**CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": [{}]}}}}, 400,
+     ["not a valid JSON schema", "type"]),
+    ("ollama-format-schema-bad-required", "POST", "/api/chat",
+     {**OCHAT, "format": {"type": "object", "required": [{"a": 1}]}}, 400, ["not a valid JSON schema", "required"]),
+    ("openai-tool-required-object", "POST", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}},
+                                    "required": [{"a": 1}]}}}]}, 400, ["tools[0].function.parameters", "required"]),
 ]
 
 

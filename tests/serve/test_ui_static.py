@@ -21,7 +21,8 @@ PAGE_WEIGHT_LIMIT = 400 * 1024
 
 def client(**settings) -> TestClient:
     """The app without its lifespan: nothing loads, the static routes answer."""
-    return TestClient(create_app(ServeSettings(model_path="/nonexistent.gguf", model_name="none", **settings)))
+    return TestClient(create_app(ServeSettings(model_path="/nonexistent.gguf", model_name="none", **settings)),
+                      base_url="http://127.0.0.1")  # a loopback name: the guard refuses others
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,7 @@ def test_the_cluster_ingress_serves_the_same_page():
 
     def ingress(**settings) -> TestClient:
         s = ServeSettings(model_path="/nonexistent.gguf", model_name="none", **settings)
-        return TestClient(create_app(s, server=ClusterServer(s, engine=None, replicas=1)))
+        return TestClient(create_app(s, server=ClusterServer(s, engine=None, replicas=1)), base_url="http://127.0.0.1")
 
     page = ingress().get("/")
     assert page.status_code == 200 and page.headers["content-security-policy"] == ui.CONTENT_SECURITY_POLICY
