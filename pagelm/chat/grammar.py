@@ -193,7 +193,7 @@ def check_schema(schema, what: str = "the JSON schema") -> None:
     """Refuse what JSON Schema's (2020-12) meta-schema refuses, saying where: the bounds and
     grammars built from a schema read its keywords as the meta-schema types them."""
     if not isinstance(schema, dict):
-        raise GrammarError(f"{what} must be a JSON schema object, got {type(schema).__name__}")
+        raise GrammarError(f"{what} must be an object, got {type(schema).__name__}")
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as e:

@@ -28,7 +28,9 @@ def bounded_schema(schema: Any) -> Any:
         return schema
     out = {key: value if key in _DATA_KEYS else bounded_schema(value) for key, value in schema.items()}
     types = schema.get("type")
-    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    # under a keyword JSON Schema does not know (which the meta-schema leaves unchecked) `type` may be anything
+    types = {types} if isinstance(types, str) else {t for t in types if isinstance(t, str)} \
+        if isinstance(types, list) else set()
     if types & {"number", "integer"}:
         if "minimum" not in schema and "exclusiveMinimum" not in schema:
             out["minimum"] = -MAX_MAGNITUDE

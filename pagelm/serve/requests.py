@@ -40,20 +40,34 @@ class RequestError(Exception):
 
 
 def check_body(body: dict) -> None:
-    """Refuse a body nested deeper than MAX_JSON_DEPTH or holding NaN or Infinity (Python's json
-    reads them; JSON has no such numbers), naming where; walked without recursion."""
-    pending: list[tuple[Any, str, int]] = [(value, key, 1) for key, value in body.items()]
+    """Refuse a body nested deeper than MAX_JSON_DEPTH, holding NaN or Infinity (Python's json
+    reads them; JSON has no such numbers) or a lone surrogate (an escape like \\ud800 that is no
+    character: nothing can encode it), naming where; walked without recursion."""
+    pending: list[tuple[Any, str, int]] = [(value, _encodable(key), 1) for key, value in body.items()]
     while pending:
         value, where, depth = pending.pop()
         if isinstance(value, float) and not math.isfinite(value):
             raise RequestError(f"{where} must be a finite number, got {value}", param=_param(where))
+        if isinstance(value, str):
+            _encodable(value, where)
         if isinstance(value, (dict, list)):
             if depth >= MAX_JSON_DEPTH:
                 raise RequestError(f"{where}: the body is nested deeper than {MAX_JSON_DEPTH} levels",
                                    param=_param(where))
             items = value.items() if isinstance(value, dict) else enumerate(value)
-            pending += [(item, f"{where}.{key}" if isinstance(value, dict) else f"{where}[{key}]", depth + 1)
-                        for key, item in items]
+            pending += [(item, f"{where}.{_encodable(key, where)}" if isinstance(value, dict) else f"{where}[{key}]",
+                         depth + 1) for key, item in items]
+
+
+def _encodable(text: str, where: str | None = None) -> str:
+    """`text` if it is Unicode that can be written out (no lone surrogate), else a 400 naming where
+    (None: a field name of the body)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise RequestError(f"{where or 'a field name'} holds a lone surrogate escape (\\ud800-\\udfff alone), "
+                           f"which is not a character", param=where and _param(where)) from None
+    return text
 
 
 def _param(where: str) -> str:
