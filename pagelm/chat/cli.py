@@ -46,7 +46,7 @@ def _open_chat(args: argparse.Namespace):
                           image_tokens=(args.image_min_tokens, args.image_max_tokens))
     conversation = Conversation(chat.model, chat.tokenizer, chat.template, max_len=args.ctx_len, think=args.think)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            seed=args.seed, max_tokens=args.max_tokens)
+                            seed=args.seed, max_tokens=args.max_tokens, reasoning_budget=args.reasoning_budget)
     return chat, conversation, params
 
 
@@ -204,6 +204,9 @@ def register(commands) -> None:
     think = run.add_mutually_exclusive_group()
     think.add_argument("--think", dest="think", action="store_true", help="let a thinking model reason first")
     think.add_argument("--no-think", dest="think", action="store_false", help="answer directly (default)")
+    run.add_argument("--reasoning-budget", type=int, metavar="N",
+                     help="with --think: close the reasoning after N tokens and answer (default: no bound; a "
+                          "--format/--json-schema answer always keeps room: half of --max-tokens, at most 256)")
     run.add_argument("--image", action="append", default=[], metavar="PATH",
                      help="an image (PNG, JPEG, WebP, GIF) to ask about, before PROMPT's text; repeatable. Needs a "
                           "model with a vision tower (--mmproj)")

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Iterator, Sequence
 
+from pagelm.chat.budget import answer_constraint
 from pagelm.chat.reasoning import ReasoningSplitter
 from pagelm.chat.template import ChatTemplate
 from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
@@ -105,7 +106,7 @@ class Conversation:
         params = replace(params, stop_tokens=stops, max_tokens=min(params.max_tokens, self.max_len - len(prompt)))
         think_open = self.template.think_open(prompt_text=None, enable_thinking=self.think)
         splitter = ReasoningSplitter(think_open=think_open)
-        constraint = None if grammar is None else grammar.matcher(after_reasoning=think_open)
+        constraint = answer_constraint(self.tokenizer, grammar, think_open, params.max_tokens, params.reasoning_budget)
         decoder = StreamDecoder(self.tokenizer)
         start = time.perf_counter()
         new_images = [p.image for p in expanded.images if p.start >= turn.reused_tokens]

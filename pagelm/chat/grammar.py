@@ -19,6 +19,7 @@ import jsonschema
 import llguidance
 import numpy as np
 
+from pagelm.chat.reasoning import THINK_END
 from pagelm.chat.schema_bounds import bounded_schema
 from pagelm.chat.tokenizer import Tokenizer, byte_alphabet
 from pagelm.errors import PagelmError
@@ -28,8 +29,6 @@ MAX_GRAMMAR_BYTES = 64 << 10
 # Compact JSON only: with llguidance's default (any run of whitespace between tokens) a model,
 # a random-weight one above all, can emit newlines and spaces until max_tokens.
 JSON_OPTIONS = {"whitespace_flexible": False}
-
-THINK_END = "</think>"
 
 
 class GrammarError(PagelmError):

@@ -18,7 +18,9 @@ part) and gives exactly the same result for any chunking.
 
 from __future__ import annotations
 
-__all__ = ["ReasoningSplitter", "split"]
+__all__ = ["THINK_END", "ReasoningSplitter", "split"]
+
+THINK_END = "</think>"
 
 
 def split(text: str, think_open: bool, start: str = "<think>", end: str = "</think>") -> tuple[str, str]:

@@ -31,6 +31,8 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     stop_tokens: tuple[int, ...] = field(default_factory=tuple)
+    # tokens of reasoning before an open think block is closed for the answer (pagelm.chat.budget); None: no bound
+    reasoning_budget: int | None = None
 
     def __post_init__(self):
         checks = [
@@ -40,6 +42,7 @@ class SamplingParams:
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (self.max_tokens >= 0, "max_tokens must be >= 0"),
+            (self.reasoning_budget is None or self.reasoning_budget >= 0, "reasoning_budget must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

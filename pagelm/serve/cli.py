@@ -32,7 +32,8 @@ def _serve(args: argparse.Namespace) -> int:
                              ("--max-body-mib", args.max_body_mib, 1),
                              ("--image-cache-mib", args.image_cache_mib, 0),
                              ("--image-min-tokens", args.image_min_tokens, 1),
-                             ("--max-tokens", args.max_tokens, 1), ("--port", args.port, 0)]:
+                             ("--max-tokens", args.max_tokens, 1), ("--port", args.port, 0),
+                             ("--reasoning-budget", 0 if args.reasoning_budget is None else args.reasoning_budget, 0)]:
         if value < low:
             raise PagelmError(f"{flag} must be >= {low}, got {value}")
     model = args.model or store.DEFAULT_MODEL
@@ -47,7 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
                              image_cache_mib=args.image_cache_mib,
                              image_tokens=(args.image_min_tokens, args.image_max_tokens), ui=not args.no_ui,
                              host=args.host, allowed_hosts=tuple(args.allowed_host),
-                             allowed_origins=tuple(args.allowed_origin))
+                             allowed_origins=tuple(args.allowed_origin), reasoning_budget=args.reasoning_budget)
     if not is_loopback(args.host) and args.api_key is None:
         print(f"pagelm serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     for given, flag in ((args.ray_address, "--ray-address"), (args.replica_niceness, "--replica-niceness")):
@@ -111,6 +112,10 @@ def register(commands) -> None:
     serve.add_argument("--max-body-mib", type=int, default=32, help="largest request body in MiB (default 32)")
     serve.add_argument("--max-tokens", type=int, default=2048,
                        help="tokens generated when a request sets no limit (default 2048)")
+    serve.add_argument("--reasoning-budget", type=int, metavar="N",
+                       help="close a thinking model's reasoning after N tokens when a request sets no "
+                            "reasoning_budget (default: no bound; a forced tool call or JSON answer always keeps "
+                            "room: half of its max_tokens, at most 256)")
     serve.add_argument("--image-cache-mib", type=int, default=256,
                        help="memory bound of the image-embedding cache in MiB, least recently used dropped first; "
                             "0 disables (default 256)")

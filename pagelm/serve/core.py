@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from starlette.concurrency import run_in_threadpool
@@ -77,6 +77,7 @@ class ServeSettings:
     image_cache_mib: int = 256
     image_tokens: tuple[int, int] = (DEFAULT_MIN_TOKENS, DEFAULT_MAX_TOKENS)  # an image is resized within
     ui: bool = True  # the chat page on GET /
+    reasoning_budget: int | None = None  # when a request does not say (pagelm.chat.budget)
     host: str = "127.0.0.1"  # the address bound: on loopback, only loopback names (and allowed_hosts) are answered
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed besides loopback and the server's own ("*": any)
@@ -235,6 +236,8 @@ class Server:
             raise RequestError(f"the prompt is {len(prompt.tokens)} tokens long but the context is {limit} tokens "
                                f"(it must leave room for at least one generated token)", code="context_length_exceeded")
         rid = request_id(request.headers.get("x-request-id"))
+        if params.reasoning_budget is None:
+            params = replace(params, reasoning_budget=self.settings.reasoning_budget)
         job = Job(prompt, params, stop, max_len=limit, request_id=rid or f"{id_prefix}-{_hex_id()}", grammar=grammar)
         try:
             self.worker.submit(job)

@@ -24,7 +24,7 @@ from pagelm.serve.worker import Delta, Job, Result
 # Ollama option names → the OpenAI-style names `sampling` reads
 OPTION_NAMES = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed",
                 "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-                "repeat_penalty": "repeat_penalty"}
+                "repeat_penalty": "repeat_penalty", "reasoning_budget": "reasoning_budget"}
 
 
 def _now() -> str:

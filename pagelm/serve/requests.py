@@ -131,7 +131,7 @@ def stop_strings(value: Any, where: str = "stop") -> tuple[str, ...]:
 
 def sampling(fields: dict, max_tokens: int, where: str = "") -> SamplingParams:
     """SamplingParams from OpenAI-named fields (temperature, top_p, top_k, min_p, seed,
-    presence/frequency/repeat penalties), already pulled out of either protocol's body."""
+    presence/frequency/repeat penalties, reasoning_budget), already pulled out of either protocol's body."""
     seed = integer(fields, "seed", where=where)
     top_p = number(fields, "top_p", 0, 1, where)
     top_k = integer(fields, "top_k", 0, where=where) or 0
@@ -145,6 +145,7 @@ def sampling(fields: dict, max_tokens: int, where: str = "") -> SamplingParams:
         repetition_penalty=number(fields, "repeat_penalty", 0.01, 100, where) or 1.0,
         seed=None if seed is None else seed % 2**63,
         max_tokens=max_tokens,
+        reasoning_budget=integer(fields, "reasoning_budget", 0, where=where),
     )
 
 

@@ -42,6 +42,7 @@ import numpy as np
 
 from pagelm.runtime import heap
 from pagelm.engine.batch import MAX_BATCH, decode_batch
+from pagelm.chat.budget import answer_constraint
 from pagelm.chat.model import Prompt
 from pagelm.chat.reasoning import ReasoningSplitter
 from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
@@ -421,8 +422,8 @@ class Worker:
         job = r.job
         r.stops = tuple(job.params.stop_tokens) + self.tokenizer.eos_ids
         params = replace(job.params, stop_tokens=r.stops, max_tokens=r.max_tokens)
-        constraint = None if job.grammar is None else job.grammar.matcher(
-            after_reasoning=job.prompt.think_open and job.prompt.split_reasoning)
+        constraint = answer_constraint(self.tokenizer, job.grammar, job.prompt.think_open and job.prompt.split_reasoning,
+                                       r.max_tokens, params.reasoning_budget)
         r.logits = r.session.logits
         r.chooser = Chooser(r.session, params, constraint)
         r.decoder = StreamDecoder(self.tokenizer)

@@ -92,16 +92,32 @@ def test_a_named_function_is_the_one_called(qwen):
     check_call(calls[0])
 
 
-def test_thinking_stays_outside_the_forced_call(qwen):
+@pytest.mark.parametrize("seed", range(5))
+def test_a_forced_call_arrives_from_a_model_that_never_stops_thinking(qwen, seed):
+    """The random model never writes </think>: the budget closes the reasoning while the call has room."""
     r = qwen.openai().chat.completions.create(
-        model=qwen.model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=400, temperature=0,
-        extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+        model=qwen.model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+        max_tokens=200, temperature=0.8, seed=seed, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     choice = r.choices[0]
-    if choice.finish_reason == "length":  # a random model may think until max_tokens: then no call yet
-        assert not choice.message.tool_calls
-    else:
-        assert choice.finish_reason == "tool_calls"
-        check_call(choice.message.tool_calls[0])
+    assert choice.finish_reason == "tool_calls", choice
+    check_call(choice.message.tool_calls[0])
+    reasoning = choice.message.model_extra["reasoning_content"]
+    assert reasoning and "<tool_call>" not in reasoning and "</think>" not in reasoning
+    assert r.usage.completion_tokens <= 200
+
+
+def test_a_reasoning_budget_bounds_the_thinking_before_a_json_answer(qwen):
+    def thinking(budget: int) -> str:
+        r = qwen.client().post("/api/chat", json={
+            "model": qwen.model, "messages": [JSON_QUESTION], "stream": False, "think": True, "format": PERSON,
+            "options": {"num_predict": 120, "temperature": 0, "reasoning_budget": budget}})
+        assert r.status_code == 200, r.text
+        message = r.json()["message"]
+        jsonschema.validate(json.loads(message["content"]), PERSON)
+        return message["thinking"]
+
+    short, long = thinking(3), thinking(30)
+    assert 0 < len(short) < len(long) and long.startswith(short)
 
 
 def test_a_round_trip_through_the_openai_api(qwen):
