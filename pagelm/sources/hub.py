@@ -517,8 +517,9 @@ def _fetch(url: str, part: Path, remote: RemoteFile, headers: dict, name: HubNam
                             if have + len(block) > remote.size:
                                 part.unlink()
                                 raise HubError(f"{name}: the Hub sent more of {remote.path} than the "
-                                               f"{remote.size} bytes it lists; the download was deleted and "
-                                               f"nothing was stored")
+                                               f"{remote.size} bytes it lists (stopped reading at "
+                                               f"{have + len(block)}); the download was deleted and nothing "
+                                               f"was stored")
                             out.write(block)
                             digest.update(block)
                             have += len(block)

@@ -219,6 +219,7 @@ class HubServer:
                 self.sent[(repo, path)] = self.sent.get((repo, path), 0) + len(block)
                 offset += len(block)
                 yield block
+                await asyncio.sleep(0)  # a client gone is noticed here (a send to it returns at once)
 
     def app(self) -> Starlette:
         base = "/api/models/{org}/{name}"
