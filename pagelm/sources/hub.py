@@ -29,7 +29,8 @@ _REPO_SHAPE = re.compile(r"[\w.-]+/[\w.-]+")  # what is meant as USER/REPO; _REP
 # as huggingface_hub's validate_repo_id (the Hub's own rule): 1 to 96 letters, digits, '_', '-', '.', starting
 # and ending with a letter, digit or '_', no '--' or '..' anywhere, not ending in .git
 _REPO_PART = re.compile(r"(?!.*(--|\.\.))(?!.*\.git$)[A-Za-z0-9_]([A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")
-REPO_RULE = "USER/REPO, each 1 to 96 letters, digits, '_', '-' or '.', no '--' or '..', not starting or ending with '-' or '.', not ending in .git"
+REPO_RULE = ("USER/REPO, each 1 to 96 letters, digits, '_', '-' or '.', no '--' or '..', not starting or ending "
+             "with '-' or '.', not ending in .git")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _REVISION = re.compile(r"[\w.-]+(/[\w.-]+)*")  # a branch, tag or commit (it names a file under refs/)
 NAME_FORMS = "hf.co/USER/REPO[:QUANT][@REVISION], hf://USER/REPO[:QUANT] or USER/REPO:QUANT"

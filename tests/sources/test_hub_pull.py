@@ -293,8 +293,9 @@ def test_a_hostile_listing_writes_nothing_outside_the_cache(hub, hub_files, env,
     linked_out.mkdir(parents=True)
     outside.mkdir()
     (linked_out / "sub").symlink_to(outside)  # a folder in the snapshot that leads out of it
+    escaping = "../../../../outside/evil-Q8_0.gguf"  # from snapshots/COMMIT/ to tmp_path/outside/
     cases = [
-        (Hostile(HOSTILE_COMMIT, {"../../../../outside/evil-Q8_0.gguf": model}), "'../../../../outside/evil-Q8_0.gguf'"),
+        (Hostile(HOSTILE_COMMIT, {escaping: model}), f"'{escaping}'"),
         (Hostile(HOSTILE_COMMIT, {str(outside / "evil-Q8_0.gguf"): model}), f"'{outside / 'evil-Q8_0.gguf'}'"),
         (Hostile("../../../outside", {"evil-Q8_0.gguf": model}), "commit id '../../../outside'"),
         (Hostile(HOSTILE_COMMIT, {"evil-Q8_0.gguf": model}, sha256="../../../../outside/blob"), "blob id"),
