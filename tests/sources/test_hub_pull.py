@@ -300,6 +300,8 @@ def test_a_hostile_listing_writes_nothing_outside_the_cache(hub, hub_files, env,
         (Hostile("../../../outside", {"evil-Q8_0.gguf": model}), "commit id '../../../outside'"),
         (Hostile(HOSTILE_COMMIT, {"evil-Q8_0.gguf": model}, sha256="../../../../outside/blob"), "blob id"),
         (Hostile(HOSTILE_COMMIT, {"sub/evil-Q8_0.gguf": model}), "would be stored outside"),
+        *[(Hostile(HOSTILE_COMMIT, {bad: model}), "not a path inside a repository")
+          for bad in ("a//evil-Q8_0.gguf", "a\\..\\evil-Q8_0.gguf", "a\0/evil-Q8_0.gguf")],
     ]
     before = _tree(tmp_path, leaving_out=Path(env["HF_HUB_CACHE"]))
     for hostile, words in cases:
