@@ -1,5 +1,6 @@
 """A Hugging Face Hub look-alike on loopback for the Hub tests: the endpoints huggingface_hub and
-pagelm use (model info, tree, HEAD/GET resolve with Range), with counted bytes and injected faults.
+pagelm use (model info, tree, HEAD/GET resolve with Range), with counted bytes, injected faults and
+what a compromised Hub answers (`hostile`).
 
 Repositories are files on disk under commits; what is served is recorded in `sent` and `requests`.
 """
@@ -175,6 +176,7 @@ class HubServer:
         return self._download(request, repo, path, commit, files[path])
 
     async def hostile_download(self, request: Request) -> Response:
+        """Any URL at all: the file of a hostile repository's listing that has its final name."""
         self.requests.append((request.method, request.url.path, request.headers.get("range")))
         for repo, hostile in self.hostile.items():
             if served := hostile.served(request.url.path):
