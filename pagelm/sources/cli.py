@@ -47,7 +47,7 @@ def _pull(args: argparse.Namespace) -> int:
     """Download a model from the Hugging Face Hub: hf.co/USER/REPO[:QUANT][@REVISION] (also
     hf://USER/REPO[:QUANT] and USER/REPO:QUANT). QUANT (Q4_K_M, Q8_0, UD-Q4_K_XL, or a whole file name) is
     matched case-insensitively against the repository's GGUF names; without it Q4_K_M, else Q8_0, else the
-    only model GGUF. A split GGUF is fetched whole; a repository of safetensors is fetched as a checkpoint
+    only model GGUF, and the name means that file from then on. A split GGUF is fetched whole; a repository of safetensors is fetched as a checkpoint
     directory (config, weights, tokenizer, template). A Qwen3.5's vision tower (mmproj*.gguf) comes with
     it, of the model's precision where there is a choice (F16 otherwise). Files go to the Hugging Face
     cache (HF_HUB_CACHE, $HF_HOME/hub, default ~/.cache/huggingface/hub), shared with huggingface_hub,

@@ -10,7 +10,6 @@ renamed into place only once its hash matches the listing's.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -22,10 +21,17 @@ from pathlib import Path, PurePosixPath
 from pagelm.errors import PagelmError
 from pagelm.formats.gguf import GGUFFile
 from pagelm.models import VISION_ARCHITECTURES
+from pagelm.sources import records
 from pagelm.sources.home import home
 
 _PREFIXES = ("hf.co/", "huggingface.co/", "https://huggingface.co/", "hf://")
-_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+_REPO_SHAPE = re.compile(r"[\w.-]+/[\w.-]+")  # what is meant as USER/REPO; _REPO_PART says whether the Hub allows it
+# as huggingface_hub's validate_repo_id (the Hub's own rule): 1 to 96 letters, digits, '_', '-', '.', starting
+# and ending with a letter, digit or '_', no '--' or '..' anywhere, not ending in .git
+_REPO_PART = re.compile(r"(?!.*(--|\.\.))(?!.*\.git$)[A-Za-z0-9_]([A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")
+REPO_RULE = ("USER/REPO, each 1 to 96 letters, digits, '_', '-' or '.', no '--' or '..', not starting or ending "
+             "with '-' or '.', not ending in .git")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 _REVISION = re.compile(r"[\w.-]+(/[\w.-]+)*")  # a branch, tag or commit (it names a file under refs/)
 NAME_FORMS = "hf.co/USER/REPO[:QUANT][@REVISION], hf://USER/REPO[:QUANT] or USER/REPO:QUANT"
 DEFAULT_QUANTS = ("Q4_K_M", "Q8_0")  # no QUANT: the first of these the repository has, else its only model
@@ -70,11 +76,13 @@ def parse_name(text: str) -> HubName | None:
     rest = text[len(prefix):] if prefix else text
     rest, at, revision = rest.partition("@")
     repo, colon, quant = rest.partition(":")
-    if prefix is None and not (colon and _REPO_ID.fullmatch(repo)):
+    if prefix is None and not (colon and _REPO_SHAPE.fullmatch(repo)):
         return None
     bad_revision = at and (not _REVISION.fullmatch(revision) or ".." in revision)
-    if not _REPO_ID.fullmatch(repo) or (colon and not quant) or bad_revision or ":" in quant:
+    if not _REPO_SHAPE.fullmatch(repo) or (colon and not quant) or bad_revision or ":" in quant:
         raise HubError(f"{text}: not a Hub model name ({NAME_FORMS})")
+    if not all(_REPO_PART.fullmatch(part) for part in repo.split("/")):
+        raise HubError(f"{text}: '{repo}' is not a repository name the Hub allows ({REPO_RULE})")
     return HubName(repo, quant or None, revision or None)
 
 
@@ -206,7 +214,8 @@ def _local_commit(repo: Path, revision: str | None) -> str | None:
     """The snapshot a revision names in the cache: a ref's commit, or a commit (or its prefix)."""
     ref = repo / "refs" / (revision or "main")
     if ref.is_file():
-        return ref.read_text().strip()
+        commit = ref.read_text().strip()
+        return commit if _COMMIT.fullmatch(commit) else None
     if revision and re.fullmatch(r"[0-9a-f]{7,40}", revision) and (repo / "snapshots").is_dir():
         found = [d.name for d in (repo / "snapshots").iterdir() if d.name.startswith(revision)]
         return found[0] if len(found) == 1 else None
@@ -247,36 +256,27 @@ class HubModel:
 
 
 def _tower_choices_path() -> Path:
+    """What `pull` chose as each model's tower (None: --no-mmproj), by the model's snapshot path."""
     return home() / "hub-towers.json"
 
 
-def _tower_choices() -> dict[str, str | None]:
-    """What `pull` chose as each model's tower (None: --no-mmproj), by the model's snapshot path."""
-    try:
-        choices = json.loads(_tower_choices_path().read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return choices if isinstance(choices, dict) else {}
+def _quant_choices_path() -> Path:
+    """The model file `pull` chose for each name without a quant (hf.co/USER/REPO[@REVISION])."""
+    return home() / "hub-quants.json"
 
 
 def _remember_tower(model: Path, tower: str | None, forget: bool = False) -> None:
-    choices = _tower_choices()
-    if forget:
-        choices.pop(str(model), None)
-    else:
-        choices[str(model)] = tower
-    path = _tower_choices_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(path.name + ".part")
-    part.write_text(json.dumps(choices, indent=1, sort_keys=True), encoding="utf-8")
-    os.replace(part, path)
+    with records.updating(_tower_choices_path()) as choices:
+        if forget:
+            choices.pop(str(model), None)
+        else:
+            choices[str(model)] = tower
 
 
 def _tower_of(snapshot: Path, model: str, files: list[str]) -> str | None:
     """The tower a model in a snapshot goes with: the one `pull` chose for it if still there, else
     choose_tower's pick among the snapshot's files."""
-    choices = _tower_choices()
-    chosen = choices.get(str(snapshot / model), "")
+    chosen = records.read_record(_tower_choices_path()).get(str(snapshot / model), "")
     if chosen is None or chosen in files:
         return chosen
     return choose_tower(files, model)
@@ -293,16 +293,34 @@ def _is_vision_model(path: Path) -> bool:
         return False
 
 
-def locate_cached(name: HubName) -> HubModel | None:
-    """The model `name` names if the cache holds all its files, with no network access; else None."""
+def _cached_snapshot(name: HubName) -> Path | None:
+    """The snapshot folder of the revision `name` asks for, if the cache has it."""
     repo = repo_dir(name.repo)
     commit = _local_commit(repo, name.revision)
     snapshot = repo / "snapshots" / commit if commit else None
-    if snapshot is None or not snapshot.is_dir():
+    return snapshot if snapshot is not None and snapshot.is_dir() else None
+
+
+def _cached_choice(name: HubName, files: list[str]) -> list[str]:
+    """choose_model among a snapshot's files, except that a name without a quant means the model
+    `pull` chose for it: the quant it would choose may be one the cache lacks. HubError when pull
+    chose none (or it is gone)."""
+    if name.quant is None and _model_ggufs(files):
+        chosen = records.read_record(_quant_choices_path()).get(str(name))
+        if chosen not in files:
+            raise HubError(f"{name}: no quant chosen for this name yet")
+        return _split_parts(chosen, files)
+    return choose_model(files, name)
+
+
+def locate_cached(name: HubName) -> HubModel | None:
+    """The model `name` names if the cache holds all its files, with no network access; else None."""
+    snapshot = _cached_snapshot(name)
+    if snapshot is None:
         return None
     files = _snapshot_files(snapshot)
     try:
-        chosen = choose_model(files, name)
+        chosen = _cached_choice(name, files)
     except HubError:
         return None
     if chosen[0].lower().endswith(".gguf"):
@@ -337,6 +355,11 @@ def _hub_failure(name: HubName, error: Exception) -> HubError:
 
 
 def _offline_miss(name: HubName) -> HubError:
+    snapshot = _cached_snapshot(name)
+    cached = sorted({quant_label(m) for m in _model_ggufs(_snapshot_files(snapshot))}) if snapshot else []
+    if name.quant is None and cached:
+        return HubError(f"{name}: names no quant, and which one `pull` would choose is not known offline; the "
+                        f"cache holds {', '.join(cached)}: name one (hf.co/{name.repo}:QUANT) or pull it while online")
     return HubError(f"{name}: not in the Hugging Face cache ({cache_dir()}) and HF_HUB_OFFLINE is set; "
                     f"pull it while online")
 
@@ -355,6 +378,28 @@ class RemoteFile:
     lfs: bool
 
 
+_ETAG = {True: re.compile(r"[0-9a-f]{64}"), False: re.compile(r"[0-9a-f]{40}")}  # by `lfs`
+
+
+def _is_safe_repo_path(path: str) -> bool:
+    """Whether `path` names a file inside a snapshot folder: relative, of plain segments (no '..',
+    '.' or empty one), without backslashes or NUL (as huggingface_hub's _get_pointer_path)."""
+    return "\\" not in path and "\0" not in path and all(s not in ("", ".", "..") for s in path.split("/"))
+
+
+def _checked(name: HubName, remote: RemoteFile) -> RemoteFile:
+    """`remote` as the listing gives it, if its path, blob name and size can be stored in the cache."""
+    if not isinstance(remote.path, str) or not _is_safe_repo_path(remote.path):
+        raise HubError(f"{name}: the Hub listed a file named {remote.path!r} in {name.repo}, which is not a path "
+                       f"inside a repository; nothing was stored")
+    if not isinstance(remote.etag, str) or not _ETAG[remote.lfs].fullmatch(remote.etag):
+        raise HubError(f"{name}: the Hub listed {remote.path} with blob id {remote.etag!r}, not a "
+                       f"{'sha256' if remote.lfs else 'git blob sha1'}; nothing was stored")
+    if not isinstance(remote.size, int) or remote.size < 0:
+        raise HubError(f"{name}: the Hub listed {remote.path} with size {remote.size!r}; nothing was stored")
+    return remote
+
+
 def _listing(name: HubName, token: str | None) -> tuple[str, dict[str, RemoteFile]]:
     """(commit, repository path -> RemoteFile) of the revision `name` asks for."""
     from huggingface_hub import HfApi
@@ -368,12 +413,18 @@ def _listing(name: HubName, token: str | None) -> tuple[str, dict[str, RemoteFil
             if failures > RETRIES or not _is_transient(e):
                 raise _hub_failure(name, e) from None
             _back_off(failures)
+    if not isinstance(info.sha, str) or not _COMMIT.fullmatch(info.sha):
+        raise HubError(f"{name}: the Hub answered commit id {info.sha!r} for {name.repo}, not 40 hex digits; "
+                       f"nothing was stored")
     files = {}
     for sibling in info.siblings or []:
         if sibling.lfs is not None:
-            files[sibling.rfilename] = RemoteFile(sibling.rfilename, sibling.lfs.size, sibling.lfs.sha256, True)
+            remote = RemoteFile(sibling.rfilename, sibling.lfs.size, sibling.lfs.sha256, True)
         elif sibling.blob_id is not None and sibling.size is not None:
-            files[sibling.rfilename] = RemoteFile(sibling.rfilename, sibling.size, sibling.blob_id, False)
+            remote = RemoteFile(sibling.rfilename, sibling.size, sibling.blob_id, False)
+        else:
+            continue
+        files[remote.path] = _checked(name, remote)
     return info.sha, files
 
 
@@ -412,6 +463,15 @@ class _Retry(Exception):
     """A failure worth another attempt (connection, 5xx, 429)."""
 
 
+def _body_start(response) -> int | None:
+    """Where in the file a download's body starts: 0 for a 200, the first byte a 206's
+    Content-Range names; None when that is not given."""
+    if response.status_code == 200:
+        return 0
+    match = re.fullmatch(r"bytes (\d+)-\d+/(\d+|\*)", response.headers.get("content-range", "").strip())
+    return int(match.group(1)) if match else None
+
+
 def _fetch(url: str, part: Path, remote: RemoteFile, headers: dict, name: HubName, show_progress: bool):
     """Download `remote` into `part`, resuming from what `part` holds; returns its hash object."""
     import httpx2
@@ -431,7 +491,8 @@ def _fetch(url: str, part: Path, remote: RemoteFile, headers: dict, name: HubNam
         while have < remote.size:
             progressed = False
             try:
-                ranged = {**headers, "Range": f"bytes={have}-"} if have else headers
+                # identity: the bytes hashed are the bytes sent, and a small body never inflates in memory
+                ranged = {**headers, "Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {})}
                 with get_session().stream("GET", url, headers=ranged, follow_redirects=True,
                                           timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
                     status = response.status_code
@@ -442,12 +503,24 @@ def _fetch(url: str, part: Path, remote: RemoteFile, headers: dict, name: HubNam
                         raise _Retry(f"HTTP {status}")
                     if status not in (200, 206):
                         raise HubError(f"{name}: HTTP {status} downloading {remote.path}")
-                    if status == 200 and have:  # the server ignored the Range: start over
+                    start = _body_start(response)
+                    if start == 0 and have:  # the whole file again (the Range ignored): start over
                         part.write_bytes(b"")
                         digest, have = _digest(remote), 0
                         bar.reset(total=remote.size)
+                    elif start != have:
+                        part.unlink()
+                        raise HubError(f"{name}: asked for {remote.path} from byte {have}, the Hub answered with "
+                                       f"Content-Range {response.headers.get('content-range')!r}; the partial "
+                                       f"download was deleted and nothing was stored")
                     with open(part, "ab") as out:
-                        for block in response.iter_bytes():  # as it arrives: a cut loses nothing read
+                        for block in response.iter_raw():  # as it arrives: a cut loses nothing read
+                            if have + len(block) > remote.size:
+                                part.unlink()
+                                raise HubError(f"{name}: the Hub sent more of {remote.path} than the "
+                                               f"{remote.size} bytes it lists (stopped reading at "
+                                               f"{have + len(block)}); the download was deleted and nothing "
+                                               f"was stored")
                             out.write(block)
                             digest.update(block)
                             have += len(block)
@@ -494,23 +567,34 @@ def _fetch_blob(repo: Path, name: HubName, commit: str, remote: RemoteFile, toke
     return blob
 
 
-def _link(snapshot: Path, path: str, blob: Path) -> None:
+def _link(name: HubName, snapshot: Path, path: str, blob: Path) -> None:
     """snapshots/COMMIT/PATH -> ../../blobs/ETAG, as huggingface_hub links them."""
     target = snapshot / path
+    if not (target.parent.resolve() / target.name).is_relative_to(snapshot.resolve()):  # a folder linked out
+        raise HubError(f"{name}: {path} would be stored outside {snapshot}; nothing was linked")
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.is_file() and target.resolve() == blob.resolve():
         return
-    link = target.with_name(target.name + ".pagelm-link")
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(os.path.relpath(blob, target.parent))
-    os.replace(link, target)
+    link = records.temporary_name(target)
+    try:
+        link.symlink_to(os.path.relpath(blob, target.parent))
+        os.replace(link, target)
+    finally:
+        link.unlink(missing_ok=True)
+
+
+def _refuse_split(name: HubName, files: list[str] | tuple[str, ...], first: Path) -> None:
+    if files[0].lower().endswith(".gguf") and len(files) > 1:
+        raise HubError(f"{name}: a GGUF split in {len(files)} parts, and pagelm opens single files; merge them "
+                       f"with llama.cpp's `llama-gguf-split --merge {first} OUT.gguf` (after `pagelm pull {name}`), "
+                       f"then use OUT.gguf")
 
 
 def pull(text: str | HubName, token: str | None = None, mmproj: str | None = None, no_mmproj: bool = False,
-         show_progress: bool = True) -> HubModel:
+         show_progress: bool = True, single_file: bool = False) -> HubModel:
     """Bring a Hub model (and, for a Qwen3.5, its vision tower) into the cache; files already there
-    are used in place. Offline (HF_HUB_OFFLINE), only what the cache holds."""
+    are used in place. Offline (HF_HUB_OFFLINE), only what the cache holds. `single_file`: a split
+    GGUF is refused before any of it is fetched."""
     name = text if isinstance(text, HubName) else parse_name(text)
     if name is None:
         raise HubError(f"{text}: not a Hub model name ({NAME_FORMS})")
@@ -523,8 +607,10 @@ def pull(text: str | HubName, token: str | None = None, mmproj: str | None = Non
     chosen = choose_model(sorted(remote), name)
     repo = repo_dir(name.repo)
     snapshot = repo / "snapshots" / commit
+    if single_file:
+        _refuse_split(name, chosen, snapshot / chosen[0])
     for path in chosen:
-        _link(snapshot, path, _fetch_blob(repo, name, commit, remote[path], token, show_progress))
+        _link(name, snapshot, path, _fetch_blob(repo, name, commit, remote[path], token, show_progress))
     model_path = snapshot / chosen[0] if chosen[0].lower().endswith(".gguf") else snapshot
     tower = None if no_mmproj or model_path.is_dir() else choose_tower(sorted(remote), chosen[0], mmproj)
     if tower is not None and not _is_vision_model(model_path):
@@ -532,13 +618,14 @@ def pull(text: str | HubName, token: str | None = None, mmproj: str | None = Non
             raise HubError(f"--mmproj {mmproj}: {name} is not a model pagelm reads images with")
         tower = None
     if tower is not None:
-        _link(snapshot, tower, _fetch_blob(repo, name, commit, remote[tower], token, show_progress))
+        _link(name, snapshot, tower, _fetch_blob(repo, name, commit, remote[tower], token, show_progress))
     if model_path.is_file():
         _remember_tower(model_path, tower)
+        if name.quant is None:
+            with records.updating(_quant_choices_path()) as choices:
+                choices[str(name)] = chosen[0]
     if name.revision != commit:
-        ref = repo / "refs" / (name.revision or "main")
-        ref.parent.mkdir(parents=True, exist_ok=True)
-        ref.write_text(commit)
+        records.write_atomically(repo / "refs" / (name.revision or "main"), commit)
     return HubModel(str(name), model_path, snapshot / tower if tower else None, snapshot, tuple(chosen))
 
 
@@ -548,10 +635,10 @@ def locate(text: str | HubName, show_progress: bool = True) -> HubModel:
     name = text if isinstance(text, HubName) else parse_name(text)
     if name is None:
         raise HubError(f"{text}: not a Hub model name ({NAME_FORMS})")
-    located = locate_cached(name) or pull(name, token=None, show_progress=show_progress)
-    if located.path.is_file() and len(located.files) > 1:
-        raise HubError(f"{name}: a GGUF split in {len(located.files)} parts, and pagelm opens single files; merge "
-                       f"them with llama.cpp's `llama-gguf-split --merge {located.path} OUT.gguf`, then use OUT.gguf")
+    located = locate_cached(name)
+    if located is None:
+        return pull(name, token=None, show_progress=show_progress, single_file=True)
+    _refuse_split(name, located.files, located.path)
     return located
 
 

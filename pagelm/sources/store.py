@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from pagelm.errors import PagelmError
-from pagelm.sources import hub
+from pagelm.sources import hub, records
 from pagelm.sources.home import home
 
 _COPY_BLOCK = 1 << 20
@@ -83,21 +82,8 @@ def local_models_path() -> Path:
 
 def local_models() -> dict[str, Path]:
     """Models added with `pagelm pull PATH`: name -> the path they stay at (never copied)."""
-    try:
-        entries = json.loads(local_models_path().read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(entries, dict):
-        return {}
-    return {name: Path(path) for name, path in entries.items() if isinstance(name, str) and isinstance(path, str)}
-
-
-def _save_local_models(entries: dict[str, Path]) -> None:
-    path = local_models_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(path.name + ".part")
-    part.write_text(json.dumps({name: str(p) for name, p in sorted(entries.items())}, indent=1), encoding="utf-8")
-    os.replace(part, path)
+    entries = records.read_record(local_models_path())
+    return {name: Path(path) for name, path in entries.items() if isinstance(path, str)}
 
 
 def is_model_path(path: Path) -> bool:
@@ -158,9 +144,8 @@ def add_local(path: str) -> tuple[str, Path]:
     name = resolved.stem if resolved.is_file() else resolved.name
     if name in KNOWN_MODELS or stored_path(name).is_file():
         raise PagelmError(f"{path}: its name '{name}' is already a model in the store; rename it to add it")
-    entries = local_models()
-    entries[name] = resolved
-    _save_local_models(entries)
+    with records.updating(local_models_path()) as entries:
+        entries[name] = str(resolved)
     return name, resolved
 
 
@@ -254,11 +239,11 @@ def remove(name: str) -> Path:
     model: pagelm.sources.hub.remove."""
     if hub_name(name) is not None:
         return hub.remove(name)[0]
-    entries = local_models()
-    if name in entries:
-        path = entries.pop(name)
-        _save_local_models(entries)
-        return path
+    local = local_models().get(name)
+    if local is not None:
+        with records.updating(local_models_path()) as entries:
+            entries.pop(name, None)
+        return local
     path = stored_path(name)
     if not path.is_file():
         raise PagelmError(f"model '{name}' is not in the store ({models_dir()})")

@@ -75,6 +75,7 @@ def env(hub, tmp_path):
     """The environment of a `pagelm` process: an empty cache and store, the loopback Hub, no token."""
     hub.reset_counts()
     hub.faults.clear()
+    hub.hostile.clear()
     hub.busy_listings = 0
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
     environment.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_CACHE=str(tmp_path / "hf-cache"),

@@ -1,5 +1,6 @@
 """A Hugging Face Hub look-alike on loopback for the Hub tests: the endpoints huggingface_hub and
-pagelm use (model info, tree, HEAD/GET resolve with Range), with counted bytes and injected faults.
+pagelm use (model info, tree, HEAD/GET resolve with Range), with counted bytes, injected faults and
+what a compromised Hub answers (`hostile`).
 
 Repositories are files on disk under commits; what is served is recorded in `sent` and `requests`.
 """
@@ -10,8 +11,8 @@ import asyncio
 import hashlib
 import socket
 import threading
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
+from pathlib import Path, PurePosixPath
 
 import uvicorn
 from starlette.applications import Starlette
@@ -54,7 +55,8 @@ class Fault:
     """What goes wrong serving one file: the connection dropped after `drop_at` of it (once),
     `unavailable` GETs answered 503 first, a byte flipped, `delay` seconds before each chunk, or
     the body stalled at `hold_at` of it until `released` is set (a slow server, whatever the
-    machine's speed)."""
+    machine's speed). A hostile server: `overlong` bytes more than the file, in a body of no stated
+    length, or a Range request answered from byte `range_from` (saying so in its Content-Range)."""
 
     drop_at: float | None = None
     unavailable: int = 0
@@ -62,6 +64,29 @@ class Fault:
     delay: float = 0.0
     hold_at: float | None = None
     released: threading.Event = field(default_factory=threading.Event)
+    overlong: int = 0
+    range_from: int | None = None
+
+
+@dataclass(frozen=True)
+class Hostile:
+    """A compromised Hub's repository: `files` (listed name -> the file whose size and sha256 are
+    listed, or `sha256` instead) listed under commit id `commit`, whatever those are. Every download
+    of a file of the same final name is answered with its bytes, whatever the URL (a client takes
+    `..` out of a URL before sending it)."""
+
+    commit: str
+    files: dict[str, Path]
+    sha256: str | None = None
+
+    def listed(self) -> dict[str, HubFile]:
+        served = {name: HubFile.of(path) for name, path in self.files.items()}
+        return {name: replace(f, sha256=self.sha256 or f.sha256) for name, f in served.items()}
+
+    def served(self, url_path: str) -> tuple[str, HubFile] | None:
+        """(listed name, file) of what a download of `url_path` gets."""
+        return next(((name, HubFile.of(path)) for name, path in self.files.items()
+                     if PurePosixPath(name).name == PurePosixPath(url_path).name), None)
 
 
 @dataclass
@@ -72,6 +97,7 @@ class HubServer:
     refs: dict[str, dict[str, str]] = field(default_factory=dict)
     tokens: dict[str, str] = field(default_factory=dict)  # private repo id -> the token it wants
     faults: dict[tuple[str, str], Fault] = field(default_factory=dict)  # (repo id, path) -> fault
+    hostile: dict[str, Hostile] = field(default_factory=dict)  # repo id -> what is answered for it instead
     sent: dict[tuple[str, str], int] = field(default_factory=dict)  # (repo id, path) -> body bytes sent
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)  # (method, url path, Range)
     busy_listings: int = 0  # model info requests answered 503 before one is answered
@@ -112,10 +138,13 @@ class HubServer:
         if self.busy_listings:
             self.busy_listings -= 1
             return _error(503, "ServiceUnavailable", "injected: try again later")
-        found = self._commit(request, repo, p.get("revision", "main"))
-        if isinstance(found, Response):
-            return found
-        commit, files = found
+        if repo in self.hostile:
+            commit, files = self.hostile[repo].commit, self.hostile[repo].listed()
+        else:
+            found = self._commit(request, repo, p.get("revision", "main"))
+            if isinstance(found, Response):
+                return found
+            commit, files = found
         siblings = [{"rfilename": name, "size": f.size, "blobId": f.git_sha1,
                      **({"lfs": {"sha256": f.sha256, "size": f.size, "pointerSize": 134}} if f.lfs else {})}
                     for name, f in sorted(files.items())]
@@ -135,6 +164,8 @@ class HubServer:
     async def resolve(self, request: Request) -> Response:
         p = request.path_params
         repo, path = f"{p['org']}/{p['name']}", p["path"]
+        if repo in self.hostile:
+            return await self.hostile_download(request)
         self.requests.append((request.method, request.url.path, request.headers.get("range")))
         found = self._commit(request, repo, p["revision"])
         if isinstance(found, Response):
@@ -142,19 +173,31 @@ class HubServer:
         commit, files = found
         if path not in files:
             return _error(404, "EntryNotFound", f"{path} does not exist on {commit}")
-        f = files[path]
+        return self._download(request, repo, path, commit, files[path])
+
+    async def hostile_download(self, request: Request) -> Response:
+        """Any URL at all: the file of a hostile repository's listing that has its final name."""
+        self.requests.append((request.method, request.url.path, request.headers.get("range")))
+        for repo, hostile in self.hostile.items():
+            if served := hostile.served(request.url.path):
+                return self._download(request, repo, served[0], hostile.commit, served[1])
+        return _error(404, "EntryNotFound", f"{request.url.path} does not exist")
+
+    def _download(self, request: Request, repo: str, path: str, commit: str, f: HubFile) -> Response:
+        fault = self.faults.get((repo, path), Fault())
         headers = {"X-Repo-Commit": commit, "ETag": f'"{f.etag}"', "Accept-Ranges": "bytes",
                    **({"X-Linked-Etag": f'"{f.sha256}"', "X-Linked-Size": str(f.size)} if f.lfs else {})}
         start, status = 0, 200
         if request.headers.get("range", "").startswith("bytes="):
             start = int(request.headers["range"][6:].split("-")[0])
+            start = start if fault.range_from is None else fault.range_from
             status = 206
             headers["Content-Range"] = f"bytes {start}-{f.size - 1}/{f.size}"
-        headers["Content-Length"] = str(f.size - start)
+        if not fault.overlong:
+            headers["Content-Length"] = str(f.size - start)
         if request.method == "HEAD":
             return Response(status_code=status, headers=headers)
-        fault = self.faults.get((repo, path))
-        if fault and fault.unavailable:
+        if fault.unavailable:
             fault.unavailable -= 1
             return _error(503, "ServiceUnavailable", "injected: try again later")
         return StreamingResponse(self._body(repo, path, f, start), status_code=status, headers=headers)
@@ -164,7 +207,7 @@ class HubServer:
         with open(f.path, "rb") as fh:
             fh.seek(start)
             offset = start
-            while block := fh.read(CHUNK):
+            while block := fh.read(CHUNK) or (offset < f.size + fault.overlong and bytes(CHUNK)):  # then junk
                 if fault.drop_at is not None and offset >= fault.drop_at * f.size:
                     fault.drop_at = None  # once
                     raise ConnectionAbortedError("injected: connection dropped mid-file")
@@ -178,6 +221,7 @@ class HubServer:
                 self.sent[(repo, path)] = self.sent.get((repo, path), 0) + len(block)
                 offset += len(block)
                 yield block
+                await asyncio.sleep(0)  # a client gone is noticed here (a send to it returns at once)
 
     def app(self) -> Starlette:
         base = "/api/models/{org}/{name}"
@@ -186,6 +230,7 @@ class HubServer:
             Route(base + "/revision/{revision}", self.model_info),
             Route(base + "/tree/{revision}", self.tree),
             Route("/{org}/{name}/resolve/{revision}/{path:path}", self.resolve, methods=["GET", "HEAD"]),
+            Route("/{path:path}", self.hostile_download),
         ])
 
 

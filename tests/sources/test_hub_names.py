@@ -1,6 +1,8 @@
 """Hub names and the choice of files in a repository, on the file lists of real repositories
 (unsloth/Qwen3.5-0.8B-GGUF, ggml-org/Qwen3.5-0.8B-GGUF) and made-up ones."""
 
+import re
+
 import pytest
 
 from pagelm.sources.hub import HubError, HubName, choose_model, choose_tower, parse_name, quant_label
@@ -28,6 +30,14 @@ def test_names(text, expected):
 def test_malformed_hub_names_are_errors(text):
     with pytest.raises(HubError, match="not a Hub model name"):
         parse_name(text)
+
+
+@pytest.mark.parametrize("repo", ["a--b/c", "a/b..", "a/b-", "a/.b", "-a/b", "a/b.git", "a/" + "b" * 97])
+def test_repository_names_the_hub_refuses_are_errors_naming_them(repo):
+    with pytest.raises(HubError, match=f"'{re.escape(repo)}' is not a repository name the Hub allows"):
+        parse_name(f"hf.co/{repo}:Q8_0")
+    with pytest.raises(HubError, match=f"'{re.escape(repo)}' is not a repository name the Hub allows"):
+        parse_name(f"{repo}:Q8_0")
 
 
 def test_quant_labels():

@@ -5,13 +5,14 @@ file, so that one session's loopback Hub and synthetic models serve every test."
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from hub_server import CHUNK, HF_DIR, PRIVATE, QWEN, SPLIT, TINY, TOKEN, Fault
+from hub_server import CHUNK, HF_DIR, PRIVATE, QWEN, SPLIT, TINY, TOKEN, Fault, Hostile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))  # the serve tests' process helpers
 from serve_helpers import ServerProcess, openai_chat, png  # noqa: E402
@@ -164,6 +165,7 @@ def test_failures_are_one_line_with_exit_status_1(hub, env, pagelm):
     _one_line_error(pagelm("pull", f"hf.co/{QWEN}:Q5_K_M"), "Q5_K_M", "Q4_0, Q8_0")
     _one_line_error(pagelm("pull", f"hf.co/{QWEN}:Q8_0@v9"), "no revision 'v9'")
     _one_line_error(pagelm("pull", "hf.co/not a name"), "not a Hub model name")
+    _one_line_error(pagelm("pull", "hf.co/org--x/tiny"), "'org--x/tiny' is not a repository name the Hub allows")
     _one_line_error(pagelm("run", f"hf.co/{QWEN}:Q8_0", "Hi", extra={"HF_HUB_OFFLINE": "1"}),
                     "not in the Hugging Face cache", "HF_HUB_OFFLINE")
     _one_line_error(pagelm("pull", f"hf.co/{QWEN}", extra={"HF_ENDPOINT": "http://127.0.0.1:9"}), "cannot reach")
@@ -176,7 +178,9 @@ def test_private_repository_with_hf_token(hub, env, pagelm):
     assert (_snapshot(env, PRIVATE) / "tiny-Q8_0.gguf").is_file()
 
 
-def test_split_gguf_is_fetched_whole(hub, hub_files, env, pagelm):
+def test_split_gguf_is_fetched_whole_and_run_refuses_it_before_fetching_any(hub, hub_files, env, pagelm):
+    _one_line_error(pagelm("run", f"hf://{SPLIT}", "Hi"), "split in 2 parts", "llama-gguf-split --merge")
+    assert hub.fetched(SPLIT) == 0 and not [r for r in hub.requests if r[0] == "GET"]
     pulled = pagelm("pull", f"hf://{SPLIT}")
     assert pulled.returncode == 0, pulled.stderr
     snapshot = _snapshot(env, SPLIT)
@@ -272,3 +276,121 @@ def test_the_tower_pull_chose_is_used_and_rm_takes_a_tower_no_other_model_uses(h
     assert removed.returncode == 0, removed.stderr
     assert sorted(p.name for p in snapshot.iterdir()) == ["mmproj-BF16.gguf", "qwen-tiny-Q4_0.gguf"]
     assert len(list((snapshot.parents[1] / "blobs").iterdir())) == 2
+
+
+HOSTILE = "org/hostile"  # what a compromised HF_ENDPOINT answers for it: hub.hostile[HOSTILE]
+HOSTILE_COMMIT = hashlib.sha1(b"hostile").hexdigest()
+
+
+def _tree(root: Path, leaving_out: Path) -> set[tuple[str, bool]]:
+    return {(str(p.relative_to(root)), p.is_symlink()) for p in root.rglob("*")
+            if leaving_out != p and leaving_out not in p.parents}
+
+
+def test_a_hostile_listing_writes_nothing_outside_the_cache(hub, hub_files, env, pagelm, tmp_path):
+    model, outside = Path(hub_files["tiny-b"]), tmp_path / "outside"
+    linked_out = Path(env["HF_HUB_CACHE"]) / f"models--{HOSTILE.replace('/', '--')}" / "snapshots" / HOSTILE_COMMIT
+    linked_out.mkdir(parents=True)
+    outside.mkdir()
+    (linked_out / "sub").symlink_to(outside)  # a folder in the snapshot that leads out of it
+    escaping = "../../../../outside/evil-Q8_0.gguf"  # from snapshots/COMMIT/ to tmp_path/outside/
+    cases = [
+        (Hostile(HOSTILE_COMMIT, {escaping: model}), f"'{escaping}'"),
+        (Hostile(HOSTILE_COMMIT, {str(outside / "evil-Q8_0.gguf"): model}), f"'{outside / 'evil-Q8_0.gguf'}'"),
+        (Hostile("../../../outside", {"evil-Q8_0.gguf": model}), "commit id '../../../outside'"),
+        (Hostile(HOSTILE_COMMIT, {"evil-Q8_0.gguf": model}, sha256="../../../../outside/blob"), "blob id"),
+        (Hostile(HOSTILE_COMMIT, {"sub/evil-Q8_0.gguf": model}), "would be stored outside"),
+        *[(Hostile(HOSTILE_COMMIT, {bad: model}), "not a path inside a repository")
+          for bad in ("a//evil-Q8_0.gguf", "a\\..\\evil-Q8_0.gguf", "a\0/evil-Q8_0.gguf")],
+    ]
+    before = _tree(tmp_path, leaving_out=Path(env["HF_HUB_CACHE"]))
+    for hostile, words in cases:
+        hub.hostile[HOSTILE] = hostile
+        _one_line_error(pagelm("pull", f"hf.co/{HOSTILE}:Q8_0"), words)
+        assert _tree(tmp_path, leaving_out=Path(env["HF_HUB_CACHE"])) == before, words
+
+
+def test_a_body_longer_than_listed_is_cut_at_the_listed_size(hub, hub_files, env, pagelm):
+    size = os.path.getsize(hub_files["tiny-b"])
+    hub.faults[(TINY, "tiny-Q4_0.gguf")] = Fault(overlong=64 << 20)
+    pulled = pagelm("pull", f"hf.co/{TINY}:Q4_0")
+    _one_line_error(pulled, f"more of tiny-Q4_0.gguf than the {size} bytes it lists")
+    assert int(re.search(r"stopped reading at (\d+)", pulled.stderr).group(1)) <= size + CHUNK
+    # the server counts what the sockets took too (megabytes), never the whole tail
+    assert hub.sent[(TINY, "tiny-Q4_0.gguf")] < size + (64 << 20)
+    repo = Path(env["HF_HUB_CACHE"]) / f"models--{TINY.replace('/', '--')}"
+    assert not list((repo / "blobs").iterdir()) and not (repo / "snapshots").exists()
+
+
+def test_a_resumed_download_goes_on_from_where_it_asked_or_from_the_start(hub, hub_files, env, pagelm):
+    hub.faults[(TINY, "tiny-Q8_0.gguf")] = Fault(drop_at=0.5, range_from=0)  # the resume answered from byte 0
+    pulled = pagelm("pull", f"hf.co/{TINY}:Q8_0")
+    assert pulled.returncode == 0, pulled.stderr
+    assert _sha256(_snapshot(env, TINY) / "tiny-Q8_0.gguf") == _sha256(hub_files["tiny-a2"])
+    assert [r[2] is not None for r in hub.requests if r[0] == "GET"] == [False, True]
+
+    hub.faults[(TINY, "tiny-Q4_0.gguf")] = Fault(drop_at=0.5, range_from=1)  # from neither
+    _one_line_error(pagelm("pull", f"hf.co/{TINY}:Q4_0"), "tiny-Q4_0.gguf", "Content-Range 'bytes 1-")
+    assert not list((_snapshot(env, TINY).parents[1] / "blobs").glob("*.incomplete"))
+
+
+def test_a_name_without_a_quant_means_what_pull_chose_for_it(hub, env, pagelm):
+    assert pagelm("pull", f"hf.co/{TINY}:Q4_0").returncode == 0
+    # pull would choose Q8_0 (the default), which the cache lacks: not the Q4_0 that is there
+    _one_line_error(pagelm("run", f"hf.co/{TINY}", "Hi", extra={"HF_HUB_OFFLINE": "1"}), "names no quant",
+                    "the cache holds Q4_0")
+    pulled = pagelm("pull", f"hf.co/{TINY}")
+    assert pulled.returncode == 0 and "tiny-Q8_0.gguf" in pulled.stdout, pulled.stderr
+    removed = pagelm("rm", f"hf.co/{TINY}", extra={"HF_HUB_OFFLINE": "1"})
+    assert removed.returncode == 0, removed.stderr
+    assert removed.stdout.strip() == f"removed {_snapshot(env, TINY) / 'tiny-Q8_0.gguf'}"
+
+
+_ADD_LOCAL = """
+import sys
+from pagelm.sources import store
+print("ready", flush=True)
+sys.stdin.readline()  # the other process is ready too
+for path in sys.argv[1:]:
+    store.add_local(path)
+"""
+
+
+def test_concurrent_processes_lose_no_record(env, tmp_path):
+    models = [tmp_path / f"m{i}.gguf" for i in range(200)]
+    for path in models:
+        path.write_bytes(b"GGUF")
+    halves = [models[:100], models[100:]]
+    processes = [subprocess.Popen([sys.executable, "-c", _ADD_LOCAL, *map(str, half)], env=env, text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for half in halves]
+    for process in processes:
+        assert process.stdout.readline() == "ready\n"
+    for process in processes:
+        process.stdin.write("go\n")
+        process.stdin.flush()
+    for process in processes:
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == 0, stderr
+    recorded = json.loads((Path(env["PAGELM_HOME"]) / "local-models.json").read_text())
+    assert recorded == {path.stem: str(path.resolve()) for path in models}
+
+
+def test_two_pulls_of_one_model_at_once_both_succeed(hub, hub_files, env, pagelm):
+    held = hub.faults[(QWEN, "qwen-tiny-Q8_0.gguf")] = Fault(hold_at=0.5)
+    pulls = [subprocess.Popen([sys.executable, "-m", "pagelm", "pull", f"hf.co/{QWEN}:Q8_0"], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    try:
+        while hub.sent.get((QWEN, "qwen-tiny-Q8_0.gguf"), 0) < os.path.getsize(hub_files["qwen-Q8_0"]) // 2:
+            assert all(p.poll() is None for p in pulls)
+            time.sleep(0.05)
+    finally:
+        held.released.set()
+    for process in pulls:
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr
+    snapshot = _snapshot(env, QWEN)
+    assert _sha256(snapshot / "qwen-tiny-Q8_0.gguf") == _sha256(hub_files["qwen-Q8_0"])
+    assert _sha256(snapshot / "mmproj-F16.gguf") == _sha256(hub_files["mmproj-F16"])
+    assert sorted(p.name for p in snapshot.iterdir()) == ["mmproj-F16.gguf", "qwen-tiny-Q8_0.gguf"]
+    assert hub.sent[(QWEN, "qwen-tiny-Q8_0.gguf")] == os.path.getsize(hub_files["qwen-Q8_0"])  # fetched once
