@@ -547,10 +547,11 @@ def test_a_conversation_past_the_context_says_so_and_starts_over(tabs, strict):
     tab.send(question)
     assert "context" in tab.last(".notes .error")
     page.click("#messages .context-hint .carry-over")
+    page.wait_for_function("q => document.querySelector('#input').value === q", arg=question)
     assert page.locator("#chat-list li").count() == 2 and page.locator("#messages .msg").count() == 0
-    assert page.input_value("#input") == question
     before = tab.answered()
     page.press("#input", "Enter")
     tab.wait_answered(before + 1)
     assert page.locator("#messages .msg.assistant .error").count() == 0 and tab.last()
-    assert all("400" in e for e in tab.errors), tab.errors  # the failed fetch, logged by the browser
+    # the browser logs the failed fetches: before the key was given, and the one past the context
+    assert all("401" in e or "400" in e for e in tab.errors), tab.errors
