@@ -575,7 +575,7 @@ async function generate(conversation, userNode) {
 
 function stop() {
   const run = state.streaming;
-  if (!run) return;
+  if (!run || run.controller.signal.aborted) return;  // asked once is enough: the server forgets the id
   if (run.requestId) {
     fetch("/api/cancel", { method: "POST", headers: headers(), body: JSON.stringify({ id: run.requestId }) })
       .catch(() => {});
