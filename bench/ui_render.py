@@ -7,7 +7,8 @@ page (its fetch of /v1/chat/completions answered from a stream that gives K toke
 every run paints the same text in the same steps. Printed: the time spent in the page's
 updateMessage (markdown, sanitizing, highlighting, DOM) summed over the answer, and Chromium's
 script, style and layout time over the whole answer. The figures of another version of the page
-come from running this with that version first on PYTHONPATH (the server sends its own page).
+come from running this with that version's tree on PYTHONPATH, from a directory outside any tree (the
+server, started as `python -m pagelm`, imports from its working directory first and sends its own page).
 """
 
 from __future__ import annotations
