@@ -207,8 +207,10 @@ async def tags(server: Server, request: Request) -> Response:
 
 
 async def ps(server: Server, request: Request) -> Response:
-    entry = {**_model_entry(server), "size_vram": 0, "expires_at": "", "context_length": server.settings.ctx_len,
-             "file": str(server.chat.path)}
+    # the server keeps its one model loaded until it stops: an expiry that never comes, as the last
+    # time ISO 8601's four-digit years can say (Ollama's own CLI shows such a far time as "Forever")
+    entry = {**_model_entry(server), "size_vram": 0, "expires_at": "9999-12-31T23:59:59Z",
+             "context_length": server.settings.ctx_len, "file": str(server.chat.path)}
     return JSONResponse({"models": [entry], **(await server.current_stats())})
 
 

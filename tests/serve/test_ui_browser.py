@@ -12,7 +12,9 @@ import os
 import re
 import shutil
 import statistics
+import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import jsonschema
@@ -39,6 +41,28 @@ WATCH_ANSWER = """() => { window.__steps = [];
         if (n && n !== (window.__steps.at(-1) || [0, 0])[1]) window.__steps.push([performance.now(), n]);
     }).observe(document.querySelector('#messages'), {subtree: true, childList: true, characterData: true}); }"""
 XSS = '<img src=x onerror="window.__pwned=1"> <script>window.__pwned=2</script>'
+# window.fetch answers /v1/chat/completions with `pieces` of content, one an animation frame (the
+# page's own played-back model); `ends` false cuts the stream before its finish and [DONE]
+PLAY_BACK = """([pieces, ends]) => {
+    const fetchFromServer = window.fetch;
+    const encoder = new TextEncoder();
+    const event = (data) => encoder.encode(`data: ${JSON.stringify(data)}\\n\\n`);
+    window.fetch = (url, init) => {
+        if (url !== "/v1/chat/completions") return fetchFromServer(url, init);
+        const body = new ReadableStream({ async start(out) {
+            for (const content of pieces) {
+                out.enqueue(event({ choices: [{ index: 0, delta: { content } }] }));
+                await new Promise((resolve) => requestAnimationFrame(resolve));
+            }
+            if (ends) {
+                out.enqueue(event({ choices: [{ index: 0, delta: {}, finish_reason: "stop" }] }));
+                out.enqueue(encoder.encode("data: [DONE]\\n\\n"));
+            }
+            out.close();
+        } });
+        return Promise.resolve(new Response(body, { headers: { "Content-Type": "text/event-stream" } }));
+    };
+}"""
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +215,7 @@ def test_stop_cancels_the_request_on_the_server(tabs, smol):
     tab.page.wait_for_function("() => (document.querySelector('#messages .msg.assistant .body') || {}).textContent")
     tab.page.keyboard.press("Escape")
     tab.wait_answered(before + 1)
-    assert "(stopped)" in tab.last()
+    assert "(stopped)" in tab.last(".notes")
     wait_ps(smol, lambda ps: ps["requests"]["cancelled"] >= cancelled + 1 and not ps["requests"]["running"],
             "the request cancelled")
     (conversation,) = tab.stored()
@@ -347,7 +371,7 @@ def test_the_page_keeps_up_with_a_500_token_answer(tabs, qwen_vision, capsys):
     steps = page.evaluate("window.__steps")
     (conversation,) = tab.stored()
     completion = branch_of(conversation)[-1]["stats"]["completion_tokens"]
-    gaps = [b[0] - a[0] for a, b in zip(steps, steps[1:])]
+    gaps = [b[0] - a[0] for a, b in pairwise(steps)]
     with capsys.disabled():
         print(f"\nchat page, {completion} tokens streamed: {len(steps)} DOM updates, gap between updates "
               f"median {statistics.median(gaps):.1f} ms, 95th percentile {sorted(gaps)[int(len(gaps) * .95)]:.1f} ms, "
@@ -365,7 +389,7 @@ def test_screenshots_of_a_real_conversation(tabs, smol):
     tab.send("Write a Python function that returns the square of a number.")
     tab.send("Now make it return the cube.")  # a second turn: its prompt comes from the prefix cache
     assert not re.search(r" 0 cached", tab.last(".stats")), tab.last(".stats")
-    page.wait_for_function("() => document.querySelector('[data-figure=queue]').textContent === '0 / 0'")
+    page.wait_for_function("() => document.querySelector('[data-figure=slots]').textContent === '0 / 4'")
     shots = {}
     for theme in ("light", "dark"):
         page.emulate_media(color_scheme=theme)
@@ -392,3 +416,142 @@ def test_a_server_with_an_api_key_asks_for_it(tabs, strict):
     tab.page.wait_for_function("() => document.querySelector('[data-figure=served]').textContent !== '–'")
     # a 401 logs the failed fetch as a console error: the only ones allowed here
     assert all("401" in e for e in tab.errors), tab.errors
+
+
+def test_the_panel_shows_busy_and_total_slots(tabs, smol):
+    tab = tabs(smol)
+    page = tab.page
+    total = smol.ps()["slots"]["total"]
+    assert total >= 2
+    page.wait_for_function("t => document.querySelector('[data-figure=slots]').textContent === `0 / ${t}`", arg=total)
+    ids = ["ui-slots-1", "ui-slots-2"]
+
+    def ask(rid: str) -> None:  # long answers (greedy counting goes on), cancelled once the page showed both
+        with smol.client() as c:
+            c.post("/v1/completions", headers={"X-Request-Id": rid},
+                   json={"model": smol.model, "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 1500, "temperature": 0})
+
+    asking = [threading.Thread(target=ask, args=(rid,)) for rid in ids]
+    for thread in asking:
+        thread.start()
+    try:
+        page.wait_for_function("t => document.querySelector('[data-figure=slots]').textContent === `2 / ${t}`",
+                               arg=total)
+    finally:
+        with smol.client() as c:
+            for rid in ids:
+                c.post("/api/cancel", json={"id": rid})
+        for thread in asking:
+            thread.join()
+    assert page.inner_text("[data-figure=queued]") == "0"
+    assert tab.errors == []
+
+
+def test_a_conversation_deleted_while_it_streams_stays_deleted(tabs, smol):
+    tab = tabs(smol)
+    page = tab.page
+    tab.settings(max_tokens=400)
+    tab.send("Hello")  # a second conversation to fall back on
+    page.click("#new-chat")
+    before = tab.answered()
+    page.fill("#input", "Tell me a long story about a lighthouse keeper.")
+    page.press("#input", "Enter")
+    page.wait_for_function("() => (document.querySelector('#messages .msg.assistant .body') || {}).textContent")
+    doomed = page.locator("#chat-list li.active")
+    doomed.hover()
+    doomed.locator(".delete").click()
+    doomed.locator(".delete").click()
+    tab.wait_answered(before + 1)  # the stream ended (stopped) after the delete
+    page.wait_for_function("() => document.querySelectorAll('#chat-list li').length === 1")
+    tab.open()  # a reload
+    assert page.locator("#chat-list .title").all_inner_texts() == ["Hello"]
+    assert [c["title"] for c in tab.stored()] == ["Hello"]
+    assert tab.errors == []
+
+
+def test_importing_an_empty_export_says_so_and_send_still_works(tabs, smol):
+    tab = tabs(smol)
+    page = tab.page
+    tab.settings(max_tokens=4)
+    empty = json.dumps({"pagelm": 1, "conversations": []}).encode()
+    page.set_input_files("#import-chats", files=[{"name": "empty.json", "mimeType": "application/json",
+                                                  "buffer": empty}])
+    assert "empty.json: it holds no conversations" in page.inner_text("#notice")
+    tab.send("Hello")
+    assert page.locator("#messages .msg.assistant").count() == 1 and tab.last()
+    assert tab.errors == []
+
+
+def test_settings_the_form_marks_invalid_are_not_saved(tabs, smol):
+    tab = tabs(smol)
+    page = tab.page
+    tab.settings(temperature=0.5)
+    tab.settings(temperature=5, max_tokens=8)  # the field allows 0 to 2
+    assert page.locator("#settings").get_attribute("open") is not None  # the dialog stays open
+    page.click("#settings button[value=cancel]")
+    assert json.loads(page.evaluate("localStorage.getItem('pagelm.settings')"))["temperature"] == "0.5"
+    sent = []
+    page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
+    tab.send("Hello")
+    assert sent[0]["temperature"] == 0.5 and "max_tokens" not in sent[0]
+    assert tab.errors == []
+
+
+def test_a_stream_cut_before_done_shows_as_interrupted(tabs, smol):
+    tab = tabs(smol)
+    page = tab.page
+    page.evaluate(PLAY_BACK, [["The answer ", "stops he"], False])
+    tab.send("Hello")
+    assert tab.last() == "The answer stops he"
+    assert "interrupted" in tab.last(".notes")
+    (conversation,) = tab.stored()
+    assert branch_of(conversation)[-1]["interrupted"] is True
+    tab.open()  # the stored answer says so too
+    assert "interrupted" in tab.last(".notes")
+    assert tab.errors == []
+
+
+def test_a_streamed_answer_renders_only_its_changing_end(tabs, smol):
+    """Blocks already shown keep their DOM nodes while later ones stream; code is highlighted once complete."""
+    tab = tabs(smol)
+    page = tab.page
+    code = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(8))
+    text = f"First **paragraph**.\n\n```python\n{code}```\n\nLast words."
+    pieces = [text[i:i + 6] for i in range(0, len(text), 6)]
+    page.evaluate(PLAY_BACK, [pieces, True])
+    page.evaluate("""() => new MutationObserver(() => {  // the paragraph and code as shown mid-code
+        const body = document.querySelector('#messages .msg.assistant .body');
+        if (body && !window.__paragraph && (body.querySelector('code') || {}).textContent?.includes('f2')) {
+            window.__paragraph = body.querySelector('p');
+            window.__codeHighlighted = body.querySelectorAll('.hljs').length;
+        }
+    }).observe(document.querySelector('#messages'), {subtree: true, childList: true, characterData: true})""")
+    tab.send("Write code")
+    body = page.locator("#messages .msg.assistant .body")
+    assert collapse(body.inner_text()).startswith("First paragraph. def f0(x):")
+    assert page.evaluate("window.__paragraph.isConnected && window.__paragraph.textContent") == "First paragraph."
+    assert page.evaluate("window.__codeHighlighted") == 0  # plain text while it was being written
+    assert body.locator("pre code.hljs span").count() > 0 and body.locator(".copy-code").count() == 1
+    assert body.locator("pre").count() == 1 and body.locator("p").last.inner_text() == "Last words."
+    assert tab.errors == []
+
+
+def test_a_conversation_past_the_context_says_so_and_starts_over(tabs, strict):
+    """The strict server's context is 64 tokens: a second turn no longer fits, the same message alone does."""
+    tab = tabs(strict, connects=False)
+    page = tab.page
+    tab.settings(key=API_KEY, temperature=0, max_tokens=12)
+    tab.wait_connected()
+    tab.send("Hi")
+    question = "Now tell me, in one short sentence, what the sea looks like at dawn."
+    tab.send(question)
+    assert "context" in tab.last(".notes .error")
+    page.click("#messages .context-hint .carry-over")
+    page.wait_for_function("q => document.querySelector('#input').value === q", arg=question)
+    assert page.locator("#chat-list li").count() == 2 and page.locator("#messages .msg").count() == 0
+    before = tab.answered()
+    page.press("#input", "Enter")
+    tab.wait_answered(before + 1)
+    assert page.locator("#messages .msg.assistant .error").count() == 0 and tab.last()
+    # the browser logs the failed fetches: before the key was given, and the one past the context
+    assert all("401" in e or "400" in e for e in tab.errors), tab.errors

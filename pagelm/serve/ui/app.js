@@ -38,24 +38,21 @@ function headers() {
   return h;
 }
 
-async function errorText(response) {
+// The error a failed response describes, with its status and (OpenAI's shape) code.
+async function responseError(response) {
   const text = await response.text();
+  let message = text || `${response.status} ${response.statusText}`, code = null;
   try {
-    const body = JSON.parse(text);
-    return (body.error && (body.error.message || body.error)) || text;
-  } catch {
-    return text || `${response.status} ${response.statusText}`;
-  }
+    const { error } = JSON.parse(text);
+    if (error) { message = error.message || error; code = error.code || null; }
+  } catch { /* not JSON: the text is the message */ }
+  return Object.assign(new Error(message), { status: response.status, code });
 }
 
 async function api(path, body) {
   const response = await fetch(path, body === undefined ? { headers: headers() }
     : { method: "POST", headers: headers(), body: JSON.stringify(body) });
-  if (!response.ok) {
-    const error = new Error(await errorText(response));
-    error.status = response.status;
-    throw error;
-  }
+  if (!response.ok) throw await responseError(response);
   return response.json();
 }
 
@@ -89,12 +86,13 @@ async function connect() {
 }
 
 // Streams one chat completion; calls onDelta(reasoning, content) per chunk and returns
-// { usage, finish, requestId }. Aborting `signal` ends it early.
+// { usage, finish, requestId, ended }: ended is false when the stream closed before [DONE].
+// Aborting `signal` ends it early.
 async function streamChat(body, onDelta, signal, onStart) {
   const response = await fetch("/v1/chat/completions", {
     method: "POST", headers: headers(), body: JSON.stringify({ ...body, stream: true }), signal,
   });
-  if (!response.ok) throw new Error(await errorText(response));
+  if (!response.ok) throw await responseError(response);
   const requestId = response.headers.get("X-Request-Id");
   onStart(requestId);
   const reader = response.body.getReader();
@@ -110,9 +108,9 @@ async function streamChat(body, onDelta, signal, onStart) {
       buffer = buffer.slice(end + 2);
       if (!event.startsWith("data: ")) continue;
       const data = event.slice(6);
-      if (data === "[DONE]") return { usage, finish, requestId };
+      if (data === "[DONE]") return { usage, finish, requestId, ended: true };
       const chunk = JSON.parse(data);
-      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.error) throw Object.assign(new Error(chunk.error.message), { code: chunk.error.code });
       const choice = chunk.choices && chunk.choices[0];
       if (choice) {
         const delta = choice.delta || {};
@@ -122,7 +120,7 @@ async function streamChat(body, onDelta, signal, onStart) {
       if (chunk.usage) usage = chunk.usage;
     }
   }
-  return { usage, finish, requestId };
+  return { usage, finish, requestId, ended: false };
 }
 
 // ---- storage (IndexedDB) ---------------------------------------------------------------
@@ -201,18 +199,55 @@ const PURIFY = {
   FORBID_ATTR: ["style"],
 };
 
-function renderMarkdown(target, text) {
-  target.innerHTML = DOMPurify.sanitize(marked.parse(text), PURIFY);
-  for (const code of target.querySelectorAll("pre > code")) {
+// Markdown into `target` block by block (marked's top-level tokens): a block whose markdown is
+// unchanged keeps its nodes, so each frame of a streamed answer renders only its changed end. While
+// `growing`, a code block still open at the end is plain text that grows in place; it is
+// highlighted once complete.
+function renderMarkdown(target, text, growing = false) {
+  const blocks = target.blocks ??= [];  // what target shows: { raw, nodes, open } per token
+  const tokens = marked.lexer(text);
+  const open = growing && tokens.at(-1)?.type === "code" ? tokens.length - 1 : -1;
+  let kept = 0;
+  while (kept < blocks.length && kept < tokens.length && blocks[kept].raw === tokens[kept].raw
+    && blocks[kept].open === (kept === open)) kept++;
+  if (kept === open && blocks.length === tokens.length && blocks[open].open) {
+    growCode(blocks[open], tokens[open]);
+    return;
+  }
+  for (const block of blocks.splice(kept)) for (const node of block.nodes) node.remove();
+  for (let i = kept; i < tokens.length; i++) {
+    const block = i === open ? openCodeBlock(tokens[i]) : renderedBlock(tokens[i]);
+    target.append(...block.nodes);
+    blocks.push(block);
+  }
+}
+
+function renderedBlock(token) {
+  const box = document.createElement("div");
+  box.innerHTML = DOMPurify.sanitize(marked.parser([token]), PURIFY);
+  for (const code of box.querySelectorAll("pre > code")) {
     hljs.highlightElement(code);
     const copy = el("button", { type: "button", class: "copy-code", text: "Copy" });
     copy.addEventListener("click", () => copyText(code.textContent, copy));
     code.parentElement.append(copy);
   }
-  for (const link of target.querySelectorAll("a")) {  // never navigate away from a conversation
+  for (const link of box.querySelectorAll("a")) {  // never navigate away from a conversation
     link.target = "_blank";
     link.rel = "noopener noreferrer";
   }
+  return { raw: token.raw, nodes: [...box.childNodes], open: false };
+}
+
+function openCodeBlock(token) {
+  return { raw: token.raw, nodes: [el("pre", {}, el("code", { text: token.text }))], open: true };
+}
+
+function growCode(block, token) {
+  const code = block.nodes[0].firstChild;
+  const shown = code.textContent;
+  if (token.text.startsWith(shown)) code.append(token.text.slice(shown.length));
+  else code.textContent = token.text;
+  block.raw = token.raw;
 }
 
 function copyText(text, button) {
@@ -242,7 +277,7 @@ function messageElement(conversation, node) {
   if (node.images && node.images.length) {
     article.append(el("div", { class: "images" }, ...node.images.map((src) => el("img", { src, alt: "attached image" }))));
   }
-  article.append(el("div", { class: "body" }), el("div", { class: "stats" }));
+  article.append(el("div", { class: "body" }), el("div", { class: "notes" }), el("div", { class: "stats" }));
   const actions = el("div", { class: "msg-actions" });
   const others = siblings(conversation, node);
   if (others.length > 1) {
@@ -257,14 +292,15 @@ function messageElement(conversation, node) {
   if (node.role === "user") actions.append(el("button", { type: "button", class: "edit", text: "Edit", onclick: () => startEdit(conversation, node, article) }));
   else actions.append(el("button", { type: "button", class: "regenerate", text: "Regenerate", onclick: () => regenerate(conversation, node) }));
   article.append(actions);
-  updateMessage(article, node);
+  updateMessage(conversation, article, node);
   return article;
 }
 
-function updateMessage(article, node) {
+// Shows `node` in its article; while `streaming`, only what its latest text changed.
+function updateMessage(conversation, article, node, streaming = false) {
   const body = article.querySelector(".body");
   if (node.role === "user") body.textContent = node.content;
-  else renderMarkdown(body, node.content);
+  else renderMarkdown(body, node.content, streaming);
   const reasoning = article.querySelector(".reasoning");
   if (reasoning) {
     if (node.content && !article.dataset.answering) {
@@ -272,12 +308,40 @@ function updateMessage(article, node) {
       reasoning.open = false;
     }
     reasoning.hidden = !node.reasoning;
-    reasoning.querySelector(".reasoning-text").textContent = node.reasoning || "";
+    const text = reasoning.querySelector(".reasoning-text"), shown = text.textContent;
+    if (node.reasoning && node.reasoning.startsWith(shown)) text.append(node.reasoning.slice(shown.length));
+    else text.textContent = node.reasoning || "";
   }
-  if (node.error) body.append(el("p", { class: "error", text: node.error }));
-  if (node.stopped) body.append(el("p", { class: "stopped", text: "(stopped)" }));
+  article.querySelector(".notes").replaceChildren(...notes(conversation, node));
   const cut = node.finish === "length" ? " · cut at the max-tokens limit" : "";
   article.querySelector(".stats").textContent = node.stats ? formatStats(node.stats) + cut : "";
+}
+
+function notes(conversation, node) {
+  const found = [];
+  if (node.error) found.push(el("p", { class: "error", text: node.error }));
+  if (node.overflow) found.push(contextHint(conversation.nodes[node.parent]));
+  if (node.stopped) found.push(el("p", { class: "stopped", text: "(stopped)" }));
+  if (node.interrupted) {
+    found.push(el("p", { class: "interrupted", text: "(interrupted: the connection closed before the answer ended)" }));
+  }
+  return found;
+}
+
+// What to do once the conversation (or the message alone) is longer than the model's context.
+function contextHint(question) {
+  if (!question.parent) return el("p", { class: "context-hint", text: "This message alone does not fit the model's context: shorten it." });
+  return el("p", { class: "context-hint" }, "This conversation no longer fits the model's context. ",
+    el("button", { type: "button", class: "carry-over", text: "New chat with this message",
+      onclick: () => carryOver(question) }));
+}
+
+async function carryOver(question) {
+  await createConversation();
+  $("#input").value = question.content;
+  fitInput();
+  state.attachments = (question.images || []).slice();
+  renderAttachments();
 }
 
 function nearBottom(box) {
@@ -356,8 +420,9 @@ async function createConversation() {
 }
 
 async function deleteConversation(conversation) {
-  await store.remove(conversation.id);
   state.conversations = state.conversations.filter((c) => c !== conversation);
+  if (state.streaming && state.streaming.conversation === conversation) stop();
+  await store.remove(conversation.id);
   if (state.current === conversation) {
     if (state.conversations.length) openConversation(state.conversations[state.conversations.length - 1]);
     else await createConversation();
@@ -381,6 +446,7 @@ async function importConversations(file) {
     if (!Array.isArray(found) || !found.every((c) => c && typeof c.id === "string" && c.nodes && typeof c.nodes === "object")) {
       throw new Error("not a pagelm export (expected {conversations: [...]})");
     }
+    if (!found.length) throw new Error("it holds no conversations");
     for (const conversation of found) {
       state.conversations = state.conversations.filter((c) => c.id !== conversation.id);
       state.conversations.push(conversation);
@@ -465,10 +531,10 @@ async function generate(conversation, userNode) {
   setBusy(true);
   const sent = performance.now();
   let first = null, pending = false;
-  const paint = () => {
+  const paint = (streaming) => {
     pending = false;
     const follow = nearBottom(box);
-    updateMessage(article, answer);
+    updateMessage(conversation, article, answer, streaming);
     if (follow) box.scrollTop = box.scrollHeight;
   };
   try {
@@ -476,7 +542,7 @@ async function generate(conversation, userNode) {
       if (first === null) first = performance.now();
       answer.reasoning += reasoning;
       answer.content += content;
-      if (!pending) { pending = true; requestAnimationFrame(paint); }
+      if (!pending) { pending = true; requestAnimationFrame(() => pending && paint(true)); }
     }, controller.signal, (id) => { run.requestId = id; });
     const end = performance.now();
     if (result.usage) {
@@ -490,13 +556,17 @@ async function generate(conversation, userNode) {
       };
     }
     answer.finish = result.finish;
+    if (!result.ended) answer.interrupted = true;
   } catch (e) {
     if (e.name === "AbortError") answer.stopped = true;
-    else answer.error = e.message;
+    else {
+      answer.error = e.message;
+      if (e.code === "context_length_exceeded") answer.overflow = true;
+    }
   } finally {
     state.streaming = null;
-    paint();
-    await save(conversation);
+    paint(false);  // a frame still pending then paints nothing
+    if (state.conversations.includes(conversation)) await save(conversation);  // unless deleted meanwhile
     setBusy(false);
     document.body.dataset.answered = Number(document.body.dataset.answered || 0) + 1;  // for tests to wait on
     refreshStats();
@@ -505,7 +575,7 @@ async function generate(conversation, userNode) {
 
 function stop() {
   const run = state.streaming;
-  if (!run) return;
+  if (!run || run.controller.signal.aborted) return;  // asked once is enough: the server forgets the id
   if (run.requestId) {
     fetch("/api/cancel", { method: "POST", headers: headers(), body: JSON.stringify({ id: run.requestId }) })
       .catch(() => {});
@@ -599,7 +669,8 @@ async function refreshStats() {
   figure("prefix_bytes", bytes(prefix.bytes_held));
   figure("image_entries", `${images.entries ?? 0}`);
   figure("tower_passes", `${images.tower_passes ?? 0}`);
-  figure("queue", `${requests.running ? 1 : 0} / ${requests.queued}`);
+  figure("slots", `${ps.slots.busy ?? 0} / ${ps.slots.total ?? 0}`);
+  figure("queued", `${requests.queued}`);
   figure("served", `${requests.served}`);
   figure("cancelled", `${requests.cancelled}`);
   $("#replica-figures").hidden = !ps.replicas;
@@ -681,7 +752,8 @@ function wire() {
     localStorage.setItem("pagelm.settings", JSON.stringify(state.settings));
   });
   $("#open-settings").addEventListener("click", openSettings);
-  $("#save-settings").addEventListener("click", saveSettings);
+  // submit comes only once the form's fields are valid; Cancel (formnovalidate) closes without saving
+  $("#settings form").addEventListener("submit", (e) => { if (e.submitter === $("#save-settings")) saveSettings(e); });
   $("#theme").addEventListener("click", () => {
     const now = localStorage.getItem("pagelm.theme") || "auto";
     localStorage.setItem("pagelm.theme", THEMES[(THEMES.indexOf(now) + 1) % THEMES.length]);
