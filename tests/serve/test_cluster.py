@@ -281,8 +281,10 @@ def test_killing_a_replica_loses_no_request_that_had_not_started(cluster):
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
     for thread in threads:
         thread.start()
-    ps = _wait(cluster, lambda ps: max(r["requests"]["queued"] for r in ps["replicas"]) >= 2,
-               "no replica had two requests waiting")
+    # one waiting request is what the test needs; waiting for two failed on a loaded machine, where the
+    # starved ingress hands requests on about as fast as slots free up (every answer is 400 tokens)
+    ps = _wait(cluster, lambda ps: max(r["requests"]["queued"] for r in ps["replicas"]) >= 1,
+               "no replica had a request waiting")
     victim = max(ps["replicas"], key=lambda r: r["requests"]["queued"])
     os.kill(victim["pid"], signal.SIGKILL)
     for thread in threads:
