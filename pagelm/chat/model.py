@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 from pagelm.chat.boundaries import MessageEnds
 from pagelm.chat.template import ChatTemplate
 from pagelm.chat.tokenizer import Tokenizer
-from pagelm.chat.tools import Tool, ToolCallStream, ToolFormat, tool_format
+from pagelm.chat.tools import Tool, ToolFormat, tool_format
 from pagelm.engine.load import load_model
 from pagelm.engine.model import DEFAULT_IMAGE_CACHE_MIB, Model
 from pagelm.runtime import heap
@@ -170,8 +170,8 @@ class ChatModel:
         calls tools in the template's form; None when it calls none."""
         if not tools or self.tool_form is None:
             return None
-        stream = ToolCallStream(self.tool_form, [Tool(t["function"]["name"], parameters=t["function"].get("parameters") or {})
-                                       for t in tools])
+        stream = self.tool_form.stream([Tool(t["function"]["name"], parameters=t["function"].get("parameters") or {})
+                                        for t in tools])
         pieces = stream.push(content) + stream.finish()
         if not stream.calls:
             return None

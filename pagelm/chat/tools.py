@@ -1,12 +1,13 @@
 """Tool calls in a chat template's own words: which form a template writes calls in, reading
 calls back out of generated text as it streams, and the grammar that forces a call.
 
-Two forms exist among the templates pagelm knows:
+Three forms exist among the templates pagelm knows:
 - Qwen3.5's XML form: `<tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nvalue\\n</parameter>\\n
   </function>\\n</tool_call>`, values written raw (strings as they are, other types as JSON);
-- the JSON form of Qwen2.5 / Hermes-style templates: `<tool_call>\\n{"name": ..., "arguments":
-  {...}}\\n</tool_call>`.
-A template that renders neither has no tool support; the server refuses tools for it.
+- the JSON form of Qwen3 / Qwen2.5 / Hermes-style templates: `<tool_call>\\n{"name": ..., "arguments":
+  {...}}\\n</tool_call>`;
+- Llama 3.x's: the whole answer is one call, `{"name": ..., "parameters": {...}}`, without tags.
+A template that renders none has no tool support; the server refuses tools for it.
 """
 
 from __future__ import annotations
@@ -134,6 +135,10 @@ def typed_value(text: str, schema: Any) -> Any:
 class ToolFormat:
     """How one template family writes a call; subclasses fill in the block's inside."""
 
+    def stream(self, tools: Iterable[Tool]) -> ToolCallStream | AnswerCallStream:
+        """What reads this form's calls to `tools` out of a streamed answer."""
+        return ToolCallStream(self, tools)
+
     def parse(self, inner: str, tools: dict[str, Tool]) -> ToolCall | None:
         """The call written between `<tool_call>` and `</tool_call>`; None when it is not one."""
         raise NotImplementedError
@@ -236,18 +241,35 @@ class JsonFormat(ToolFormat):
                 return None
         return ToolCall(value["name"], arguments) if isinstance(arguments, dict) else None
 
+    arguments = "arguments"  # the key a call's arguments are written under
+
     def call_rule(self, tools: list[Tool]) -> list[str]:
-        calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-                  "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+        calls = [{"type": "object", "properties": {"name": {"const": t.name}, self.arguments: t.parameters},
+                  "required": ["name", self.arguments], "additionalProperties": False} for t in tools]
         return [f"call_body: %json {_embedded({'anyOf': calls})}"]
+
+
+class Llama3Format(JsonFormat):
+    """Llama 3.x: an answer that is a call is only the call, one JSON object, no tags (its
+    templates render one call a message)."""
+
+    arguments = "parameters"
+
+    def stream(self, tools: Iterable[Tool]) -> AnswerCallStream:
+        return AnswerCallStream(self, tools)
+
+    def grammar(self, tools: list[Tool], parallel: bool) -> str:
+        return "\n".join(["start: call_body"] + self.call_rule(tools)) + "\n"
 
 
 def tool_format(template_source: str | None) -> ToolFormat | None:
     """The form a chat template writes calls in; None when it renders no calls at all."""
     source = template_source or ""
-    if OPEN not in source or "tool_calls" not in source:
+    if "tool_calls" not in source:
         return None
-    return QwenXmlFormat() if "<function=" in source else JsonFormat()
+    if OPEN in source:
+        return QwenXmlFormat() if "<function=" in source else JsonFormat()
+    return Llama3Format() if '"parameters": ' in source else None
 
 
 class PlainStream:
@@ -316,3 +338,41 @@ class ToolCallStream:
             return  # the separators between calls
         if text:
             out.append(text)
+
+
+class AnswerCallStream:
+    """An answer that is a call when its first non-blank character is `{` (Llama 3.x): held until
+    its JSON object is complete, then a call if it is one of the tools' (what follows it is
+    content), else content; any other answer is content as it streams."""
+
+    def __init__(self, form: JsonFormat, tools: Iterable[Tool]):
+        self.form = form
+        self.tools = {t.name: t for t in tools}
+        self.held = ""
+        self.deciding = True  # until the answer shows whether it is a call
+        self.calls: list[ToolCall] = []
+
+    def push(self, text: str) -> list[str | ToolCall]:
+        if not self.deciding:
+            return [text] if text else []
+        self.held += text
+        body = self.held.lstrip()
+        if not body:
+            return []
+        if body.startswith("{"):
+            try:
+                _, end = json.JSONDecoder().raw_decode(body)
+            except ValueError:  # not complete yet (or never: finish() gives it back as content)
+                return []
+            call = self.form.parse(body[:end], self.tools)
+            if call is not None:
+                self.deciding, self.held = False, ""
+                self.calls.append(call)
+                rest = body[end:]
+                return [call] + ([rest] if rest.strip() else [])
+        self.deciding = False
+        return self.finish()
+
+    def finish(self) -> list[str | ToolCall]:
+        held, self.held = self.held, ""
+        return [held] if held else []

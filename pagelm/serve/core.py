@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagelm.chat.model import ChatModel, Prompt
-from pagelm.chat.tools import PlainStream, Tool, ToolCallStream, ToolFormat
+from pagelm.chat.tools import AnswerCallStream, PlainStream, Tool, ToolCallStream, ToolFormat
 from pagelm.errors import ImageError, PagelmError
 from pagelm.chat.grammar import Grammar, GrammarError
 from pagelm.measure.memory import read_memory
@@ -51,9 +51,9 @@ class ChatPlan:
     tools: list[Tool] = field(default_factory=list)
     form: ToolFormat | None = None
 
-    def answer_stream(self) -> ToolCallStream | PlainStream:
+    def answer_stream(self) -> ToolCallStream | AnswerCallStream | PlainStream:
         """What splits this request's streamed answer into content and tool calls."""
-        return ToolCallStream(self.form, self.tools) if self.tools else PlainStream()
+        return self.form.stream(self.tools) if self.tools else PlainStream()
 
 
 @dataclass

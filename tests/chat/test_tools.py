@@ -2,6 +2,7 @@
 streamed text (whatever the chunking), typing XML-form values by schema, and the forcing grammar."""
 
 import json
+from pathlib import Path
 
 import llguidance
 import pytest
@@ -149,3 +150,42 @@ def test_a_value_holding_the_closing_tag_does_not_end_the_call(source):
     stream = ToolCallStream(tool_format(source), [WEATHER])
     pieces = [p for ch in text for p in stream.push(ch)] + stream.finish()
     assert [(p.name, p.arguments) for p in pieces] == [("get_weather", {"city": "a</tool_call>b"})]
+
+
+LLAMA3_TEMPLATE = (Path(__file__).parent / "templates" / "llama3.2.jinja").read_text()
+
+
+def llama3_answer(call: dict) -> str:
+    """The assistant message Llama 3.2's template writes for one call, between its header and <|eot_id|>."""
+    text = ChatTemplate(LLAMA3_TEMPLATE, bos_token="<|begin_of_text|>").render(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}],
+        add_generation_prompt=False, date_string="05 Dec 2026")
+    return text.split("<|start_header_id|>assistant<|end_header_id|>\n\n")[-1].removesuffix("<|eot_id|>")
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+def test_a_llama3_answer_that_is_a_call_is_read_back_whatever_the_chunking(chunk):
+    form = tool_format(LLAMA3_TEMPLATE)
+    assert isinstance(form, JsonFormat) and form.arguments == "parameters"
+    text = llama3_answer(CALLS[0])
+    assert text.startswith('{"name": "get_weather", "parameters": {')
+    stream = form.stream([WEATHER, CLOCK])
+    pieces = [p for i in range(0, len(text), chunk) for p in stream.push(text[i : i + chunk])] + stream.finish()
+    assert [(p.name, p.arguments) for p in pieces] == [("get_weather", CALLS[0]["function"]["arguments"])]
+
+
+@pytest.mark.parametrize("text", ["The weather is fine {really}.", '  {"name": "unknown", "parameters": {}}',
+                                  '{"name": "get_weather", "parameters": {"city": "Par', "{not json"])
+def test_a_llama3_answer_that_is_not_a_call_is_content_as_written(text):
+    stream = tool_format(LLAMA3_TEMPLATE).stream([WEATHER])
+    pieces = [p for ch in text for p in stream.push(ch)] + stream.finish()
+    assert "".join(pieces) == text and not stream.calls
+
+
+def test_the_llama3_forcing_grammar_accepts_one_call_as_the_template_writes_it():
+    form = tool_format(LLAMA3_TEMPLATE)
+    grammar = form.grammar([WEATHER, CLOCK], parallel=True)  # its template renders one call a message
+    assert accepts(grammar, llama3_answer(CALLS[0]))
+    assert accepts(grammar, llama3_answer(CALLS[1]))
+    assert not accepts(grammar, "Sure! " + llama3_answer(CALLS[1]))
+    assert not accepts(grammar, llama3_answer(CALLS[0]).replace('"parameters"', '"arguments"'))
