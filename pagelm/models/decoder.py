@@ -102,6 +102,15 @@ class Decoder:
 
     __call__ = forward
 
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Final hidden states of one whole input (T, hidden), from a state of its own that is then
+        dropped: an embedding model's pass. Never cut into segments, so that a model whose tokens
+        see later ones (EmbeddingGemma) sees the whole input."""
+        self._check_input(x)
+        with torch.inference_mode():
+            state = self.new_state(x.shape[0])
+            return finish(self._layers(x, [Span(state, 0, x.shape[0])], alone=False))
+
     def decode_batch(self, x: torch.Tensor, states: list, positions: list | None = None) -> torch.Tensor:
         """Final hidden states (n, hidden) of one token of each of n sequences: x (n, hidden) holds
         their input embeddings, states[i] (distinct) sequence i's state, positions[i] its rope

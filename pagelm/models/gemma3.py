@@ -32,10 +32,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagelm.errors import ModelFormatError, UnsupportedError
+from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.models.decoder import Decoder, Span, advance, per_sequence
-from pagelm.models.layers import (KVState, apply_rope_, check_config, attend_spans, attention, gated_mlp, inv_freq, rms_norm,
-                                  rope_tables)
+from pagelm.models.layers import (KVState, apply_rope_, attend_spans, attention, bidirectional_attention, check_config,
+                                  gated_mlp, inv_freq, rms_norm, rope_tables)
 from pagelm.models.token_layers import NORMS, TokenLayers
 from pagelm.models.token_ops import RopeRows, TokenStep, token_ropes
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, layer_period,
@@ -44,7 +44,9 @@ from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
 ARCH_NAME = "gemma3"
-GGUF_ARCHITECTURES = ("gemma3",)  # general.architecture values read here (pagelm.models' registry)
+# general.architecture values read here (pagelm.models' registry); gemma-embedding (EmbeddingGemma): Gemma 3
+# layers whose tokens see each other both ways, an embedding model
+GGUF_ARCHITECTURES = ("gemma3", "gemma-embedding")
 HF_MODEL_TYPES = ("gemma3", "gemma3_text")  # config.json model_types read here
 DEFAULT_PATTERN = 6
 DEFAULT_LOCAL_BASE = 10_000.0
@@ -67,15 +69,17 @@ class Gemma3Config:
     rms_eps: float
     final_logit_softcapping: float | None
     vocab: int  # rows of token_embd
+    causal: bool = True  # False: every token sees every other (within the window each way), an encoder
 
     @classmethod
     def from_loader(cls, model: WeightLoader) -> Gemma3Config:
         arch = model.architecture
-        if arch != ARCH_NAME:
-            raise ModelFormatError(f"{model.name}: metadata key 'general.architecture' is {arch!r:.40}, expected '{ARCH_NAME}'")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ModelFormatError(f"{model.name}: metadata key 'general.architecture' is {arch!r:.40}, expected one of "
+                                   f"{', '.join(GGUF_ARCHITECTURES)}")
 
         def key(k: str) -> str:
-            return f"{ARCH_NAME}.{k}"
+            return f"{arch}.{k}"
 
         def i(k: str) -> int:
             return model.get_int(key(k))
@@ -127,6 +131,7 @@ class Gemma3Config:
             rms_eps=f("attention.layer_norm_rms_epsilon"),
             final_logit_softcapping=f("final_logit_softcapping") if has("final_logit_softcapping") else None,
             vocab=embd[1],
+            causal=bool(model.get(key("attention.causal"))) if has("attention.causal") else arch == ARCH_NAME,
         )
         config.validate(model.name)
         return config
@@ -145,6 +150,12 @@ class Gemma3Config:
 
     def is_global_layer(self, i: int) -> bool:
         return i % self.sliding_window_pattern == self.sliding_window_pattern - 1
+
+    @property
+    def encoder_window(self) -> int:
+        """An encoder's sliding layers see keys with |i − j| < this (half the window each way, as
+        transformers' and llama.cpp's symmetric windows)."""
+        return self.sliding_window // 2 + 1
 
     @property
     def embedding_scale(self) -> float:
@@ -261,6 +272,10 @@ class Gemma3Model(Decoder):
                 apply_rope_(q, cos, sin)
                 apply_rope_(k, cos, sin)
                 kv = s.state
+                if not c.causal:
+                    if kv.pos != 0:
+                        raise PagelmError("an encoder model takes a whole input at once (Decoder.encode)")
+                    return bidirectional_attention(q, k, v, c.query_scale, None if is_global else c.encoder_window)
                 return attention(q, k, v, kv.layers[i], kv.pos, c.query_scale, window, kv.views[i])
 
             o = None
@@ -349,6 +364,7 @@ def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
         key("attention.sliding_window"): config.int("sliding_window"),
         key("attention.sliding_window_pattern"): pattern,
         key("attention.query_pre_attn_scalar"): config.float("query_pre_attn_scalar", head_dim),
+        key("attention.causal"): not config.get("use_bidirectional_attention", False),
     })
     metadata.update(rope_scaling(config, ARCH_NAME, full_rope))
     if config.get("final_logit_softcapping") is not None:

@@ -105,6 +105,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[to
     return o[0].transpose(0, 1).reshape(T, H * D)
 
 
+def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                            window: int | None = None) -> torch.Tensor:
+    """GQA attention of a whole input where every token sees every other (an encoder's pass, as
+    EmbeddingGemma's): q (T, H, D), k and v (T, G, D) with rope applied; with `window`, only the
+    keys within it each way (|i − j| < window). No cache. Returns (T, H·D) in q's dtype."""
+    T, H, D = q.shape
+    mask = None
+    if window is not None and window < T:
+        i = torch.arange(T, device=q.device)
+        mask = (i[:, None] - i[None, :]).abs() < window
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.to(q.dtype).transpose(0, 1)[None],
+                                       v.to(q.dtype).transpose(0, 1)[None], attn_mask=mask, scale=scale,
+                                       enable_gqa=True)
+    return o[0].transpose(0, 1).reshape(T, H * D)
+
+
 def attend_spans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list, i: int,
                  rope: tuple[torch.Tensor, torch.Tensor], scale: float, window: int | None = None) -> torch.Tensor | None:
     """Rope, then layer i's attention, of one token of each span's sequence (q (n, H, D), k and v

@@ -242,15 +242,17 @@ def tensor_maps(config: HFConfig, hf_names: set[str] | None, n_layers: int, glob
     """GGUF name → TensorMap for the tensors named by `globals_` (GGUF → HF name under the model
     prefix) and `per_layer` (GGUF suffix → HF suffix, blk.N. ↔ layers.N.) that the checkpoint
     holds (all of them when `hf_names` is None: a checkpoint about to be written), for whichever
-    of the usual prefixes (`model.language_model.` in multimodal checkpoints, `model.`) it uses.
+    of the usual prefixes (`model.language_model.` in multimodal checkpoints, `model.`, none) it uses.
     `lm_head.weight` becomes `output.weight` unless the embeddings are tied."""
     if hf_names is None:
         prefix = "model."
     else:
-        prefix = next((p for p in ("model.language_model.", "model.") if p + "embed_tokens.weight" in hf_names), None)
+        # "": a base model's own save (Gemma3TextModel, EmbeddingGemma), no head around it
+        prefix = next((p for p in ("model.language_model.", "model.", "") if p + "embed_tokens.weight" in hf_names),
+                      None)
         if prefix is None:
             raise ModelFormatError(f"{config.name}: the checkpoint has no model.embed_tokens.weight "
-                                   f"(nor model.language_model.embed_tokens.weight)")
+                                   f"(nor model.language_model.embed_tokens.weight, nor embed_tokens.weight)")
 
     def held(name: str) -> bool:
         return hf_names is None or name in hf_names
