@@ -76,3 +76,13 @@ def transformers_tokenizer():
                                                                      gguf_file=os.path.basename(path))
         return built[path]
     return get
+
+
+@pytest.fixture(scope="session")
+def embedding_gemma(tmp_path_factory):
+    """(directory, transformers model, dense projections) of a tiny random EmbeddingGemma (tests/embedding_model.py)."""
+    from embedding_model import write
+
+    path = tmp_path_factory.mktemp("embeddinggemma")
+    model, dense = write(path)
+    return str(path), model, dense

@@ -1,5 +1,6 @@
-"""The `pagelm run` command: one answer for a prompt, or the interactive chat; and the options of how
-a model is held and computed, which `serve` shares (`add_compute_options`)."""
+"""The `pagelm run` command: one answer for a prompt, or the interactive chat; `pagelm embed`: the
+vectors of texts from an embedding model; and the options of how a model is held and computed,
+which `serve` shares (`add_compute_options`)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ import sys
 from pagelm.errors import PagelmError
 from pagelm.sources.cli import locate
 
-def add_compute_options(parser: argparse.ArgumentParser) -> None:
-    """How a model is held and computed: the flags `run` and `serve` share."""
-    parser.add_argument("--mmproj", metavar="FILE",
-                        help="the vision tower (llama.cpp's mmproj GGUF) of a Qwen3.5 model (default: an mmproj*.gguf "
-                             "beside the model file, or mmproj.gguf in a model directory)")
-    parser.add_argument("--image-min-tokens", type=int, default=64,
-                        help="an image is resized up to at least this many tokens of 32 × 32 pixels (default 64)")
-    parser.add_argument("--image-max-tokens", type=int, default=1024,
-                        help="and down to at most this many (default 1024)")
+def add_compute_options(parser: argparse.ArgumentParser, images: bool = True) -> None:
+    """How a model is held and computed: the flags `run`, `serve` and (without images) `embed` share."""
+    if images:
+        parser.add_argument("--mmproj", metavar="FILE",
+                            help="the vision tower (llama.cpp's mmproj GGUF) of a Qwen3.5 model (default: an "
+                                 "mmproj*.gguf beside the model file, or mmproj.gguf in a model directory)")
+        parser.add_argument("--image-min-tokens", type=int, default=64,
+                            help="an image is resized up to at least this many tokens of 32 × 32 pixels (default 64)")
+        parser.add_argument("--image-max-tokens", type=int, default=1024,
+                            help="and down to at most this many (default 1024)")
     parser.add_argument("--embedding", choices=["mapped", "dense"], default="mapped",
                         help="token embedding rows decoded from the file map (mapped, default) or an unpacked table (dense)")
     parser.add_argument("--weights", choices=["mapped", "mapped-int8", "dense"], default="mapped",
@@ -183,6 +185,33 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _embed(args: argparse.Namespace) -> int:
+    """The vector of each TEXT from an embedding model (EmbeddingGemma, Qwen3-Embedding): one JSON line
+    per text on stdout, {"index", "tokens", "embedding"}, in the order given. Each text is embedded
+    alone: its vector is the same bits whatever else is asked with it."""
+    from pagelm.chat.model import ChatModel
+    from pagelm.engine.embed import Embedder
+
+    if args.dimensions is not None and args.dimensions < 1:
+        raise PagelmError(f"--dimensions must be >= 1, got {args.dimensions}")
+    path, _ = locate(args.model)
+    print(f"loading {path} (embedding {args.embedding}, weights {args.weights}, {args.dtype})", file=sys.stderr)
+    chat = ChatModel.open(path, name=args.model, embedding=args.embedding, weights=args.weights, dtype=args.dtype,
+                          threads=args.threads)
+    embedder = Embedder.of(chat.model)
+    prefix = embedder.head.prompts.get(args.prompt_name, "") if args.prompt_name else ""
+    if args.prompt_name and args.prompt_name not in embedder.head.prompts:
+        known = ", ".join(embedder.head.prompts) or "none"
+        raise PagelmError(f"--prompt-name {args.prompt_name!r}: the model names no such prompt (it has: {known})")
+    for i, text in enumerate(args.texts):
+        tokens = chat.tokenizer.encode(prefix + text, add_special=True)
+        if len(tokens) > args.ctx_len:
+            raise PagelmError(f"text {i + 1} is {len(tokens)} tokens long, more than --ctx-len {args.ctx_len}")
+        vector = embedder.embed(tokens, args.dimensions)
+        print(json.dumps({"index": i, "tokens": len(tokens), "embedding": vector.tolist()}), flush=True)
+    return 0
+
+
 def register(commands) -> None:
     run = commands.add_parser(
         "run", help="chat with a model: one answer for PROMPT, or an interactive session",
@@ -223,3 +252,16 @@ def register(commands) -> None:
                                  "Bound strings (maxLength), numbers and arrays (maxItems) to be sure the answer "
                                  "ends within --max-tokens")
     run.set_defaults(run=_run, think=False)
+    embed = commands.add_parser("embed", help="the vectors of texts from an embedding model",
+                                description=_embed.__doc__)
+    embed.add_argument("model", metavar="MODEL", help="an embedding model: a pulled name, a Hub model, a .gguf file or a "
+                                                      "directory (sentence-transformers layout)")
+    embed.add_argument("texts", nargs="+", metavar="TEXT")
+    embed.add_argument("--dimensions", type=int, metavar="N",
+                       help="keep the first N values of each vector and normalize them again (Matryoshka models)")
+    embed.add_argument("--prompt-name", metavar="NAME",
+                       help="put the model's named prompt before each text (e.g. query, document: "
+                            "config_sentence_transformers.json's prompts)")
+    embed.add_argument("--ctx-len", type=int, default=2048, help="longest text in tokens (default 2048)")
+    add_compute_options(embed, images=False)
+    embed.set_defaults(run=_embed)

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
+import numpy as np
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -24,7 +25,9 @@ from pagelm.chat.model import ChatModel, Prompt
 from pagelm.chat.tools import AnswerCallStream, PlainStream, Tool, ToolCallStream, ToolFormat
 from pagelm.errors import ImageError, PagelmError
 from pagelm.chat.grammar import Grammar, GrammarError
+from pagelm.engine.embed import Embedder
 from pagelm.measure.memory import read_memory
+from pagelm.weights.pooling import embedding_head
 from pagelm.engine.sampling import SamplingParams
 from pagelm.serve.prefix_cache import PrefixCache
 from pagelm.serve.requests import MAX_JSON_DEPTH, RequestError, check_body, request_id
@@ -89,7 +92,9 @@ class Server:
     def __init__(self, settings: ServeSettings):
         self.settings = settings
         self.chat: ChatModel | None = None
-        self.worker: Worker | None = None
+        self.worker: Worker | None = None  # a generative model's engine thread
+        self.embedder: Embedder | None = None  # an embedding model's
+        self._embedding = asyncio.Lock()  # one input at a time: the embeddings take every compute thread
         self.cache = PrefixCache(settings.prefix_slots, settings.prefix_cache_mib << 20)
         self.load_error: Exception | None = None
         self.load_s = 0.0
@@ -104,8 +109,12 @@ class Server:
             chat = ChatModel.open(s.model_path, name=s.model_name, embedding=s.embedding, weights=s.weights,
                                   dtype=s.dtype, threads=s.threads, mmproj=s.mmproj,
                                   image_cache_mib=s.image_cache_mib, image_tokens=s.image_tokens)
-            self.worker = Worker(chat.model, chat.tokenizer, s.ctx_len, self.cache, s.checkpoint_interval,
-                                 s.queue_size, s.parallel)
+            head = embedding_head(chat.model.loader)
+            if head is not None:
+                self.embedder = Embedder(chat.model, head)
+            else:
+                self.worker = Worker(chat.model, chat.tokenizer, s.ctx_len, self.cache, s.checkpoint_interval,
+                                     s.queue_size, s.parallel)
             self.chat = chat
         except Exception as e:  # noqa: BLE001 - reported by the CLI, which then exits
             self.load_error = e
@@ -120,6 +129,47 @@ class Server:
         if self.chat is None:
             raise RequestError("the model is still loading", status=503, headers={"Retry-After": "1"})
         return self.chat
+
+    def require_generative(self) -> ChatModel:
+        chat = self.require_ready()
+        if self.worker is None:
+            raise RequestError(f"model '{chat.name}' is an embedding model: it makes vectors, not text "
+                               f"(POST /v1/embeddings or /api/embed)")
+        return chat
+
+    def require_embedder(self) -> Embedder:
+        chat = self.require_ready()
+        if self.embedder is None:
+            raise RequestError(f"model '{chat.name}' is not an embedding model: it has no pooling (an embedding "
+                               f"model's file says how to pool; this one generates text)", param="model")
+        return self.embedder
+
+    async def embed(self, texts_or_tokens: list, truncate: bool, dimensions: int | None) -> tuple[np.ndarray, int]:
+        """(vectors (n, dims), prompt tokens) of inputs given as text or token ids; an input past the
+        context is cut to it when `truncate`, else a 400 naming the limit."""
+        embedder, chat = self.require_embedder(), self.require_ready()
+        if dimensions is not None and dimensions > embedder.dimensions:
+            raise RequestError(f"dimensions must be at most {embedder.dimensions} for model '{chat.name}', "
+                               f"got {dimensions}", param="dimensions")
+        limit = self.settings.ctx_len
+        inputs = []
+        for i, item in enumerate(texts_or_tokens):
+            tokens = chat.tokenizer.encode(item, add_special=True) if isinstance(item, str) else list(item)
+            if not tokens:
+                raise RequestError(f"input {i} is empty", param="input")
+            if len(tokens) > limit:
+                if not truncate:
+                    raise RequestError(f"input {i} is {len(tokens)} tokens long, more than the context of {limit} "
+                                       f"(allow truncation to embed its first {limit})", param="input",
+                                       code="context_length_exceeded")
+                tokens = tokens[:limit]
+            if max(tokens) >= chat.model.config.vocab:
+                raise RequestError(f"input {i}: token ids must be below the vocabulary size "
+                                   f"{chat.model.config.vocab}", param="input")
+            inputs.append(tokens)
+        async with self._embedding:
+            vectors = await run_in_threadpool(embedder.embed_all, inputs, dimensions)
+        return vectors, sum(len(t) for t in inputs)
 
     def check_model(self, name: object) -> None:
         chat = self.require_ready()
@@ -162,7 +212,7 @@ class Server:
         """The prompt with the tools and `images` (those of the messages' image parts, in order)
         rendered in, and the grammar that `choice` (a forced call) or `answer` (JSON) asks for.
         `choice` none offers no tools: none rendered, none parsed."""
-        chat = self.require_ready()
+        chat = self.require_generative()
         if images and chat.model.tower is None:
             raise RequestError(f"model '{chat.name}' has no vision support: it cannot read the {len(images)} "
                                f"image(s) in this request")
@@ -223,12 +273,12 @@ class Server:
         return grammar
 
     async def raw_prompt(self, text: str) -> Prompt:
-        return await run_in_threadpool(self.require_ready().raw_prompt, text)
+        return await run_in_threadpool(self.require_generative().raw_prompt, text)
 
     def start(self, request: Request, prompt: Prompt, params: SamplingParams, stop: tuple[str, ...],
               id_prefix: str, max_len: int | None = None, grammar: Grammar | None = None) -> Job:
         """Queue a generation; 400 if the prompt cannot fit, 503 if the queue is full."""
-        self.require_ready()
+        self.require_generative()
         limit = min(max_len or self.settings.ctx_len, self.settings.ctx_len)
         if not prompt.tokens:
             raise RequestError("the prompt is empty")

@@ -1,10 +1,11 @@
 """Ollama-compatible routes: /api/chat, /api/generate (NDJSON streams by default),
-/api/tags, /api/ps, /api/show, /api/version and /api/cancel (by request id).
+/api/embed, /api/embeddings, /api/tags, /api/ps, /api/show, /api/version and /api/cancel (by request id).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from datetime import datetime, timezone
 from functools import partial
@@ -17,8 +18,8 @@ from starlette.routing import Route
 from pagelm import __version__
 from pagelm.chat.tools import ToolCall
 from pagelm.serve.core import JsonAnswer, Server, events
-from pagelm.serve.requests import (RequestError, boolean, integer, messages_from, sampling, stop_strings, string,
-                                   tools_from)
+from pagelm.serve.requests import (RequestError, boolean, embedding_inputs, integer, messages_from, sampling,
+                                   stop_strings, string, tools_from)
 from pagelm.serve.worker import Delta, Job, Result
 
 # Ollama option names → the OpenAI-style names `sampling` reads
@@ -220,10 +221,35 @@ async def show(server: Server, request: Request) -> Response:
     chat = server.chat
     metadata = chat.model.file.metadata
     info = {k: v for k, v in metadata.items() if not k.startswith("tokenizer.") and isinstance(v, (int, float, str))}
-    capabilities = (["completion"] + (["tools"] if chat.tool_form else [])
-                    + (["thinking"] if chat.thinks else []) + (["vision"] if chat.model.tower else []))
+    capabilities = ["embedding"] if server.embedder else (
+        ["completion"] + (["tools"] if chat.tool_form else []) + (["thinking"] if chat.thinks else [])
+        + (["vision"] if chat.model.tower else []))
     return JSONResponse({"modelfile": "", "parameters": "", "template": chat.template.source,
                          "details": _details(server), "model_info": info, "capabilities": capabilities})
+
+
+async def embed(server: Server, request: Request) -> Response:
+    body = await server.read_json(request)
+    server.check_model(body.get("model"))
+    inputs = embedding_inputs(body.get("input"))
+    truncate = boolean(body, "truncate")
+    start = time.perf_counter()
+    vectors, tokens = await server.embed(inputs, truncate=truncate is not False,
+                                         dimensions=integer(body, "dimensions", 1))
+    return JSONResponse({"model": server.chat.name, "embeddings": vectors.tolist(),
+                         "total_duration": _ns(time.perf_counter() - start), "load_duration": 0,
+                         "prompt_eval_count": tokens})
+
+
+async def embeddings(server: Server, request: Request) -> Response:
+    """The older single-input route: `prompt` in, `embedding` out."""
+    body = await server.read_json(request)
+    server.check_model(body.get("model"))
+    prompt = string(body, "prompt")
+    if not prompt:
+        raise RequestError("prompt is required (a non-empty string)")
+    vectors, _ = await server.embed([prompt], truncate=True, dimensions=None)
+    return JSONResponse({"embedding": vectors[0].tolist()})
 
 
 async def version(server: Server, request: Request) -> Response:
@@ -248,6 +274,8 @@ def routes(server: Server) -> list[Route]:
         Route("/api/tags", server.endpoint(partial(tags, server)), methods=["GET"]),
         Route("/api/ps", server.endpoint(partial(ps, server)), methods=["GET"]),
         Route("/api/show", server.endpoint(partial(show, server)), methods=["POST"]),
+        Route("/api/embed", server.endpoint(partial(embed, server)), methods=["POST"]),
+        Route("/api/embeddings", server.endpoint(partial(embeddings, server)), methods=["POST"]),
         Route("/api/version", server.endpoint(partial(version, server)), methods=["GET"]),
         Route("/api/cancel", server.endpoint(partial(cancel, server)), methods=["POST"]),
     ]

@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models.
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models.
 
 Streaming answers are server-sent events of `chat.completion.chunk` (or `text_completion`)
 objects ending with `data: [DONE]`; reasoning arrives as `reasoning_content` deltas.
@@ -6,19 +6,21 @@ objects ending with `data: [DONE]`; reasoning arrives as `reasoning_content` del
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from functools import partial
 from typing import AsyncIterator
 
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pagelm.chat.tools import ToolCall
 from pagelm.serve.core import JsonAnswer, Server, events
-from pagelm.serve.requests import (RequestError, boolean, integer, messages_from, sampling, stop_strings,
-                                   string, tool_choice_from, tools_from)
+from pagelm.serve.requests import (RequestError, boolean, embedding_inputs, integer, messages_from, sampling,
+                                   stop_strings, string, tool_choice_from, tools_from)
 from pagelm.serve.worker import Delta, Job, Result
 
 REASONING_EFFORT_OFF = {"none", "minimal"}
@@ -212,6 +214,23 @@ async def completions(server: Server, request: Request) -> Response:
                          "usage": _usage(result)}, headers={"X-Request-Id": job.id})
 
 
+async def embeddings(server: Server, request: Request) -> Response:
+    body = await server.read_json(request)
+    server.check_model(body.get("model"))
+    inputs = embedding_inputs(body.get("input"))
+    encoding = string(body, "encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise RequestError('encoding_format must be "float" or "base64"', param="encoding_format")
+    vectors, tokens = await server.embed(inputs, truncate=False, dimensions=integer(body, "dimensions", 1))
+
+    def encoded(vector: np.ndarray):
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode() if encoding == "base64" else vector.tolist()
+
+    return JSONResponse({"object": "list", "model": _model_name(server),
+                         "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
 async def models(server: Server, request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [{"id": _model_name(server), "object": "model",
                                                      "created": int(server.started), "owned_by": "pagelm"}]})
@@ -221,5 +240,6 @@ def routes(server: Server) -> list[Route]:
     return [
         Route("/v1/chat/completions", server.endpoint(partial(chat_completions, server)), methods=["POST"]),
         Route("/v1/completions", server.endpoint(partial(completions, server)), methods=["POST"]),
+        Route("/v1/embeddings", server.endpoint(partial(embeddings, server)), methods=["POST"]),
         Route("/v1/models", server.endpoint(partial(models, server)), methods=["GET"]),
     ]

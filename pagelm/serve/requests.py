@@ -27,6 +27,7 @@ MAX_TOOLS_BYTES = 256 << 10
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 TOOL_CHOICES = ("auto", "none", "required")
 ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings request
 MAX_JSON_DEPTH = 64  # objects and lists inside each other; a deeper body is refused before any field is read
 
 
@@ -319,6 +320,27 @@ def messages_from(value: Any, protocol: str) -> tuple[list[dict], list[bytes]]:
             raise RequestError(f"{where}: more than {MAX_IMAGES} images in one request", param="messages")
         messages.append(plain)
     return messages, images
+
+
+def embedding_inputs(value: Any, param: str = "input") -> list[str | list[int]]:
+    """The inputs of an embeddings request: a string, a list of strings, a list of token ids (one
+    input) or a list of such lists."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise RequestError(f"{param} must be a string, a list of strings, or token ids (a list of integers, or a "
+                           f"list of such lists)", param=param)
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        value = [value]
+    if len(value) > MAX_EMBEDDING_INPUTS:
+        raise RequestError(f"{param}: at most {MAX_EMBEDDING_INPUTS} inputs in one request, got {len(value)}",
+                           param=param)
+    for i, item in enumerate(value):
+        tokens = isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                for t in item)
+        if not isinstance(item, str) and not tokens:
+            raise RequestError(f"{param}[{i}] must be a string or a list of token ids (integers >= 0)", param=param)
+    return value
 
 
 def request_id(header: str | None) -> str | None:
