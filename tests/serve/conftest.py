@@ -74,3 +74,9 @@ def qwen_vision(servers, qwen35_chat_gguf, qwen35_tower) -> ServerProcess:
     """The synthetic Qwen3.5 with its tiny vision tower (--mmproj), cache on."""
     return servers.get("qwen_vision", qwen35_chat_gguf, "--ctx-len", "2048", "--max-tokens", "8",
                        "--mmproj", qwen35_tower)
+
+
+@pytest.fixture(scope="session")
+def embedder(servers, embedding_gemma) -> ServerProcess:
+    """A tiny random EmbeddingGemma (tests/embedding_model.py), float32, a 64-token context."""
+    return servers.get("embed", embedding_gemma[0], "--ctx-len", "64", "--dtype", "float32")

@@ -93,7 +93,7 @@ CASES = [
     ("ollama-prompt-missing", "POST", "/api/generate", {"model": MODEL}, 400, ["prompt"]),
     ("ollama-num-ctx-zero", "POST", "/api/generate", {"model": MODEL, "prompt": "hi", "options": {"num_ctx": 0}},
      400, ["num_ctx"]),
-    ("openai-unknown-route", "POST", "/v1/embeddings", {"model": MODEL}, 404, ["/v1/embeddings"]),
+    ("openai-unknown-route", "POST", "/v1/audio/speech", {"model": MODEL}, 404, ["/v1/audio/speech"]),
     ("ollama-unknown-route", "GET", "/api/nothing", None, 404, ["/api/nothing"]),
     ("openai-wrong-method", "GET", "/v1/chat/completions", None, 405, ["GET"]),
     ("ollama-wrong-method", "GET", "/api/chat", None, 405, ["GET"]),
