@@ -73,21 +73,26 @@ def _pull(args: argparse.Namespace) -> int:
     return 0
 
 
+ARCH_WIDTH = 15  # the architecture column of `pagelm list`
+
+
 def _list_json(stored: dict, hub_models: list) -> None:
-    """One JSON array: name, file, revision, size and sha256 of every stored model, enough to pin it."""
-    from pagelm.sources import store
+    """One JSON array: name, file, architecture, revision, size and sha256 of every stored model, enough to pin it."""
+    from pagelm.sources import hub, store
 
     entries = []
     for name, model in sorted(stored.items()):
         known = store.KNOWN_MODELS.get(name)
         local = name in store.local_models()
         entries.append({"name": name, "source": "local" if local else "store", "file": model.path.name,
-                        "path": str(model.path), "revision": None, "size": model.size,
+                        "path": str(model.path), "architecture": hub.architecture(model.path), "revision": None,
+                        "size": model.size,
                         "sha256": None if local or known is None else known.sha256, "tower": None})
     for model in hub_models:
         files = [model.file_record(model.snapshot / f) for f in model.files]
         entries.append({"name": model.name, "source": "hub", "file": model.files[0] if model.quant else None,
-                        "path": str(model.path), "quant": model.quant, "revision": model.commit,
+                        "path": str(model.path), "architecture": hub.architecture(model.path), "quant": model.quant,
+                        "revision": model.commit,
                         "refs": list(model.refs), "size": model.size,
                         "sha256": files[0]["sha256"] if len(files) == 1 else None, "files": files,
                         "tower": model.file_record(model.tower) if model.tower else None})
@@ -105,17 +110,20 @@ def _list(args: argparse.Namespace) -> int:
         _list_json(stored, hub_models)
         return 0
     width = max([16] + [len(m.name) for m in hub_models])
-    print(f"{'NAME':<{width}} {'SIZE':>10}  PATH / HOW TO GET IT")
+    print(f"{'NAME':<{width}} {'SIZE':>10}  {'ARCH':<{ARCH_WIDTH}} PATH / HOW TO GET IT")
     for name in sorted(stored.keys() | store.KNOWN_MODELS.keys()):
         if name in stored:
             local = "  (local)" if name in store.local_models() else ""
-            print(f"{name:<{width}} {stored[name].size / 2**20:>8.1f}M  {stored[name].path}{local}")
+            kind = hub.architecture(stored[name].path) or "?"
+            print(f"{name:<{width}} {stored[name].size / 2**20:>8.1f}M  {kind:<{ARCH_WIDTH}} {stored[name].path}{local}")
         else:
-            print(f"{name:<{width}} {'-':>10}  not pulled: pagelm pull {name}  ({store.KNOWN_MODELS[name].description})")
+            print(f"{name:<{width}} {'-':>10}  {'':<{ARCH_WIDTH}} not pulled: pagelm pull {name}  "
+                  f"({store.KNOWN_MODELS[name].description})")
     for model in hub_models:
         revision = ", ".join(model.refs + (model.commit[:12],))
-        print(f"{model.name:<{width}} {model.size / 2**20:>8.1f}M  {model.quant or 'safetensors'}, revision "
-              f"{revision}: {model.path}")
+        kind = hub.architecture(model.path) or "?"
+        print(f"{model.name:<{width}} {model.size / 2**20:>8.1f}M  {kind:<{ARCH_WIDTH}} {model.quant or 'safetensors'}, "
+              f"revision {revision}: {model.path}")
         if model.tower:
             tower = f"  + tower {model.tower.name}"
             print(f"{tower:<{width}} {model.tower.stat().st_size / 2**20:>8.1f}M  {model.tower}")

@@ -10,6 +10,7 @@ renamed into place only once its hash matches the listing's.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -282,15 +283,27 @@ def _tower_of(snapshot: Path, model: str, files: list[str]) -> str | None:
     return choose_tower(files, model)
 
 
+def architecture(path: Path) -> str | None:
+    """The architecture a model's file names: a GGUF's general.architecture, a directory's
+    config.json model_type; None when it cannot be read (a split's part, a broken file)."""
+    if path.is_dir():
+        try:
+            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        kind = config.get("model_type") if isinstance(config, dict) else None
+    else:
+        try:
+            with GGUFFile.open(path) as file:
+                kind = file.metadata.get("general.architecture")
+        except PagelmError:
+            return None
+    return kind if isinstance(kind, str) else None
+
+
 def _is_vision_model(path: Path) -> bool:
     """Whether pagelm reads images with this model (a GGUF whose architecture has a tower)."""
-    if path.is_dir():
-        return False
-    try:
-        with GGUFFile.open(path) as file:
-            return file.metadata.get("general.architecture") in VISION_ARCHITECTURES
-    except PagelmError:  # not a whole GGUF (a split's part, a broken file): no tower for it
-        return False
+    return not path.is_dir() and architecture(path) in VISION_ARCHITECTURES
 
 
 def _cached_snapshot(name: HubName) -> Path | None:

@@ -55,12 +55,13 @@ def test_pull_stores_model_and_tower_run_answers_with_an_image_list_shows_both(h
     listed = pagelm("list")
     assert listed.returncode == 0, listed.stderr
     name_line = next(line for line in listed.stdout.splitlines() if line.startswith(f"hf.co/{QWEN}:Q8_0 "))
-    assert "Q8_0, revision main" in name_line and str(model) in name_line
+    assert " qwen35 " in name_line and "Q8_0, revision main" in name_line and str(model) in name_line
     assert "+ tower mmproj-F16.gguf" in listed.stdout
     entries = {e["name"]: e for e in json.loads(pagelm("list", "--json").stdout)}
     entry = entries[f"hf.co/{QWEN}:Q8_0"]
     assert entry["sha256"] == _sha256(hub_files["qwen-Q8_0"]) and entry["size"] == sizes["qwen-tiny-Q8_0.gguf"]
     assert entry["revision"] == snapshot.name and entry["file"] == "qwen-tiny-Q8_0.gguf"
+    assert entry["architecture"] == "qwen35"
     assert entry["tower"]["sha256"] == _sha256(hub_files["mmproj-F16"])
 
     image = tmp_path / "red.png"
