@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import pagelm
+from pagelm.engine.batch import MAX_BATCH
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.quant import int8dot
 from pagelm.quant.types import GGMLType
@@ -132,6 +133,21 @@ def test_batched_decode_is_each_sessions_own_bits(files, path, weights, dtype):
         for i, token, row in zip(order, tokens, rows):
             assert _same_bits(row, alone[i].decode(token)), f"sequence {i}"
             assert torch.equal(batched[i].state.conv[0], alone[i].state.conv[0])
+
+
+def test_a_full_batch_of_many_heads_is_each_sessions_own_bits(tmp_path):
+    """16 sequences of 8 query heads: 128 rows of q, more than one token's norm kernel takes."""
+    path = str(tmp_path / "heads.gguf")
+    hf_to_gguf(build_hf_model(heads=8), path)
+    model = pagelm.load(path, dtype="float32")
+    batched, alone = ([model.session(32) for _ in range(MAX_BATCH)] for _ in range(2))
+    for i, (b, a) in enumerate(zip(batched, alone)):
+        b.prefill(PROMPT[: 1 + i % 5] + [i])
+        a.prefill(PROMPT[: 1 + i % 5] + [i])
+    for _ in range(2):
+        tokens = [int(a.logits.argmax()) for a in alone]
+        rows = model.decode_batch(batched, tokens)
+        assert all(_same_bits(row, a.decode(token)) for row, a, token in zip(rows, alone, tokens))
 
 
 def test_checkpoint_detour_restore_is_recomputing(files):
