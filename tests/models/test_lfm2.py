@@ -5,6 +5,9 @@ state's bytes with the conv windows in them."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import gguf.quants
 import numpy as np
 import pytest
@@ -202,13 +205,16 @@ def test_a_missing_key_is_named(hf, tmp_path):
         pagelm.load(str(path))
 
 
-def test_conv_biases_are_refused(files, tmp_path):
-    import json
-    import shutil
-
-    path = tmp_path / "biased"
+@pytest.mark.parametrize("changes, error, words", [
+    ({"conv_bias": True}, UnsupportedError, "conv_bias true is not supported"),
+    ({"layer_types": ["conv", "full_attention"]}, ModelFormatError, "layer_types lists 2 layers, expected 6"),
+    ({"block_auto_adjust_ff_dim": "yes"}, ModelFormatError, "'block_auto_adjust_ff_dim' is \"yes\", expected a boolean"),
+])
+def test_config_errors_name_the_key(files, tmp_path, changes, error, words):
+    path = tmp_path / "edited"
     shutil.copytree(files[str(torch.float32)], path)
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "conv_bias": True}))
-    with pytest.raises(UnsupportedError, match="conv_bias"):
+    (path / "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(error) as e:
         pagelm.load(str(path))
+    assert words in str(e.value)
