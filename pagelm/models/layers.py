@@ -139,6 +139,18 @@ def gated_mlp(gate_up, down, y: torch.Tensor, activation, alone: bool) -> torch.
     return down(activation(gate).mul_(up), alone)
 
 
+def causal_conv1d(x: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The depthwise causal conv of x (T, C) with w (K, C), tap K-1 on the current token; state
+    (K-1, C) holds the previous K-1 inputs, oldest first, and is advanced in place."""
+    T, K = x.shape[0], w.shape[0]
+    xp = torch.cat((state, x))  # (K - 1 + T, C)
+    out = x * w[K - 1]
+    for j in range(K - 1):
+        out.addcmul_(xp[j : j + T], w[j])
+    state.copy_(xp[T:])
+    return out
+
+
 @dataclass(frozen=True)
 class KVCheckpoint:
     """A deep copy of a KVState at `pos`: each layer's K[:, :pos] and V[:, :pos]."""

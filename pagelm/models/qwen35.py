@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.models.decoder import Decoder, Span, advance, nbytes, per_sequence
 from pagelm.models.delta_rule import delta_rule_step, deltanet_tokens
-from pagelm.models.layers import apply_rope_, attention, check_config, gated_mlp, inv_freq, rms_norm, rope_tables
+from pagelm.models.layers import (apply_rope_, attention, causal_conv1d, check_config, gated_mlp, inv_freq, rms_norm,
+                                  rope_tables)
 from pagelm.models.token_ops import RopeRows, attend_tokens, cache_views, token_ropes
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, heads_tiled, hf_rope,
                                layer_period, rope_scaling, shift_norms, tensor_maps)
@@ -269,18 +270,6 @@ def mrope_positions(first: int, length: int, images: Sequence[tuple[int, int, in
         at = end
     positions[:, at:] = torch.arange(position, position + length - at)
     return positions, position + length - at
-
-
-def causal_conv1d_silu(x: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """SiLU of the depthwise causal conv of x (T, C) with w (K, C), tap K-1 on the current
-    token; state (K-1, C) holds the previous K-1 inputs, oldest first, and is advanced in place."""
-    T, K = x.shape[0], w.shape[0]
-    xp = torch.cat((state, x))  # (K - 1 + T, C)
-    out = x * w[K - 1]
-    for j in range(K - 1):
-        out.addcmul_(xp[j : j + T], w[j])
-    state.copy_(xp[T:])
-    return F.silu(out, inplace=True)
 
 
 def _tile_heads(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -542,7 +531,7 @@ class Qwen35Model(Decoder):
 
         def mix(s: Span, _) -> torch.Tensor:
             T, cache, rows = s.hi - s.lo, s.state.layers[i], proj[s.lo : s.hi]
-            qkv = causal_conv1d_silu(rows[:, :C], cache.conv, w.conv)
+            qkv = F.silu(causal_conv1d(rows[:, :C], cache.conv, w.conv), inplace=True)
             z = rows[:, C : C + V].view(T, nv, dv)
             beta = torch.sigmoid(rows[:, C + V : C + V + nv])
             g = w.a * F.softplus(rows[:, C + V + nv :] + w.dt_bias)
