@@ -37,7 +37,7 @@ def test_each_architecture_is_found_by_its_names(arch):
 
 
 def test_unknown_names_are_refused_with_the_supported_ones():
-    with pytest.raises(UnsupportedError, match=r"x.gguf: architecture 'mamba' is not supported \(supported: gemma3, lfm2, llama, qwen35\)"):
+    with pytest.raises(UnsupportedError, match=r"x.gguf: architecture 'mamba' is not supported \(supported: gemma-embedding, gemma3, lfm2, llama, qwen35\)"):
         architecture_module("mamba", "x.gguf")
     with pytest.raises(UnsupportedError, match="config.json: model_type 7 is not supported"):
         hf_layouts(7, "config.json")
