@@ -40,12 +40,15 @@ def _open_chat(args: argparse.Namespace):
     from pagelm.chat.conversation import Conversation
     from pagelm.chat.model import ChatModel
     from pagelm.engine.sampling import SamplingParams
+    from pagelm.weights.pooling import embedding_head
 
     path, tower = locate(args.model)
     print(f"loading {path} (embedding {args.embedding}, weights {args.weights}, {args.dtype})", file=sys.stderr)
     chat = ChatModel.open(path, name=args.model, embedding=args.embedding, weights=args.weights, dtype=args.dtype,
                           threads=args.threads, mmproj=args.mmproj or tower,
                           image_tokens=(args.image_min_tokens, args.image_max_tokens))
+    if embedding_head(chat.model.loader) is not None:
+        raise PagelmError(f"{args.model} is an embedding model: it makes vectors, not text (pagelm embed MODEL TEXT)")
     conversation = Conversation(chat.model, chat.tokenizer, chat.template, max_len=args.ctx_len, think=args.think)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, reasoning_budget=args.reasoning_budget)

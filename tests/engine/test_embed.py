@@ -95,3 +95,12 @@ def test_the_cli_prints_one_line_per_text_equal_to_the_library(embedding_gemma):
         tokens = chat.tokenizer.encode("task: search result | query: " + text, add_special=True)
         assert lines[i]["index"] == i and lines[i]["tokens"] == len(tokens)
         assert lines[i]["embedding"] == embedder.embed(tokens, 32).tolist()
+
+
+def test_run_refuses_an_embedding_model(embedding_gemma):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "pagelm", "run", embedding_gemma[0], "Hi"], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 2 and "is an embedding model" in out.stderr and "pagelm embed" in out.stderr
