@@ -19,7 +19,7 @@ CORPUS = ["the quick brown fox jumps over the lazy dog", "a vector for every tex
 
 
 def _tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -27,6 +27,9 @@ def _tokenizer(path: Path) -> None:
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<eos>", "<bos>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(CORPUS, trainer)
+    # EmbeddingGemma's framing of an input: <bos> text <eos>
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A <eos>",
+                                                             special_tokens=[("<bos>", 2), ("<eos>", 1)])
     tokenizer.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>",
                                                             "add_bos_token": True}))

@@ -207,7 +207,7 @@ def _embed(args: argparse.Namespace) -> int:
         known = ", ".join(embedder.head.prompts) or "none"
         raise PagelmError(f"--prompt-name {args.prompt_name!r}: the model names no such prompt (it has: {known})")
     for i, text in enumerate(args.texts):
-        tokens = chat.tokenizer.encode(prefix + text, add_special=True)
+        tokens = chat.tokenizer.encode_input(prefix + text)
         if len(tokens) > args.ctx_len:
             raise PagelmError(f"text {i + 1} is {len(tokens)} tokens long, more than --ctx-len {args.ctx_len}")
         vector = embedder.embed(tokens, args.dimensions)

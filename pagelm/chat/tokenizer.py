@@ -237,6 +237,29 @@ class Tokenizer:
         """
         return self._wrap(self._backend.encode(text), add_special)
 
+    def encode_input(self, text: str, limit: int | None = None) -> list[int]:
+        """Token ids of `text` as one whole input, framed as the model's tokenizer frames one: by a
+        Hugging Face tokenizer.json's post-processor when it has one (as sentence-transformers
+        encodes, e.g. EmbeddingGemma's <bos> … <eos>), else with the BOS / EOS the file asks for.
+        With `limit`, an input longer than that loses the end of its text, its frame kept."""
+        ids = self._framed(text)
+        if limit is None or len(ids) <= limit:
+            return ids
+        extra = len(ids) - len(self.encode(text))
+        empty = self._framed("")
+        head = 0  # the frame's tokens before the text: those it shares with an empty input's frame
+        while head < min(extra, len(empty)) and ids[head] == empty[head]:
+            head += 1
+        keep = limit - extra
+        if keep < 1:
+            return ids[:limit]
+        return ids[: head + keep] + ids[len(ids) - (extra - head):]
+
+    def _framed(self, text: str) -> list[int]:
+        if self.hf is not None and self.hf.post_processor is not None:
+            return self.hf.encode(text, add_special_tokens=True).ids
+        return self.encode(text, add_special=True)
+
     def encode_batch(self, texts: Sequence[str], add_special: bool = False) -> list[list[int]]:
         """encode() of each text (in parallel inside `tokenizers` when built on it)."""
         return [self._wrap(ids, add_special) for ids in self._backend.encode_batch(list(texts))]

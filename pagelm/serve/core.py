@@ -154,15 +154,14 @@ class Server:
         limit = self.settings.ctx_len
         inputs = []
         for i, item in enumerate(texts_or_tokens):
-            tokens = chat.tokenizer.encode(item, add_special=True) if isinstance(item, str) else list(item)
+            cut = limit if truncate else None
+            tokens = chat.tokenizer.encode_input(item, cut) if isinstance(item, str) else list(item)[:cut]
             if not tokens:
                 raise RequestError(f"input {i} is empty", param="input")
             if len(tokens) > limit:
-                if not truncate:
-                    raise RequestError(f"input {i} is {len(tokens)} tokens long, more than the context of {limit} "
-                                       f"(allow truncation to embed its first {limit})", param="input",
-                                       code="context_length_exceeded")
-                tokens = tokens[:limit]
+                raise RequestError(f"input {i} is {len(tokens)} tokens long, more than the context of {limit} "
+                                   f"(allow truncation to embed its first {limit})", param="input",
+                                   code="context_length_exceeded")
             if max(tokens) >= chat.model.config.vocab:
                 raise RequestError(f"input {i}: token ids must be below the vocabulary size "
                                    f"{chat.model.config.vocab}", param="input")

@@ -92,7 +92,8 @@ def test_the_cli_prints_one_line_per_text_equal_to_the_library(embedding_gemma):
     chat = ChatModel.open(path, dtype="float32")
     embedder = Embedder.of(chat.model)
     for i, text in enumerate(["the quick fox", "lazy dog"]):
-        tokens = chat.tokenizer.encode("task: search result | query: " + text, add_special=True)
+        tokens = chat.tokenizer.encode_input("task: search result | query: " + text)
+        assert tokens[0] == 2 and tokens[-1] == 1  # <bos> … <eos>, as its post-processor frames an input
         assert lines[i]["index"] == i and lines[i]["tokens"] == len(tokens)
         assert lines[i]["embedding"] == embedder.embed(tokens, 32).tolist()
 
@@ -104,3 +105,13 @@ def test_run_refuses_an_embedding_model(embedding_gemma):
     out = subprocess.run([sys.executable, "-m", "pagelm", "run", embedding_gemma[0], "Hi"], capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 2 and "is an embedding model" in out.stderr and "pagelm embed" in out.stderr
+
+
+def test_a_long_text_is_cut_inside_its_frame(embedding_gemma):
+    from pagelm.chat.model import ChatModel
+
+    tokenizer = ChatModel.open(embedding_gemma[0]).tokenizer
+    text = " ".join(["the quick brown fox jumps over the lazy dog"] * 5)
+    whole, cut = tokenizer.encode_input(text), tokenizer.encode_input(text, limit=10)
+    assert len(whole) > 10 and cut == whole[:9] + whole[-1:]  # <bos> and 8 text tokens, then <eos>
+    assert tokenizer.encode_input("fox", limit=10) == tokenizer.encode_input("fox")
