@@ -1,14 +1,18 @@
-"""Llama text decoder (llama.cpp's `llama` architecture: SmolLM2, Llama 2/3, ...).
+"""Llama text decoder (llama.cpp's `llama` architecture: SmolLM2, Llama 2/3, ...) and the
+family of decoders that differ from it only by a `Family`'s switches (qwen2, qwen3).
 
 Owns the llama math in its GGUF conventions and its KV state; never parses files (a
 `WeightLoader` hands it config values, small tensors and linear operators), never embeds tokens
 and never computes the output head.
 
 GGUF conventions handled here:
-- llama.cpp's converter permutes the rows of attn_q / attn_k within each head so that ggml's
-  *normal* rope (adjacent pairs (2i, 2i+1)) applies. The q/k operators read the rows in the
-  reverse order (the reverse permute transformers' GGUF loader applies; no copy in mapped mode)
-  and we use NeoX / rotate-half rope (pairs (i, i + D/2)) like transformers.
+- llama.cpp's converter permutes the rows of llama's attn_q / attn_k within each head so that
+  ggml's *normal* rope (adjacent pairs (2i, 2i+1)) applies. The q/k operators read the rows in
+  the reverse order (the reverse permute transformers' GGUF loader applies; no copy in mapped
+  mode) and we use NeoX / rotate-half rope (pairs (i, i + D/2)) like transformers. Families whose
+  rope is NeoX in ggml (qwen2, qwen3) are converted unpermuted and read as stored.
+- qwen2 adds a bias to q, k and v (attn_{q,k,v}.bias); qwen3 norms q and k per head before
+  rope (attn_{q,k}_norm.weight, head_dim values each).
 - RMSNorm weights are used as stored (no +1); no embedding scale.
 - rope scaling: `llama.rope.scaling.type` none or linear, and the llama3-style per-pair
   frequency factors tensor `rope_freqs.weight` when present; other scalings are refused.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -28,20 +33,34 @@ from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.decoder import Decoder, Span, advance, per_sequence
 from pagelm.models.layers import (KVState, apply_rope_, check_config, attend_spans, attention, gated_mlp, inv_freq, rms_norm,
                                   rope_tables)
-from pagelm.models.token_layers import TokenLayers
+from pagelm.models.token_layers import K_NORM, TokenLayers
 from pagelm.models.token_ops import RopeRows, TokenStep, token_ropes
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, rope_scaling,
                                tensor_maps)
 from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
-ARCH_NAME = "llama"
+
+
+@dataclass(frozen=True)
+class Family:
+    """What sets a llama-like architecture apart: its GGUF and Hugging Face names and switches."""
+
+    arch: str  # general.architecture, the metadata keys' prefix and config.json's model_type
+    hf_class: str  # config.json's architectures entry
+    permuted_qk: bool = False  # llama.cpp's converter permuted the q/k rows (ggml's normal rope)
+    qkv_bias: bool = False  # attn_q/k/v have biases
+    qk_norm: bool = False  # q and k are RMS-normed per head before rope
+
+
+LLAMA = Family("llama", "LlamaForCausalLM", permuted_qk=True)
 GGUF_ARCHITECTURES = ("llama",)  # general.architecture values read here (pagelm.models' registry)
 HF_MODEL_TYPES = ("llama",)  # config.json model_types read here
 
 
 @dataclass(frozen=True)
 class LlamaConfig:
+    family: ClassVar[Family] = LLAMA
     hidden: int
     n_layers: int
     ffn: int
@@ -55,15 +74,15 @@ class LlamaConfig:
 
     @classmethod
     def from_loader(cls, model: WeightLoader) -> LlamaConfig:
-        arch = model.architecture
-        if arch != ARCH_NAME:
-            raise ModelFormatError(f"{model.name}: metadata key 'general.architecture' is {arch!r:.40}, expected '{ARCH_NAME}'")
+        arch, name = model.architecture, cls.family.arch
+        if arch != name:
+            raise ModelFormatError(f"{model.name}: metadata key 'general.architecture' is {arch!r:.40}, expected '{name}'")
 
         def i(key: str) -> int:
-            return model.get_int(f"{ARCH_NAME}.{key}")
+            return model.get_int(f"{name}.{key}")
 
         def opt(key: str):
-            return model.get(f"{ARCH_NAME}.{key}")
+            return model.get(f"{name}.{key}")
 
         hidden, n_heads = i("embedding_length"), i("attention.head_count")
         embd = model.dims("token_embd.weight")
@@ -81,7 +100,7 @@ class LlamaConfig:
         if scaling not in (None, "none"):
             if scaling != "linear":
                 raise UnsupportedError(f"{model.name}: rope scaling {scaling!r:.40} is not supported (none, linear are)")
-            rope_scale = model.get_float(f"{ARCH_NAME}.rope.scaling.factor")
+            rope_scale = model.get_float(f"{name}.rope.scaling.factor")
         n_kv = i("attention.head_count_kv") if opt("attention.head_count_kv") is not None else n_heads
         config = cls(
             hidden=hidden,
@@ -90,15 +109,16 @@ class LlamaConfig:
             n_heads=n_heads,
             n_kv_heads=n_kv,
             head_dim=head_dim,
-            rope_base=model.get_float(f"{ARCH_NAME}.rope.freq_base") if opt("rope.freq_base") is not None else 10000.0,
+            rope_base=model.get_float(f"{name}.rope.freq_base") if opt("rope.freq_base") is not None else 10000.0,
             rope_scale=rope_scale,
-            rms_eps=model.get_float(f"{ARCH_NAME}.attention.layer_norm_rms_epsilon"),
+            rms_eps=model.get_float(f"{name}.attention.layer_norm_rms_epsilon"),
             vocab=embd[1],
         )
         config.validate(model.name)
         return config
 
-    def validate(self, where: str = "llama config") -> None:
+    def validate(self, where: str | None = None) -> None:
+        where = where or f"{self.family.arch} config"
         counts = {name: value for name, value in vars(self).items() if name not in ("rope_base", "rope_scale", "rms_eps")}
         check_config(where, counts, (
             (self.n_heads % self.n_kv_heads == 0, f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}"),
@@ -124,19 +144,31 @@ class LlamaLayer:
     ffn_norm: torch.Tensor
     gate_up: Linear  # (2·ffn, hidden): ffn_gate then ffn_up
     down: Linear  # (hidden, ffn)
+    qkv_bias: torch.Tensor | None = None  # (H·D + 2·G·D,) fp32, qkv's rows' order
+    q_norm: torch.Tensor | None = None  # (D,) fp32
+    k_norm: torch.Tensor | None = None
 
 
 def load_layer(c: LlamaConfig, model: WeightLoader, i: int) -> LlamaLayer:
-    p = f"blk.{i}."
+    f, p = c.family, f"blk.{i}."
     hd, kvd = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    orders = [rope_row_order(hd, c.n_heads), rope_row_order(kvd, c.n_kv_heads), np.arange(kvd)] if f.permuted_qk \
+        else [np.arange(hd), np.arange(kvd), np.arange(kvd)]
+    qkv = [(p + f"attn_{x}.weight", len(order), order) for x, order in zip("qkv", orders)]
+    bias = None
+    if f.qkv_bias:
+        bias = torch.cat([model.tensor(p + f"attn_{x}.bias", (len(order),))[torch.from_numpy(order)]
+                          for x, order in zip("qkv", orders)])
     return LlamaLayer(
         attn_norm=model.tensor(p + "attn_norm.weight", (c.hidden,)),
-        qkv=model.linear(c.hidden, (p + "attn_q.weight", hd, rope_row_order(hd, c.n_heads)),
-                         (p + "attn_k.weight", kvd, rope_row_order(kvd, c.n_kv_heads)), (p + "attn_v.weight", kvd)),
+        qkv=model.linear(c.hidden, *qkv),
         out=model.linear(hd, (p + "attn_output.weight", c.hidden)),
         ffn_norm=model.tensor(p + "ffn_norm.weight", (c.hidden,)),
         gate_up=model.linear(c.hidden, (p + "ffn_gate.weight", c.ffn), (p + "ffn_up.weight", c.ffn)),
         down=model.linear(c.ffn, (p + "ffn_down.weight", c.hidden)),
+        qkv_bias=bias,
+        q_norm=model.tensor(p + "attn_q_norm.weight", (c.head_dim,)) if f.qk_norm else None,
+        k_norm=model.tensor(p + "attn_k_norm.weight", (c.head_dim,)) if f.qk_norm else None,
     )
 
 
@@ -180,9 +212,15 @@ class LlamaModel(Decoder):
         for i, w in enumerate(self.layers):
             y = rms_norm(h, w.attn_norm, c.rms_eps)
             proj = w.qkv(y, alone).float()
+            if w.qkv_bias is not None:
+                proj += w.qkv_bias
             q = proj[:, : H * D].view(T, H, D)
             k = proj[:, H * D : (H + G) * D].view(T, G, D)
             v = proj[:, (H + G) * D :].view(T, G, D)
+            if w.q_norm is not None:  # a batch's rows each normed as alone (contiguous, per-token row limit)
+                alone_rows = tokens is not None
+                q = rms_norm(q.contiguous() if alone_rows else q, w.q_norm, c.rms_eps, tokens_alone=alone_rows)
+                k = rms_norm(k.contiguous() if alone_rows else k, w.k_norm, c.rms_eps, tokens_alone=alone_rows)
 
             def attend(s: Span, rope) -> torch.Tensor:
                 qs, ks = q[s.lo : s.hi], k[s.lo : s.hi]
@@ -205,15 +243,21 @@ class LlamaModel(Decoder):
         H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
         n = h.shape[0]
         if self._compiled is None:
-            self._compiled = TokenLayers.of(self.layers) or False
+            per = K_NORM + 1 if c.family.qk_norm else 2  # the layers' norms: attn, ffn (and q, k)
+            self._compiled = not c.family.qkv_bias and TokenLayers.of(self.layers, per) or False
         if self._compiled:
             h = yield from self._compiled.run(step, H, G, D, c.rms_eps, F.silu)
             advance(spans)
             return torch.from_numpy(step.norm(h, self.output_norm, c.rms_eps))
         for i, w in enumerate(self.layers):
             proj = step.product(w.qkv, step.norm(h, w.attn_norm, c.rms_eps, "norm"), alone)
+            if w.qkv_bias is not None:
+                proj += w.qkv_bias.numpy()
             q, k, v = (np.ascontiguousarray(proj[:, a:b]).reshape(n, -1, D)
                        for a, b in ((0, H * D), (H * D, (H + G) * D), ((H + G) * D, proj.shape[1])))
+            if w.q_norm is not None:
+                q = step.norm(q.reshape(n * H, D), w.q_norm, c.rms_eps, "q").reshape(n, H, D)
+                k = step.norm(k.reshape(n * G, D), w.k_norm, c.rms_eps, "k").reshape(n, G, D)
             h += step.product(w.out, step.attend(q, k, v, i), alone)
             h += step.gated(w.gate_up, w.down, step.norm(h, w.ffn_norm, c.rms_eps, "norm"), F.silu, alone)
             yield
@@ -231,17 +275,26 @@ HF_LAYER = {
 }
 
 
-def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
-    """A Hugging Face Llama checkpoint in GGUF terms: q/k rows in llama.cpp's permuted order
-    (a row order, read in place), everything else as stored."""
+def family_layout(f: Family, config: HFConfig, hf_names: set[str] | None) -> HFLayout:
+    """A Hugging Face checkpoint of family `f` in GGUF terms: llama's q/k rows in llama.cpp's
+    permuted order (a row order, read in place), everything else as stored."""
+    if config.get("attention_bias", False) and not f.qkv_bias:
+        raise UnsupportedError(f"{config.name}: attention_bias is not supported for {f.arch}")
+    if config.get("use_sliding_window", False):
+        raise UnsupportedError(f"{config.name}: use_sliding_window is not supported for {f.arch}")
     n_layers, hidden, n_heads = config.int("num_hidden_layers"), config.int("hidden_size"), config.int("num_attention_heads")
     n_kv = config.int("num_key_value_heads", n_heads)
     head_dim = config.int("head_dim", hidden // max(n_heads, 1))
-    metadata = decoder_metadata(ARCH_NAME, config, head_dim)
-    metadata[f"{ARCH_NAME}.rope.freq_base"] = config.rope_float("rope_theta", 10000.0)
-    metadata.update(rope_scaling(config, ARCH_NAME))
-    maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, HF_LAYER)
-    for i in range(n_layers):
+    metadata = decoder_metadata(f.arch, config, head_dim)
+    metadata[f"{f.arch}.rope.freq_base"] = config.rope_float("rope_theta", 10000.0)
+    metadata.update(rope_scaling(config, f.arch))
+    per_layer = dict(HF_LAYER)
+    if f.qkv_bias:
+        per_layer.update({f"attn_{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"})
+    if f.qk_norm:
+        per_layer.update({f"attn_{x}_norm.weight": f"self_attn.{x}_norm.weight" for x in "qk"})
+    maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, per_layer)
+    for i in range(n_layers if f.permuted_qk else 0):
         for name, heads in (("attn_q.weight", n_heads), ("attn_k.weight", n_kv)):
             if f"blk.{i}.{name}" in maps:
                 maps[f"blk.{i}.{name}"] = replace(maps[f"blk.{i}.{name}"],
@@ -249,10 +302,18 @@ def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
     return HFLayout(metadata, maps)
 
 
-def hf_config(c: LlamaConfig, tied: bool) -> dict:
-    """config.json for a Hugging Face twin of a checkpoint with this config."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+def family_hf_config(f: Family, c: LlamaConfig, tied: bool) -> dict:
+    """config.json for a Hugging Face twin of a checkpoint of family `f` with this config."""
+    return {"architectures": [f.hf_class], "model_type": f.arch, "hidden_act": "silu", "attention_bias": f.qkv_bias,
             "rope_parameters": hf_rope(c.rope_base, c.rope_scale), **decoder_hf_config(c, tied)}
+
+
+def hf_layout(config: HFConfig, hf_names: set[str] | None) -> HFLayout:
+    return family_layout(LLAMA, config, hf_names)
+
+
+def hf_config(c: LlamaConfig, tied: bool) -> dict:
+    return family_hf_config(LLAMA, c, tied)
 
 
 Config, Model = LlamaConfig, LlamaModel  # the registry's names (pagelm.models)

@@ -22,6 +22,8 @@ from pagelm.tools.convert import write_directory
 transformers = pytest.importorskip("transformers")
 
 REL_TOL = 1e-4
+F32_REL_TOL = 1e-5  # float32 weights computed in float32: only the order of sums differs
+LOOSE_F32 = ("qwen35",)  # its chunked delta rule sums in another order than transformers' (1.3e-5)
 STEPS = 32
 TIE = 1e-4  # a greedy pick may differ only where the reference's top two are this close
 PROMPT = [3, 17, 101, 250, 7, 42, 199, 64, 5, 128]
@@ -37,10 +39,25 @@ def _configs():
                                       linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=True),
         "llama": t.LlamaConfig(**common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                tie_word_embeddings=False),
+        # q/k/v biases, unpermuted q/k rows, a tied head
+        "qwen2": t.Qwen2Config(**common, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                               tie_word_embeddings=True),
+        # q/k norms, a head dim other than hidden / heads, an untied head
+        "qwen3": t.Qwen3Config(**common, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+                               head_dim=32, tie_word_embeddings=False),
         # six layers with a short window: a global layer, and sliding ones that slide
         "gemma3": t.Gemma3TextConfig(**common, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
                                      head_dim=32, sliding_window=8, query_pre_attn_scalar=32),
     }
+
+
+@torch.no_grad()
+def perturb_constant_init(model) -> None:
+    """Random values for what transformers initialises to a constant (biases, q/k norm weights), so
+    that a model that drops them does not agree by chance."""
+    for name, p in model.named_parameters():
+        if name.endswith((".bias", "q_norm.weight", "k_norm.weight")):
+            p.add_(torch.randn(p.shape) * 0.2)
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +68,7 @@ def saved(tmp_path_factory):
     for arch, config in _configs().items():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config)
+        perturb_constant_init(model)
         for dtype in (torch.float32, torch.bfloat16):
             path = root / f"{arch}-{str(dtype).split('.')[-1]}"
             model.to(dtype).save_pretrained(path)
@@ -72,13 +90,14 @@ def _greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[np.ndarr
     return tokens, seen
 
 
-def _check_greedy(reference, ids: list[int], tokens: list[int], logits: list[np.ndarray]) -> None:
+def _check_greedy(reference, ids: list[int], tokens: list[int], logits: list[np.ndarray],
+                  rel_tol: float = REL_TOL) -> None:
     """`tokens` must be what a teacher-forced reference forward picks (up to a near-tie, after
     which the continuations may part), with the same logits."""
     with torch.inference_mode():
         ref = reference(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1].float().numpy()
     for step, token in enumerate(tokens):
-        assert _rel(logits[step], ref[step]) <= REL_TOL, f"step {step}"
+        assert _rel(logits[step], ref[step]) <= rel_tol, f"step {step}"
         if token != int(ref[step].argmax()):
             top2 = np.sort(ref[step])[-2:]
             assert top2[1] - top2[0] <= TIE, f"step {step}: {token} vs {int(ref[step].argmax())}"
@@ -86,7 +105,7 @@ def _check_greedy(reference, ids: list[int], tokens: list[int], logits: list[np.
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
-@pytest.mark.parametrize("arch", ["qwen35", "llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen35", "llama", "qwen2", "qwen3", "gemma3"])
 def test_transformers_checkpoints_match_transformers(saved, arch, dtype):
     path = saved[arch, dtype]
     # the reference computes in float32 from the stored values (bf16 ones are exact in float32)
@@ -94,7 +113,7 @@ def test_transformers_checkpoints_match_transformers(saved, arch, dtype):
     model = load_model(path, dtype="float32")
     assert model.config.vocab == 256
     tokens, logits = _greedy(model, PROMPT, STEPS)
-    _check_greedy(reference, PROMPT, tokens, logits)
+    _check_greedy(reference, PROMPT, tokens, logits, F32_REL_TOL if dtype == torch.float32 and arch not in LOOSE_F32 else REL_TOL)
 
 
 def test_both_weights_modes_agree_and_bf16_prefill_is_bit_identical(saved):
