@@ -19,14 +19,11 @@ from pagelm.formats.safetensors import SafetensorsFile, TensorToWrite, write_saf
 from pagelm.weights import linear
 from pagelm.tools.convert import write_directory
 
+from hf_oracle import F32_REL_TOL, PROMPT, REL_TOL, STEPS, check_greedy, greedy, perturb_constant_init, rel
+
 transformers = pytest.importorskip("transformers")
 
-REL_TOL = 1e-4
-F32_REL_TOL = 1e-5  # float32 weights computed in float32: only the order of sums differs
 LOOSE_F32 = ("qwen35",)  # its chunked delta rule sums in another order than transformers' (1.3e-5)
-STEPS = 32
-TIE = 1e-4  # a greedy pick may differ only where the reference's top two are this close
-PROMPT = [3, 17, 101, 250, 7, 42, 199, 64, 5, 128]
 
 
 def _configs():
@@ -51,15 +48,6 @@ def _configs():
     }
 
 
-@torch.no_grad()
-def perturb_constant_init(model) -> None:
-    """Random values for what transformers initialises to a constant (biases, q/k norm weights), so
-    that a model that drops them does not agree by chance."""
-    for name, p in model.named_parameters():
-        if name.endswith((".bias", "q_norm.weight", "k_norm.weight")):
-            p.add_(torch.randn(p.shape) * 0.2)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """(architecture, dtype) -> a directory written by transformers' save_pretrained."""
@@ -76,34 +64,6 @@ def saved(tmp_path_factory):
     return out
 
 
-def _rel(a: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(a - ref).max() / np.abs(ref).max())
-
-
-def _greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
-    session = model.session(len(ids) + steps)
-    logits, tokens, seen = session.prefill(ids), [], []
-    for _ in range(steps):
-        tokens.append(int(logits.argmax()))
-        seen.append(logits)
-        logits = session.decode(tokens[-1])
-    return tokens, seen
-
-
-def _check_greedy(reference, ids: list[int], tokens: list[int], logits: list[np.ndarray],
-                  rel_tol: float = REL_TOL) -> None:
-    """`tokens` must be what a teacher-forced reference forward picks (up to a near-tie, after
-    which the continuations may part), with the same logits."""
-    with torch.inference_mode():
-        ref = reference(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1].float().numpy()
-    for step, token in enumerate(tokens):
-        assert _rel(logits[step], ref[step]) <= rel_tol, f"step {step}"
-        if token != int(ref[step].argmax()):
-            top2 = np.sort(ref[step])[-2:]
-            assert top2[1] - top2[0] <= TIE, f"step {step}: {token} vs {int(ref[step].argmax())}"
-            break
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 @pytest.mark.parametrize("arch", ["qwen35", "llama", "qwen2", "qwen3", "gemma3"])
 def test_transformers_checkpoints_match_transformers(saved, arch, dtype):
@@ -112,8 +72,9 @@ def test_transformers_checkpoints_match_transformers(saved, arch, dtype):
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model = load_model(path, dtype="float32")
     assert model.config.vocab == 256
-    tokens, logits = _greedy(model, PROMPT, STEPS)
-    _check_greedy(reference, PROMPT, tokens, logits, F32_REL_TOL if dtype == torch.float32 and arch not in LOOSE_F32 else REL_TOL)
+    tokens, logits = greedy(model, PROMPT, STEPS)
+    tol = F32_REL_TOL if dtype == torch.float32 and arch not in LOOSE_F32 else REL_TOL
+    check_greedy(reference, PROMPT, tokens, logits, tol)
 
 
 def test_both_weights_modes_agree_and_bf16_prefill_is_bit_identical(saved):
@@ -139,9 +100,9 @@ def test_real_models_and_their_hf_twins_agree(twin):
     gguf, directory = twin
     a, b = load_model(gguf, dtype="float32"), load_model(directory, dtype="float32")
     prompt = [int(t) for t in np.random.default_rng(0).integers(100, 5000, 12)]
-    tokens_a, logits_a = _greedy(a, prompt, STEPS)
-    tokens_b, logits_b = _greedy(b, prompt, STEPS)
-    assert max(_rel(x, y) for x, y in zip(logits_b, logits_a)) <= REL_TOL
+    tokens_a, logits_a = greedy(a, prompt, STEPS)
+    tokens_b, logits_b = greedy(b, prompt, STEPS)
+    assert max(rel(x, y) for x, y in zip(logits_b, logits_a)) <= REL_TOL
     assert tokens_a == tokens_b
 
 
@@ -151,7 +112,7 @@ def test_the_twin_is_a_checkpoint_transformers_reads_the_same_way(twin):
     reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.inference_mode():
         ref = reference(torch.tensor([PROMPT])).logits[0, -1].numpy()
-    assert _rel(load_model(directory, dtype="float32").session(32).prefill(PROMPT), ref) <= REL_TOL
+    assert rel(load_model(directory, dtype="float32").session(32).prefill(PROMPT), ref) <= REL_TOL
 
 
 def test_chat_through_the_twin_answers_as_the_gguf_does(twin):
