@@ -244,7 +244,7 @@ class LlamaModel(Decoder):
         n = h.shape[0]
         if self._compiled is None:
             per = K_NORM + 1 if c.family.qk_norm else 2  # the layers' norms: attn, ffn (and q, k)
-            self._compiled = not c.family.qkv_bias and TokenLayers.of(self.layers, per) or False
+            self._compiled = TokenLayers.of(self.layers, per) or False
         if self._compiled:
             h = yield from self._compiled.run(step, H, G, D, c.rms_eps, F.silu)
             advance(spans)

@@ -1,4 +1,5 @@
-"""A transformers decoder written as a llama.cpp GGUF file, the way convert_hf_to_gguf.py writes one.
+"""Tiny random transformers decoders, written as llama.cpp GGUF files the way convert_hf_to_gguf.py
+writes them.
 
 Test code only, generic over the architecture: tensor names come from the `gguf` package's own name
 map (`gguf.get_tensor_name_map`) and metadata keys from `gguf.Keys`, both independent of pagelm's
@@ -16,6 +17,28 @@ import torch
 
 from pagelm.formats.gguf import GGUFValueType, TensorToWrite, Typed, write_gguf
 from pagelm.quant.types import GGMLType
+
+from hf_oracle import perturb_constant_init
+
+TINY = ["qwen2-tied", "qwen2-untied", "qwen3-tied", "qwen3-untied"]  # tiny_decoder's cases
+
+
+def tiny_decoder(case: str, vocab: int = 256):
+    """A random fp32 transformers model of one of TINY: (architecture)-(tied or untied head)."""
+    import transformers
+
+    arch, tie = case.split("-")
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, initializer_range=0.2,
+                  tie_word_embeddings=tie == "tied")
+    if arch == "qwen2":
+        config = transformers.Qwen2Config(**common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    else:  # a head dim other than hidden / heads
+        config = transformers.Qwen3Config(**common, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+                                          head_dim=32)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    perturb_constant_init(model)
+    return model
 
 
 def decoder_metadata(arch: str, config) -> dict:
