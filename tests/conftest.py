@@ -38,6 +38,28 @@ def gemma3_gguf() -> str:
     return str(store.pull("gemma3-270m"))
 
 
+def _tiny_q8_gguf(tmp_path_factory, arch: str) -> str:
+    """A tiny random transformers model of `arch` (untied; token ids up to 4095, as the engine's tests
+    use) as a Q8_0 GGUF (hf_gguf)."""
+    pytest.importorskip("transformers")
+    from hf_gguf import tiny_decoder, write_decoder_gguf
+    from pagelm.quant.types import GGMLType
+
+    path = str(tmp_path_factory.mktemp(arch) / f"{arch}-tiny-q8_0.gguf")
+    write_decoder_gguf(tiny_decoder(f"{arch}-untied", vocab=4096), path, arch, GGMLType.Q8_0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen2_tiny_gguf(tmp_path_factory) -> str:
+    return _tiny_q8_gguf(tmp_path_factory, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def qwen3_tiny_gguf(tmp_path_factory) -> str:
+    return _tiny_q8_gguf(tmp_path_factory, "qwen3")
+
+
 @pytest.fixture(scope="session")
 def qwen35_chat_gguf(tmp_path_factory) -> str:
     """A synthetic Qwen3.5 with tiny layers and the real vocabulary, tokenizer and chat template."""

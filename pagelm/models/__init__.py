@@ -10,7 +10,8 @@ architecture; adding one is adding its file. Importing this package loads no tor
 
 Shared pieces, each in one module: `layers` (norms, rope, attention over a KV cache, the gated
 MLP, KV state), `decoder` (the stack every architecture's `Model` is: segments, batches, pauses
-between layers), `norms`, `token_ops` and `token_layers` (one decode token's kernels), `delta_rule`
+between layers), `llama_family` (the decoder llama, qwen2 and qwen3 share; each of their modules
+is its `Family`), `norms`, `token_ops` and `token_layers` (one decode token's kernels), `delta_rule`
 (Qwen3.5's Gated DeltaNet kernels).
 
 Every architecture's forward has three paths, one arithmetic:
@@ -18,9 +19,9 @@ Every architecture's forward has three paths, one arithmetic:
   rows of one or more sequences, with `layers.attention` and `layers.rms_norm`;
 - decode (one token of each sequence): the same `_layers`, whose attention and norms take the
   compiled one-token kernels (`token_ops`), or `_token_layers` over a `token_ops.TokenStep` in
-  numpy between those kernels (llama, Gemma 3), the same operations on the same values;
+  numpy between those kernels (the llama family, Gemma 3), the same operations on the same values;
 - compiled decode: `token_layers.TokenLayers.run`, each layer of `_token_layers` as one compiled call
-  of the same kernels (llama, Gemma 3, where every product is GGML rows read in place).
+  of the same kernels (the llama family, Gemma 3, where every product is GGML rows read in place).
 """
 
 from __future__ import annotations

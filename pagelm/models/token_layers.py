@@ -8,7 +8,7 @@ first-class functions): the very compiled code the numpy step calls, not compile
 caller, so the same bits. The FFN's activation stays torch's (its bits): the one return to Python a
 layer. Taken where every product is a MappedLinear of GGML rows without int8 activations.
 Gemma 3's layers add q/k norms, a norm of each sublayer's output, and a rope table and a window per
-layer kind (global, sliding).
+layer kind (global, sliding); qwen2's a bias of q/k/v, qwen3's q/k norms.
 """
 
 from __future__ import annotations
@@ -96,10 +96,11 @@ def last_down(gemv, datas, offsets, parts, f16, threads, span, act, r, h, norm, 
 
 
 @njit(cache=True)
-def to_activation(i, gemv, datas, offsets, parts, products, f16, threads, norm, norms, eps, rope, cos, sin, kinds,
-                   attend, k_at, v_at, like, lens, pos, los, scale, h, y, proj, q, k, v, qn, kn, o, r, gu, act):
+def to_activation(i, gemv, datas, offsets, parts, products, f16, threads, norm, norms, biases, eps, rope, cos, sin,
+                   kinds, attend, k_at, v_at, like, lens, pos, los, scale, h, y, proj, q, k, v, qn, kn, o, r, gu, act):
     """Layer i up to its FFN's activation: the previous layer's down product of `act` added to h (i > 0),
-    the attention norm, q/k/v (normed per head where layers have q/k norms), rope, attention, the output
+    the attention norm, q/k/v (plus biases[i], empty where the layer has none; normed per head where
+    layers have q/k norms), rope, attention, the output
     product added to h (normed where layers norm it), the FFN norm, gate/up into gu. kinds[i] picks the
     layer's rope table (cos[kinds[i]], sin[...]) and first keys (los[kinds[i]])."""
     per = len(norms) // products.shape[0]
@@ -108,6 +109,10 @@ def to_activation(i, gemv, datas, offsets, parts, products, f16, threads, norm, 
               _slot(per, i - 1, POST_FFN_NORM), eps, y)
     norm[0](h, norms[per * i + ATTN_NORM], eps, y)
     _product(gemv, datas, offsets, parts, f16, threads, products[i, QKV], y, proj)
+    bias = biases[i]
+    for s in range(proj.shape[0]):
+        for c in range(bias.shape[0]):
+            proj[s, c] += bias[c]
     n, H, D = q.shape
     G = k.shape[1]
     for s in range(n):
@@ -134,7 +139,7 @@ def to_activation(i, gemv, datas, offsets, parts, products, f16, threads, norm, 
 class TokenLayers:
     """A model's layers as TokenLayers.run takes them: every kernel and every part of every product
     (RowGroup: a GGML type's kernels, its data, offsets, rows), each layer's norms (the first `per` of
-    NORMS) and kind (the index of its rope table and attention window in the step's), built once per model."""
+    NORMS), q/k/v bias (`qkv_bias`, where a layer has one) and kind (the index of its rope table and attention window in the step's), built once per model."""
 
     def __init__(self, layers: list, per: int, kinds: list[int]):
         kernels, datas, offsets, parts, products = {}, {}, [], [], []
@@ -158,6 +163,9 @@ class TokenLayers:
         self.parts = np.array(parts, np.int64)
         self.products = np.array(products, np.int64)
         self.norms = typed.List([getattr(w, name).numpy() for w in layers for name in NORMS[:per]])
+        no_bias = np.zeros(0, np.float32)
+        self.biases = typed.List([no_bias if getattr(w, "qkv_bias", None) is None else w.qkv_bias.numpy()
+                                  for w in layers])
         self.per, self.kinds = per, np.array(kinds, np.int64)
         self.norm, self.rope = _functions(_NORM, rms_rows), _functions(_ROPE, rope_heads)
         self._attend = {}
@@ -203,7 +211,7 @@ class TokenLayers:
         L = self.products.shape[0]
         for i in range(L):
             to_activation(i, self.gemv, self.datas, self.offsets, self.parts, self.products, F16_TO_F32, threads,
-                           self.norm, self.norms, eps, self.rope, cos, sin, self.kinds, attend, first.k_at,
+                           self.norm, self.norms, self.biases, eps, self.rope, cos, sin, self.kinds, attend, first.k_at,
                            first.v_at, first.like, first.lens, first.positions, los, first.scale, h, y, proj, q, k, v,
                            qn, kn, o, r, gu, act)
             gated_rows(gu, activation, act)

@@ -95,7 +95,7 @@ def test_qwen35_k_quant_mix_batched_steps_are_each_sessions_own_bits(qwen_tiny_k
 
 @pytest.mark.parametrize("weights", ["mapped", "dense"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("fixture", ["smollm2_gguf", "gemma3_gguf"])
+@pytest.mark.parametrize("fixture", ["smollm2_gguf", "gemma3_gguf", "qwen2_tiny_gguf", "qwen3_tiny_gguf"])
 def test_llama_and_gemma3_batched_steps_are_each_sessions_own_bits(request, fixture, weights, dtype):
     joining_and_leaving(pagelm.load(request.getfixturevalue(fixture), weights=weights, dtype=dtype),
                         offset_rope=False)
@@ -205,7 +205,8 @@ def test_a_prefill_dropped_half_way_leaves_nothing_behind_a_reset_or_restore(qwe
 
 
 @pytest.mark.parametrize("weights, dtype", [("mapped", "bfloat16"), ("dense", "float32")])
-@pytest.mark.parametrize("fixture, module", [("smollm2_gguf", "llama"), ("gemma3_gguf", "gemma3")])
+@pytest.mark.parametrize("fixture, module", [("smollm2_gguf", "llama_family"), ("gemma3_gguf", "gemma3"),
+                                             ("qwen2_tiny_gguf", "llama_family"), ("qwen3_tiny_gguf", "llama_family")])
 def test_the_token_step_in_numpy_gives_the_torch_layers_bits(request, monkeypatch, fixture, module, weights, dtype):
     """The one-token step in numpy between the kernels (token_ops.TokenStep) against the torch
     layers it stands in for, which take every step where TokenStep.of refuses it; the layers as

@@ -1,0 +1,305 @@
+"""The decoder llama and the architectures that differ from it only by a `Family`'s switches are:
+pre-norm GQA attention with NeoX rope and a SiLU-gated MLP over a KV cache.
+
+Owns that math in its GGUF conventions, its KV state and its Hugging Face layout; never parses files
+(a `WeightLoader` hands it config values, small tensors and linear operators), never embeds tokens,
+never computes the output head, and names no architecture (each one's module holds its `Family`).
+
+GGUF conventions handled here:
+- A family's converter may reorder the rows of attn_q / attn_k within each head (llama.cpp's does
+  for llama, so that ggml's normal rope applies): `Family.qk_rows`; the q/k operators read the rows
+  back in Hugging Face's order (no copy in mapped mode) and rope is NeoX / rotate-half (pairs
+  (i, i + D/2)) like transformers.
+- Optional per family: a bias on q, k and v (attn_{q,k,v}.bias); an RMSNorm of q and k per head
+  before rope (attn_{q,k}_norm.weight, head_dim values each).
+- RMSNorm weights are used as stored (no +1); no embedding scale.
+- rope scaling: `<arch>.rope.scaling.type` none or linear, and the llama3-style per-pair
+  frequency factors tensor `rope_freqs.weight` when present; other scalings are refused.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+import numpy as np
+
+from pagelm.errors import ModelFormatError, UnsupportedError
+from pagelm.models.decoder import Decoder, Span, advance, per_sequence
+from pagelm.models.layers import (KVState, apply_rope_, check_config, attend_spans, attention, gated_mlp, inv_freq, rms_norm,
+                                  rope_tables)
+from pagelm.models.token_layers import K_NORM, TokenLayers
+from pagelm.models.token_ops import RopeRows, TokenStep, token_ropes
+from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, rope_scaling,
+                               tensor_maps)
+from pagelm.weights.linear import Linear
+from pagelm.weights.loader import WeightLoader
+
+
+@dataclass(frozen=True)
+class Family:
+    """What sets a llama-like architecture apart: its GGUF and Hugging Face names and switches."""
+
+    arch: str  # general.architecture, the metadata keys' prefix and config.json's model_type
+    hf_class: str  # config.json's architectures entry
+    # qk_rows(rows, heads): the GGUF row of each Hugging Face row of attn_q / attn_k, where the
+    # converter reorders them; None: as stored
+    qk_rows: Callable[[int, int], np.ndarray] | None = None
+    qkv_bias: bool = False  # attn_q/k/v have biases
+    qk_norm: bool = False  # q and k are RMS-normed per head before rope
+
+
+@dataclass(frozen=True)
+class FamilyConfig:
+    family: ClassVar[Family]  # set by family_module's subclass
+    hidden: int
+    n_layers: int
+    ffn: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_base: float
+    rope_scale: float  # linear rope scaling factor (positions are divided by it); 1.0 for none
+    rms_eps: float
+    vocab: int  # rows of token_embd
+
+    @classmethod
+    def from_loader(cls, model: WeightLoader) -> FamilyConfig:
+        arch, name = model.architecture, cls.family.arch
+        if arch != name:
+            raise ModelFormatError(f"{model.name}: metadata key 'general.architecture' is {arch!r:.40}, expected '{name}'")
+
+        def i(key: str) -> int:
+            return model.get_int(f"{name}.{key}")
+
+        def opt(key: str):
+            return model.get(f"{name}.{key}")
+
+        hidden, n_heads = i("embedding_length"), i("attention.head_count")
+        embd = model.dims("token_embd.weight")
+        if len(embd) != 2 or embd[0] != hidden:
+            raise ModelFormatError(
+                f"{model.name}: tensor 'token_embd.weight' has dims {embd} (ne0 first), expected ({hidden}, vocab)"
+            )
+        head_dim = i("attention.key_length") if opt("attention.key_length") is not None else hidden // max(n_heads, 1)
+        if opt("attention.value_length") is not None and i("attention.value_length") != head_dim:
+            raise UnsupportedError(f"{model.name}: attention.value_length differs from the key length {head_dim}")
+        if opt("rope.dimension_count") is not None and i("rope.dimension_count") != head_dim:
+            raise UnsupportedError(f"{model.name}: partial rope ({i('rope.dimension_count')} of {head_dim} dims) is not supported")
+        scaling = opt("rope.scaling.type")
+        rope_scale = 1.0
+        if scaling not in (None, "none"):
+            if scaling != "linear":
+                raise UnsupportedError(f"{model.name}: rope scaling {scaling!r:.40} is not supported (none, linear are)")
+            rope_scale = model.get_float(f"{name}.rope.scaling.factor")
+        n_kv = i("attention.head_count_kv") if opt("attention.head_count_kv") is not None else n_heads
+        config = cls(
+            hidden=hidden,
+            n_layers=i("block_count"),
+            ffn=i("feed_forward_length"),
+            n_heads=n_heads,
+            n_kv_heads=n_kv,
+            head_dim=head_dim,
+            rope_base=model.get_float(f"{name}.rope.freq_base") if opt("rope.freq_base") is not None else 10000.0,
+            rope_scale=rope_scale,
+            rms_eps=model.get_float(f"{name}.attention.layer_norm_rms_epsilon"),
+            vocab=embd[1],
+        )
+        config.validate(model.name)
+        return config
+
+    def validate(self, where: str | None = None) -> None:
+        where = where or f"{self.family.arch} config"
+        counts = {name: value for name, value in vars(self).items() if name not in ("rope_base", "rope_scale", "rms_eps")}
+        check_config(where, counts, (
+            (self.n_heads % self.n_kv_heads == 0, f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}"),
+            (self.head_dim % 2 == 0, f"head dim {self.head_dim} must be even"),
+            (self.rope_base > 0, f"rope.freq_base {self.rope_base} must be > 0"),
+            (self.rope_scale > 0, f"rope.scaling.factor {self.rope_scale} must be > 0"),
+            (self.rms_eps > 0, f"attention.layer_norm_rms_epsilon {self.rms_eps} must be > 0"),
+        ))
+
+
+@dataclass
+class FamilyLayer:
+    attn_norm: torch.Tensor  # (hidden,) fp32
+    qkv: Linear  # (H·D + 2·G·D, hidden): attn_q, attn_k (both in HF row order), attn_v
+    out: Linear  # (hidden, H·D)
+    ffn_norm: torch.Tensor
+    gate_up: Linear  # (2·ffn, hidden): ffn_gate then ffn_up
+    down: Linear  # (hidden, ffn)
+    qkv_bias: torch.Tensor | None = None  # (H·D + 2·G·D,) fp32, qkv's rows' order
+    q_norm: torch.Tensor | None = None  # (D,) fp32
+    k_norm: torch.Tensor | None = None
+
+
+def load_layer(c: FamilyConfig, model: WeightLoader, i: int) -> FamilyLayer:
+    f, p = c.family, f"blk.{i}."
+    hd, kvd = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    orders = [np.arange(hd), np.arange(kvd), np.arange(kvd)] if f.qk_rows is None \
+        else [f.qk_rows(hd, c.n_heads), f.qk_rows(kvd, c.n_kv_heads), np.arange(kvd)]
+    qkv = [(p + f"attn_{x}.weight", len(order), order) for x, order in zip("qkv", orders)]
+    bias = None
+    if f.qkv_bias:
+        bias = torch.cat([model.tensor(p + f"attn_{x}.bias", (len(order),))[torch.from_numpy(order)]
+                          for x, order in zip("qkv", orders)])
+    return FamilyLayer(
+        attn_norm=model.tensor(p + "attn_norm.weight", (c.hidden,)),
+        qkv=model.linear(c.hidden, *qkv),
+        out=model.linear(hd, (p + "attn_output.weight", c.hidden)),
+        ffn_norm=model.tensor(p + "ffn_norm.weight", (c.hidden,)),
+        gate_up=model.linear(c.hidden, (p + "ffn_gate.weight", c.ffn), (p + "ffn_up.weight", c.ffn)),
+        down=model.linear(c.ffn, (p + "ffn_down.weight", c.hidden)),
+        qkv_bias=bias,
+        q_norm=model.tensor(p + "attn_q_norm.weight", (c.head_dim,)) if f.qk_norm else None,
+        k_norm=model.tensor(p + "attn_k_norm.weight", (c.head_dim,)) if f.qk_norm else None,
+    )
+
+
+class FamilyModel(Decoder):
+    """The decoder stack (every layer, then output_norm); token_embd and output stay in the file.
+
+    `forward(x, state)` maps input embeddings (T, hidden) — the raw token_embd rows, no scale —
+    to final hidden states (T, hidden) fp32; `decode_batch` one token of each of several sequences. Matmuls and the KV cache run in `dtype`; norms and
+    rope in fp32; the residual stream is fp32. T > 1 is a prefill, processed in segments of at
+    most `segment` tokens to bound the temporaries.
+    """
+
+    segment = 512
+
+    def __init__(self, config: FamilyConfig, model: WeightLoader):
+        self.config, self.dtype, self.device = config, model.dtype, model.device
+        self.layers = [load_layer(config, model, i) for i in range(config.n_layers)]
+        self.output_norm = model.tensor("output_norm.weight", (config.hidden,))
+        factors = None
+        if model.has_tensor("rope_freqs.weight"):  # llama3-style rope scaling, per pair
+            factors = model.tensor("rope_freqs.weight", (config.head_dim // 2,))
+        self.inv_freq = inv_freq(config.rope_base, config.head_dim, self.device, factors)
+        self.token_rope = RopeRows(lambda pos: rope_tables(self.inv_freq, pos, 1, self.config.rope_scale))
+        self._compiled: TokenLayers | bool | None = None  # the one-token layers as compiled calls; False: not taken
+
+    def new_state(self, max_len: int) -> KVState:
+        c = self.config
+        return KVState(c.n_layers, c.n_kv_heads, c.head_dim, max_len, self.dtype, self.device)
+
+    def _layers(self, x: torch.Tensor, spans: list[Span], alone: bool) -> Generator:
+        c, T = self.config, x.shape[0]
+        H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
+        ropes = [self.token_rope(s.state.pos) if s.hi - s.lo == 1 else
+                 rope_tables(self.inv_freq, s.state.pos, s.hi - s.lo, c.rope_scale) for s in spans]
+        scale = D**-0.5
+        tokens = token_ropes(ropes) if T == len(spans) else None  # one token each: the batched kernels
+        step = None if tokens is None else TokenStep.of(x, [s.state for s in spans], [tokens], scale, H, G, D)
+        if step is not None:
+            return (yield from self._token_layers(step, spans, alone))
+        h = x.to(device=self.device, dtype=torch.float32, copy=True)
+        for i, w in enumerate(self.layers):
+            y = rms_norm(h, w.attn_norm, c.rms_eps)
+            proj = w.qkv(y, alone).float()
+            if w.qkv_bias is not None:
+                proj += w.qkv_bias
+            q = proj[:, : H * D].view(T, H, D)
+            k = proj[:, H * D : (H + G) * D].view(T, G, D)
+            v = proj[:, (H + G) * D :].view(T, G, D)
+            if w.q_norm is not None:  # a batch's rows each normed as alone (contiguous, per-token row limit)
+                alone_rows = tokens is not None
+                q = rms_norm(q.contiguous() if alone_rows else q, w.q_norm, c.rms_eps, tokens_alone=alone_rows)
+                k = rms_norm(k.contiguous() if alone_rows else k, w.k_norm, c.rms_eps, tokens_alone=alone_rows)
+
+            def attend(s: Span, rope) -> torch.Tensor:
+                qs, ks = q[s.lo : s.hi], k[s.lo : s.hi]
+                apply_rope_(qs, *rope)
+                apply_rope_(ks, *rope)
+                kv = s.state
+                return attention(qs, ks, v[s.lo : s.hi], kv.layers[i], kv.pos, scale, views=kv.views[i])
+
+            o = None if tokens is None else attend_spans(q, k, v, spans, i, tokens, scale)
+            h += w.out(per_sequence(attend, spans, ropes) if o is None else o, alone)
+            h += gated_mlp(w.gate_up, w.down, rms_norm(h, w.ffn_norm, c.rms_eps), F.silu, alone)
+            yield
+        advance(spans)
+        return rms_norm(h, self.output_norm, c.rms_eps)
+
+    def _token_layers(self, step: TokenStep, spans: list[Span], alone: bool) -> Generator:
+        """_layers for one token of each span's sequence, in numpy between the kernels: the same
+        operations on the same values, bit for bit, without ~10 torch dispatches a layer."""
+        c, h = self.config, step.h
+        H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
+        n = h.shape[0]
+        if self._compiled is None:
+            per = K_NORM + 1 if c.family.qk_norm else 2  # the layers' norms: attn, ffn (and q, k)
+            self._compiled = TokenLayers.of(self.layers, per) or False
+        if self._compiled:
+            h = yield from self._compiled.run(step, H, G, D, c.rms_eps, F.silu)
+            advance(spans)
+            return torch.from_numpy(step.norm(h, self.output_norm, c.rms_eps))
+        for i, w in enumerate(self.layers):
+            proj = step.product(w.qkv, step.norm(h, w.attn_norm, c.rms_eps, "norm"), alone)
+            if w.qkv_bias is not None:
+                proj += w.qkv_bias.numpy()
+            q, k, v = (np.ascontiguousarray(proj[:, a:b]).reshape(n, -1, D)
+                       for a, b in ((0, H * D), (H * D, (H + G) * D), ((H + G) * D, proj.shape[1])))
+            if w.q_norm is not None:
+                q = step.norm(q.reshape(n * H, D), w.q_norm, c.rms_eps, "q").reshape(n, H, D)
+                k = step.norm(k.reshape(n * G, D), w.k_norm, c.rms_eps, "k").reshape(n, G, D)
+            h += step.product(w.out, step.attend(q, k, v, i), alone)
+            h += step.gated(w.gate_up, w.down, step.norm(h, w.ffn_norm, c.rms_eps, "norm"), F.silu, alone)
+            yield
+        advance(spans)
+        return torch.from_numpy(step.norm(h, self.output_norm, c.rms_eps))
+
+
+HF_GLOBALS = {"output_norm.weight": "norm.weight"}
+HF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def family_layout(f: Family, config: HFConfig, hf_names: set[str] | None) -> HFLayout:
+    """A Hugging Face checkpoint of family `f` in GGUF terms: q/k rows in the order `f.qk_rows` gives
+    GGUF's (a row order, read in place), everything else as stored."""
+    if config.get("attention_bias", False) and not f.qkv_bias:
+        raise UnsupportedError(f"{config.name}: attention_bias is not supported for {f.arch}")
+    if config.get("use_sliding_window", False):
+        raise UnsupportedError(f"{config.name}: use_sliding_window is not supported for {f.arch}")
+    n_layers, hidden, n_heads = config.int("num_hidden_layers"), config.int("hidden_size"), config.int("num_attention_heads")
+    n_kv = config.int("num_key_value_heads", n_heads)
+    head_dim = config.int("head_dim", hidden // max(n_heads, 1))
+    metadata = decoder_metadata(f.arch, config, head_dim)
+    metadata[f"{f.arch}.rope.freq_base"] = config.rope_float("rope_theta", 10000.0)
+    metadata.update(rope_scaling(config, f.arch))
+    per_layer = dict(HF_LAYER)
+    if f.qkv_bias:
+        per_layer.update({f"attn_{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"})
+    if f.qk_norm:
+        per_layer.update({f"attn_{x}_norm.weight": f"self_attn.{x}_norm.weight" for x in "qk"})
+    maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, per_layer)
+    for i in range(0 if f.qk_rows is None else n_layers):
+        for name, heads in (("attn_q.weight", n_heads), ("attn_k.weight", n_kv)):
+            if f"blk.{i}.{name}" in maps:
+                maps[f"blk.{i}.{name}"] = replace(maps[f"blk.{i}.{name}"],
+                                                  rows=np.argsort(f.qk_rows(heads * head_dim, heads)))
+    return HFLayout(metadata, maps)
+
+
+def family_hf_config(f: Family, c: FamilyConfig, tied: bool) -> dict:
+    """config.json for a Hugging Face twin of a checkpoint of family `f` with this config."""
+    return {"architectures": [f.hf_class], "model_type": f.arch, "hidden_act": "silu", "attention_bias": f.qkv_bias,
+            "rope_parameters": hf_rope(c.rope_base, c.rope_scale), **decoder_hf_config(c, tied)}
+
+
+def family_module(f: Family) -> tuple:
+    """What the registry (pagelm.models) reads of a family's module: (GGUF_ARCHITECTURES,
+    HF_MODEL_TYPES, Config, Model, hf_layout, hf_config)."""
+    config = type(f.hf_class.removesuffix("ForCausalLM") + "Config", (FamilyConfig,), {"family": f})
+    return ((f.arch,), (f.arch,), config, FamilyModel, functools.partial(family_layout, f),
+            functools.partial(family_hf_config, f))
