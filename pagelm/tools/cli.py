@@ -13,11 +13,16 @@ from tqdm import tqdm
 from pagelm.errors import PagelmError
 
 def _synth(args: argparse.Namespace) -> int:
-    """Write a complete random llama.cpp `qwen35` model (every tensor and metadata key, random seeded values
-    scaled to stay numerically healthy, peaked final logits), or with --embedding-only just its embedding
-    tables. The Qwen3.5 0.8b/2b/4b shapes have a tied Q8_0 token_embd and no output.weight; the 9b has a
-    BF16 token_embd and a Q8_0 output.weight. qwen3.5-tiny and qwen3.5-tiny-gqa (nv != nk) are small shapes
-    for tests; 'tiny' is an embedding-only geometry."""
+    """Write a complete random llama.cpp model at a real model's geometry (every tensor and metadata key,
+    random seeded values scaled to stay numerically healthy, peaked final logits), or with --embedding-only
+    just its embedding tables. qwen35: the Qwen3.5 0.8b/2b/4b shapes have a tied Q8_0 token_embd and no
+    output.weight, the 9b a BF16 token_embd and a Q8_0 output.weight; qwen3.5-tiny and qwen3.5-tiny-gqa
+    (nv != nk) are small shapes for tests; 'tiny' is an embedding-only geometry. The other families, each
+    with a tied Q8_0 token_embd: qwen3-0.6b, qwen3-1.7b (qwen3, per-head q/k norms), qwen2.5-1.5b (qwen2,
+    q/k/v biases), llama3.2-1b (llama, llama3 rope_freqs), lfm2-1.2b (lfm2: 6 attention and 10
+    short-convolution layers), embeddinggemma-300m (gemma-embedding: bidirectional, mean pooling,
+    dense_2/dense_3), and FAMILY-tiny shapes of each for tests. Only the Qwen3.5 shapes of the real
+    vocabulary size carry a tokenizer (the real Qwen3.5 one); every other shape is token ids only."""
     if args.seed < 0:
         raise PagelmError(f"--seed must be >= 0, got {args.seed}")
     if args.out is None and args.mmproj is None:
@@ -76,7 +81,7 @@ def _synth_model(args: argparse.Namespace) -> None:
             f"{t} ×{n}" for t, n in sorted(Counter(t.ggml_type.name for t in plan).items())) + ")"
         if args.mix is not None:  # the mix picks the tables' types
             head = "tied output head" if shape.output_type is None else f"output {plan[-1].ggml_type.name}"
-        print(f"wrote {args.out}: {args.shape}, {shape.n_layers} layers, hidden {shape.hidden}, vocab {shape.vocab}, "
+        print(f"wrote {args.out}: {args.shape} ({shape.arch}), {shape.n_layers} layers, hidden {shape.hidden}, vocab {shape.vocab}, "
               f"{len(plan)} tensors, {layers}, token_embd {plan[0].ggml_type.name}, {head}, "
               f"{os.path.getsize(args.out)} bytes")
 
@@ -204,8 +209,8 @@ def register(commands) -> None:
     synth.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     layer_types = synth.add_mutually_exclusive_group()
     layer_types.add_argument("--layer-type", choices=sorted(t.name for t in LAYER_TYPES),
-                             help="type of the layers' 2-D matrices (default Q8_0); norms, ssm_a, ssm_dt.bias "
-                                  "and ssm_conv1d are always F32")
+                             help="type of the layers' 2-D matrices (default Q8_0); norms, biases, ssm_a, "
+                                  "ssm_dt.bias, ssm_conv1d, shortconv.conv and rope_freqs are always F32")
     layer_types.add_argument("--mix", choices=list(MIXES),
                              help="types per tensor as llama.cpp's quantizer picks them: q4_k_m is Q4_K, with Q5_K "
                                   "for the DeltaNet attn_qkv, Q6_K for the output head (the tied token_embd) and, by "

@@ -1,20 +1,18 @@
 """Synthetic models with real geometry and random, seeded values, written by pagelm's own GGUF writer.
 
-Owns the shape table, the tensor plan of llama.cpp's `qwen35` architecture (names, ggml dims,
-types and how each tensor's values are drawn) and random block generation. Writes either the
-embedding tables alone or complete models, streamed in bounded chunks.
+Owns the tensor plan of a whole model (the tables, each layer as its architecture lists it in
+`synth_arch`, the final norm; names, ggml dims, types and how each tensor's values are drawn), its
+metadata, the Qwen3.5 vocabulary and random block generation. Writes either the embedding tables
+alone or complete models, streamed in bounded chunks. The shapes are `synth_shapes.SHAPES`.
 
 The values are random but shaped so that a forward pass stays numerically healthy through all
-layers and so that the last position's logits are peaked (see `_RESIDUAL_RMS` and
-`_TOP_GAP`); conventions follow design/qwen35.md (+1 folded into every norm except
-ssm_norm, ssm_a = -exp(A_log), ssm_conv1d ne = [kernel, channels]).
+layers and so that the last position's logits are peaked (see `RESIDUAL_RMS` and `_TOP_GAP`).
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Iterator
 
@@ -24,84 +22,8 @@ from pagelm.chat.qwen35_template import QWEN35_TEMPLATE
 from pagelm.formats.gguf import GGUFValueType, TensorToWrite, Typed, write_gguf
 from pagelm.quant import ENCODABLE, K_QUANTS, bf16_to_f32, decode_f32, encode, f32_to_bf16
 from pagelm.quant.types import BLOCK_LAYOUT, SCALE_FIELDS, GGMLType, row_nbytes
-
-QWEN35_VOCAB = 248_320
-ARCH = "qwen35"
-
-
-@dataclass(frozen=True)
-class Qwen35Shape:
-    """Every geometry field of a `qwen35` model; n_layers == 0 means embedding geometry only."""
-
-    vocab: int
-    hidden: int
-    embedding_type: GGMLType
-    output_type: GGMLType | None  # None: the output head is tied to token_embd
-    n_layers: int = 0
-    ffn: int = 0
-    n_head: int = 0  # attention query heads
-    n_head_kv: int = 0
-    head_dim: int = 0  # attention key = value head dim
-    rope_dim: int = 0  # rotated dims at the start of each attention head
-    rope_sections: tuple[int, int, int, int] = (0, 0, 0, 0)  # multimodal sections (pairs)
-    ssm_k_heads: int = 0  # DeltaNet key heads (nk, ssm.group_count)
-    ssm_v_heads: int = 0  # DeltaNet value heads (nv, ssm.time_step_rank)
-    ssm_head_dim: int = 0  # DeltaNet key = value head dim (ssm.state_size)
-    conv_kernel: int = 4
-    full_attention_interval: int = 4  # layer i is full attention when i % interval == interval - 1
-    context_length: int = 262_144
-    rms_eps: float = 1e-6
-    rope_theta: float = 1e7
-
-    @property
-    def dim(self) -> int:
-        return self.hidden
-
-    @property
-    def full(self) -> bool:
-        """True when the shape has layers (a complete model can be written)."""
-        return self.n_layers > 0
-
-    def is_full_attention(self, layer: int) -> bool:
-        return layer % self.full_attention_interval == self.full_attention_interval - 1
-
-    @property
-    def ssm_qkv_channels(self) -> int:
-        """Channels of attn_qkv / ssm_conv1d: q and k (nk heads each), then v (nv heads)."""
-        return (2 * self.ssm_k_heads + self.ssm_v_heads) * self.ssm_head_dim
-
-    @property
-    def ssm_inner(self) -> int:
-        return self.ssm_v_heads * self.ssm_head_dim
-
-
-def _qwen35(vocab: int, hidden: int, n_layers: int, ffn: int, n_head: int, n_head_kv: int, nk: int, nv: int,
-            embedding_type: GGMLType = GGMLType.Q8_0, output_type: GGMLType | None = None,
-            head_dim: int = 256, rope_dim: int = 64, rope_sections=(11, 11, 10, 0), ssm_head_dim: int = 128,
-            context_length: int = 262_144) -> Qwen35Shape:
-    return Qwen35Shape(vocab, hidden, embedding_type, output_type, n_layers=n_layers, ffn=ffn, n_head=n_head,
-                       n_head_kv=n_head_kv, head_dim=head_dim, rope_dim=rope_dim, rope_sections=rope_sections,
-                       ssm_k_heads=nk, ssm_v_heads=nv, ssm_head_dim=ssm_head_dim, context_length=context_length)
-
-
-_TINY = dict(head_dim=64, rope_dim=16, rope_sections=(3, 3, 2, 0), ssm_head_dim=32, context_length=8192)
-
-SHAPES: dict[str, Qwen35Shape] = {
-    "qwen3.5-0.8b": _qwen35(QWEN35_VOCAB, 1024, 24, 3584, 8, 2, 16, 16),
-    "qwen3.5-2b": _qwen35(QWEN35_VOCAB, 2048, 24, 6144, 8, 2, 16, 16),
-    "qwen3.5-4b": _qwen35(QWEN35_VOCAB, 2560, 32, 9216, 16, 4, 16, 32),
-    "qwen3.5-9b": _qwen35(QWEN35_VOCAB, 4096, 32, 12288, 16, 4, 16, 32,
-                          embedding_type=GGMLType.BF16, output_type=GGMLType.Q8_0),
-    "qwen3.5-tiny": _qwen35(4096, 128, 4, 256, 4, 2, 2, 2, **_TINY),
-    "qwen3.5-tiny-gqa": _qwen35(4096, 128, 4, 256, 4, 2, 2, 4, **_TINY),
-    # tiny layers under the real 248,320-token vocabulary, tokenizer and chat template: for chat and serving tests
-    "qwen3.5-tiny-chat": _qwen35(QWEN35_VOCAB, 128, 4, 256, 4, 2, 2, 2, **_TINY),
-    # tiny, but every matrix's row width a multiple of 256, so that --mix q4_k_m writes K-quants
-    # everywhere (8 layers: a real mix of Q4_K/Q5_K/Q6_K), and nv != nk
-    "qwen3.5-tiny-k": _qwen35(4096, 256, 8, 512, 4, 2, 2, 4, **{**_TINY, "ssm_head_dim": 64}),
-    # Embedding geometry only (vocab 4096, dim 256): for the embedding tests.
-    "tiny": Qwen35Shape(4096, 256, GGMLType.Q8_0, None),
-}
+from pagelm.tools.synth_arch import ARCHITECTURES, RESIDUAL_RMS, Init, PlannedTensor, Shape, norm, normal, u32
+from pagelm.tools.synth_shapes import QWEN35_VOCAB, SHAPES
 
 # Random bytes are valid codes for the block types; only their fp16 scale fields (SCALE_FIELDS)
 # are drawn so that values stay small and finite.
@@ -176,13 +98,12 @@ def _qwen35_vocabulary() -> tuple[list[str], list[int], list[str]]:
 def tokenizer_metadata(vocab: int) -> dict:
     """The `tokenizer.ggml.*` metadata for a synthetic model with this many embedding rows.
 
-    The Qwen3.5 vocabulary size gets the real Qwen3.5 tokenizer; other (tiny) sizes get none,
-    since the real vocabulary does not fit them: token ids only.
+    The Qwen3.5 vocabulary size gets the real Qwen3.5 tokenizer; other sizes (the tiny shapes, the
+    other families, whose vocabularies are not available offline) get none: token ids only.
     """
     if vocab != QWEN35_VOCAB:
         return {"tokenizer.ggml.model": "none"}
     tokens, types, merges = _qwen35_vocabulary()
-    u32 = lambda v: Typed(GGUFValueType.UINT32, v)  # noqa: E731
     endoftext, im_end = QWEN35_SPECIAL_START, QWEN35_SPECIAL_START + 2
     return {
         "tokenizer.ggml.model": "gpt2",
@@ -237,12 +158,12 @@ def _table_chunks(seed: int, vocab: int, dim: int, ggml_type: GGMLType) -> Itera
 
 def write_embedding_model(
     path: str,
-    shape: Qwen35Shape,
+    shape: Shape,
     seed: int = 0,
     name: str = "synthetic",
     progress: Callable[[int], None] | None = None,
 ) -> None:
-    """Write a qwen35-geometry GGUF holding the embedding (and the untied output head, if any)."""
+    """Write a GGUF of the shape's architecture holding the embedding (and the untied output head, if any)."""
     tensors = [
         TensorToWrite("token_embd.weight", (shape.dim, shape.vocab), shape.embedding_type,
                       _table_chunks(seed, shape.vocab, shape.dim, shape.embedding_type))
@@ -252,11 +173,12 @@ def write_embedding_model(
             TensorToWrite("output.weight", (shape.dim, shape.vocab), shape.output_type,
                           _table_chunks(seed + 1, shape.vocab, shape.dim, shape.output_type))
         )
+    a = shape.arch
     metadata = {
-        "general.architecture": ARCH,
+        "general.architecture": a,
         "general.name": name,
-        "qwen35.embedding_length": Typed(GGUFValueType.UINT32, shape.dim),
-        "qwen35.vocab_size": Typed(GGUFValueType.UINT32, shape.vocab),
+        f"{a}.embedding_length": u32(shape.dim),
+        f"{a}.vocab_size": u32(shape.vocab),
         "pagelm.synthetic.seed": Typed(GGUFValueType.UINT64, seed),
         "pagelm.synthetic.embedding_only": True,
     }
@@ -265,7 +187,7 @@ def write_embedding_model(
     write_gguf(path, metadata, tensors, progress=progress)
 
 
-def embedding_nbytes(shape: Qwen35Shape) -> int:
+def embedding_nbytes(shape: Shape) -> int:
     """Bytes of the tensor data write_embedding_model writes (what its progress adds up to)."""
     types = [t for t in (shape.embedding_type, shape.output_type) if t is not None]
     return sum(row_nbytes(t, shape.dim) * shape.vocab for t in types)
@@ -273,53 +195,11 @@ def embedding_nbytes(shape: Qwen35Shape) -> int:
 
 # ------------------------------------------------------------------------- complete models
 
-# Scales of the random values. With every projection drawn as N(0, gain / sqrt(fan_in)), the
-# output of a projection of an RMS-normalised vector has rms ~ gain. The residual outputs
-# (attn_output, ssm_out, ffn_down) are scaled so that the 2·n_layers residual additions bring
-# the final hidden state to an rms of about _RESIDUAL_RMS: large against the input embedding
-# (rms ~0.17), so the tied head does not simply echo the input token. output_norm is scaled so
-# that the logits over the vocabulary have std _TOP_GAP · sqrt(2 ln vocab): the expected gap
-# between the two largest of `vocab` Gaussian logits is then about _TOP_GAP.
-_RESIDUAL_RMS = 8.0
-_BRANCH_RMS = 0.6  # rough rms of the vector entering a residual output projection (MLP, DeltaNet)
-_ATTN_BRANCH_RMS = 0.3  # the same for attention: softmax averages v over positions, then the gate
+# output_norm is scaled so that the logits over the vocabulary have std _TOP_GAP · sqrt(2 ln vocab):
+# the expected gap between the two largest of `vocab` Gaussian logits is then about _TOP_GAP. The
+# final hidden state's rms (RESIDUAL_RMS, see synth_arch) is large against the input embedding
+# (rms ~0.17), so the tied head does not simply echo the input token.
 _TOP_GAP = 6.0
-_NORM_NOISE = 0.05  # norm weights are 1 + N(0, _NORM_NOISE) (times a scale for output_norm)
-
-
-@dataclass(frozen=True)
-class Init:
-    """How one tensor's values are drawn.
-
-    normal: center + scale · N(0, 1); uniform: U(low, high); neg_exp_uniform: -exp(U(low, high));
-    table: the embedding tables' generator (random_rows) with seed + seed_offset; with `source`,
-    the table random_rows draws in that type, decoded and encoded in the tensor's type.
-    """
-
-    kind: str
-    scale: float = 0.0
-    center: float = 0.0
-    low: float = 0.0
-    high: float = 0.0
-    seed_offset: int = 0
-    source: GGMLType | None = None
-
-
-@dataclass(frozen=True)
-class PlannedTensor:
-    name: str
-    dims: tuple[int, ...]  # ggml order, ne0 first
-    ggml_type: GGMLType
-    init: Init
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """numpy order: the dims reversed."""
-        return self.dims[::-1]
-
-    @property
-    def nbytes(self) -> int:
-        return row_nbytes(self.ggml_type, self.dims[0]) * math.prod(self.dims[1:])
 
 
 @lru_cache(maxsize=None)
@@ -327,14 +207,6 @@ def table_value_std(ggml_type: GGMLType) -> float:
     """Std of the values random_rows draws for a table of this type (measured on a fixed sample)."""
     sample = random_rows(np.random.default_rng(0x5EED), 64, 1024, ggml_type)
     return float(np.sqrt(np.mean(np.square(decode_f32(sample, ggml_type), dtype=np.float64))))
-
-
-def _normal(scale: float, center: float = 0.0) -> Init:
-    return Init("normal", scale=scale, center=center)
-
-
-def _norm(center: float = 1.0) -> Init:
-    return Init("normal", scale=_NORM_NOISE * center, center=center)
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -348,20 +220,20 @@ def _k_fallback(ggml_type: GGMLType, n_in: int) -> GGMLType:
     return GGMLType.Q8_0 if ggml_type in K_QUANTS and n_in % 256 else ggml_type
 
 
-def q4_k_m_type(name: str, n_in: int, n_layers: int, attn_v_index: int) -> GGMLType:
-    """The type llama.cpp's Q4_K_M quantizer gives a qwen35 matrix (`blk.I.NAME` or the tables).
+def q4_k_m_type(name: str, n_in: int, n_layers: int, attn_v_index: int, n_attention_wv: int | None = None) -> GGMLType:
+    """The type llama.cpp's Q4_K_M quantizer gives a matrix (`blk.I.NAME`, the tables, dense_N).
 
     Q4_K by default; Q5_K for the DeltaNet attn_qkv; Q6_K for the output head (the tied token_embd
     when there is no output.weight) and, by use_more_bits, for ffn_down (over the layers) and
-    attn_v (over llama.cpp's n_attention_wv, which counts attn_v and attn_qkv alike: one per
-    layer; attn_v_index counts the attn_v tensors before this one).
+    attn_v (over llama.cpp's n_attention_wv, n_layers unless given, which counts attn_v and
+    attn_qkv alike; attn_v_index counts the attn_v tensors before this one).
     """
     if name == "output.weight":
         wanted = GGMLType.Q6_K
     elif name.endswith("attn_qkv.weight"):
         wanted = GGMLType.Q5_K
     elif name.endswith("attn_v.weight"):
-        wanted = GGMLType.Q6_K if use_more_bits(attn_v_index, n_layers) else GGMLType.Q4_K
+        wanted = GGMLType.Q6_K if use_more_bits(attn_v_index, n_attention_wv or n_layers) else GGMLType.Q4_K
     elif name.endswith("ffn_down.weight"):
         wanted = GGMLType.Q6_K if use_more_bits(int(name.split(".")[1]), n_layers) else GGMLType.Q4_K
     else:
@@ -376,7 +248,7 @@ def _table(ggml_type: GGMLType, seed_offset: int) -> Init:
 
 
 def plan_model(
-    shape: Qwen35Shape,
+    shape: Shape,
     layer_type: GGMLType = GGMLType.Q8_0,
     embedding_type: GGMLType | None = None,
     embedding_only: bool = False,
@@ -415,54 +287,24 @@ def plan_model(
         raise ValueError(f"layer matrices of type {layer_type.name} are not supported "
                          f"(supported: {', '.join(sorted(t.name for t in LAYER_TYPES))})")
 
-    residual = _RESIDUAL_RMS / math.sqrt(2 * shape.n_layers)  # rms each residual branch adds
-    F32 = GGMLType.F32
+    residual = RESIDUAL_RMS / math.sqrt(2 * shape.n_layers)  # rms each residual branch adds
     attn_v_seen = 0
 
     def matrix(name: str, n_in: int, n_out: int, gain: float = 1.0) -> PlannedTensor:
         nonlocal attn_v_seen
-        ggml_type = layer_type if mix is None else q4_k_m_type(name, n_in, shape.n_layers, attn_v_seen)
+        ggml_type = layer_type if mix is None else q4_k_m_type(name, n_in, shape.n_layers, attn_v_seen,
+                                                               shape.n_attention_wv)
         attn_v_seen += name.endswith("attn_v.weight")
-        return PlannedTensor(name, (n_in, n_out), ggml_type, _normal(gain / math.sqrt(n_in)))
+        return PlannedTensor(name, (n_in, n_out), ggml_type, normal(gain / math.sqrt(n_in)))
 
+    arch = ARCHITECTURES[shape.arch]
     for i in range(shape.n_layers):
-        b = f"blk.{i}."
-        plan.append(PlannedTensor(b + "attn_norm.weight", (d,), F32, _norm()))
-        if shape.is_full_attention(i):
-            hd = shape.head_dim
-            plan += [
-                matrix(b + "attn_q.weight", d, shape.n_head * 2 * hd),  # per head: query, then gate
-                matrix(b + "attn_k.weight", d, shape.n_head_kv * hd),
-                matrix(b + "attn_v.weight", d, shape.n_head_kv * hd),
-                PlannedTensor(b + "attn_q_norm.weight", (hd,), F32, _norm()),
-                PlannedTensor(b + "attn_k_norm.weight", (hd,), F32, _norm()),
-                matrix(b + "attn_output.weight", shape.n_head * hd, d, residual / _ATTN_BRANCH_RMS),
-            ]
-        else:
-            nv, k = shape.ssm_v_heads, shape.conv_kernel
-            plan += [
-                matrix(b + "attn_qkv.weight", d, shape.ssm_qkv_channels),
-                matrix(b + "attn_gate.weight", d, shape.ssm_inner),
-                matrix(b + "ssm_beta.weight", d, nv),
-                matrix(b + "ssm_alpha.weight", d, nv, 0.5),
-                PlannedTensor(b + "ssm_conv1d.weight", (k, shape.ssm_qkv_channels), F32,
-                              _normal(1 / math.sqrt(k))),
-                # decay per step exp(ssm_a · softplus(alpha + dt_bias)): mostly 0.4 .. 0.95
-                PlannedTensor(b + "ssm_dt.bias", (nv,), F32, Init("uniform", low=-2.0, high=-0.5)),
-                PlannedTensor(b + "ssm_a", (nv,), F32, Init("neg_exp_uniform", low=-1.0, high=0.5)),
-                PlannedTensor(b + "ssm_norm.weight", (shape.ssm_head_dim,), F32, _norm()),
-                matrix(b + "ssm_out.weight", shape.ssm_inner, d, residual / _BRANCH_RMS),
-            ]
-        plan += [
-            PlannedTensor(b + "post_attention_norm.weight", (d,), F32, _norm()),
-            matrix(b + "ffn_gate.weight", d, shape.ffn),
-            matrix(b + "ffn_up.weight", d, shape.ffn),
-            matrix(b + "ffn_down.weight", shape.ffn, d, residual / _BRANCH_RMS),
-        ]
+        plan += arch.layer(shape, i, matrix, residual)
+    plan += arch.extra(shape, matrix)
     head = output or plan[0]
     logit_std = _TOP_GAP * math.sqrt(2 * math.log(v))
     out_scale = logit_std / (table_value_std(head.init.source or head.ggml_type) * math.sqrt(d))
-    plan.append(PlannedTensor("output_norm.weight", (d,), F32, _norm(out_scale)))
+    plan.append(PlannedTensor(arch.output_norm, (d,), GGMLType.F32, norm(out_scale)))
     return plan + ([output] if output else [])
 
 
@@ -476,37 +318,32 @@ _FILE_TYPE = {  # llama_ftype of a file whose layer matrices have this type
 }
 
 
-def model_metadata(shape: Qwen35Shape, layer_type: GGMLType = GGMLType.Q8_0, seed: int = 0,
+def model_metadata(shape: Shape, layer_type: GGMLType = GGMLType.Q8_0, seed: int = 0,
                    name: str = "synthetic", mix: str | None = None) -> dict:
     """The GGUF metadata of a complete model, with the value types llama.cpp reads them as."""
-    u32 = lambda v: Typed(GGUFValueType.UINT32, v)  # noqa: E731
     f32 = lambda v: Typed(GGUFValueType.FLOAT32, v)  # noqa: E731
-    a = ARCH
+    a = shape.arch
+    keys = {
+        "vocab_size": u32(shape.vocab),
+        "block_count": u32(shape.n_layers),
+        "context_length": u32(shape.context_length),
+        "embedding_length": u32(shape.hidden),
+        "feed_forward_length": u32(shape.ffn),
+        "attention.head_count": u32(shape.n_head),
+        "attention.head_count_kv": u32(shape.n_head_kv),
+        "attention.key_length": u32(shape.head_dim),
+        "attention.value_length": u32(shape.head_dim),
+        "attention.layer_norm_rms_epsilon": f32(shape.rms_eps),
+        "rope.freq_base": f32(shape.rope_theta),
+        **ARCHITECTURES[a].keys(shape),
+    }
     return {
         "general.architecture": a,
         "general.name": name,
         "general.file_type": u32(_FILE_TYPE[layer_type] if mix is None else MIXES[mix]),
         "general.quantization_version": u32(2),
-        f"{a}.vocab_size": u32(shape.vocab),
-        f"{a}.block_count": u32(shape.n_layers),
-        f"{a}.context_length": u32(shape.context_length),
-        f"{a}.embedding_length": u32(shape.hidden),
-        f"{a}.feed_forward_length": u32(shape.ffn),
-        f"{a}.attention.head_count": u32(shape.n_head),
-        f"{a}.attention.head_count_kv": u32(shape.n_head_kv),
-        f"{a}.attention.key_length": u32(shape.head_dim),
-        f"{a}.attention.value_length": u32(shape.head_dim),
-        f"{a}.attention.layer_norm_rms_epsilon": f32(shape.rms_eps),
-        f"{a}.rope.freq_base": f32(shape.rope_theta),
-        f"{a}.rope.dimension_count": u32(shape.rope_dim),
-        f"{a}.rope.dimension_sections": Typed(GGUFValueType.ARRAY, (GGUFValueType.INT32, list(shape.rope_sections))),
-        f"{a}.ssm.conv_kernel": u32(shape.conv_kernel),
-        f"{a}.ssm.state_size": u32(shape.ssm_head_dim),
-        f"{a}.ssm.group_count": u32(shape.ssm_k_heads),
-        f"{a}.ssm.time_step_rank": u32(shape.ssm_v_heads),
-        f"{a}.ssm.inner_size": u32(shape.ssm_inner),
-        f"{a}.full_attention_interval": u32(shape.full_attention_interval),
-        # The real Qwen3.5 vocabulary, or (tiny shapes) "none": token ids only, which llama.cpp loads too.
+        **{f"{a}.{key}": value for key, value in keys.items()},
+        # The real Qwen3.5 vocabulary, or "none": token ids only, which llama.cpp loads too.
         **tokenizer_metadata(shape.vocab),
         "pagelm.synthetic.seed": Typed(GGUFValueType.UINT64, seed),
         "pagelm.synthetic.embedding_only": False,
@@ -527,6 +364,9 @@ def tensor_chunks(t: PlannedTensor, seed: int) -> Iterator[np.ndarray]:
             yield from chunks
         else:
             yield from (_encoded(decode_f32(c, init.source), t.ggml_type) for c in chunks)
+        return
+    if init.kind == "fixed":
+        yield _encoded(np.asarray(init.values, np.float32).reshape(t.shape), t.ggml_type)
         return
     rng = _tensor_rng(seed, t.name)
     n_in, n_rows = t.dims[0], math.prod(t.dims[1:])
@@ -549,7 +389,7 @@ def tensor_chunks(t: PlannedTensor, seed: int) -> Iterator[np.ndarray]:
 
 def write_model(
     path: str,
-    shape: Qwen35Shape,
+    shape: Shape,
     layer_type: GGMLType = GGMLType.Q8_0,
     seed: int = 0,
     name: str = "synthetic",
@@ -557,7 +397,7 @@ def write_model(
     progress: Callable[[int], None] | None = None,
     mix: str | None = None,
 ) -> list[PlannedTensor]:
-    """Write a complete random `qwen35` model (every tensor llama.cpp loads); returns its plan.
+    """Write a complete random model of the shape's architecture (every tensor llama.cpp loads); returns its plan.
 
     `mix` (one of MIXES, e.g. "q4_k_m") types each tensor as llama.cpp's quantizer would; see plan_model.
 
@@ -572,7 +412,7 @@ def write_model(
 
 
 __all__ = [
-    "Init", "LAYER_TYPES", "MIXES", "PlannedTensor", "Qwen35Shape", "SHAPES", "SYNTH_TYPES",
+    "Init", "LAYER_TYPES", "MIXES", "PlannedTensor", "Shape", "SHAPES", "SYNTH_TYPES",
     "embedding_nbytes", "model_metadata", "tokenizer_metadata", "plan_model", "plan_nbytes", "random_rows", "table_value_std",
     "q4_k_m_type", "tensor_chunks", "use_more_bits", "write_embedding_model", "write_model",
 ]

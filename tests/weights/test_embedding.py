@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pagelm.errors import PagelmError, UnsupportedError
 from pagelm.formats.gguf import GGUFFile, TensorToWrite, write_gguf
 from pagelm.quant.types import GGMLType, row_nbytes
-from pagelm.tools.synth import SYNTH_TYPES, Qwen35Shape, random_rows, write_embedding_model
+from pagelm.tools.synth import SYNTH_TYPES, Shape, random_rows, write_embedding_model
 from pagelm.weights import DenseTable, MappedRows, MappedTensor, OutputHead, load_token_embedding, page_spans
 
 PAGE = mmap.PAGESIZE
@@ -20,7 +20,7 @@ PAGE = mmap.PAGESIZE
 
 def _tiny_model(tmp_path, ggml_type=GGMLType.Q8_0, vocab=300, dim=512, output_type=None):
     path = str(tmp_path / f"tiny-{ggml_type.name}.gguf")
-    write_embedding_model(path, Qwen35Shape(vocab, dim, ggml_type, output_type), seed=7)
+    write_embedding_model(path, Shape(vocab, dim, ggml_type, output_type), seed=7)
     return path
 
 
