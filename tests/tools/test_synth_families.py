@@ -215,7 +215,7 @@ def test_same_seed_same_bytes(tmp_path, files):
     assert open(again, "rb").read() == original and open(other, "rb").read() != original
 
 
-@pytest.mark.parametrize("shape", ["llama3.2-tiny", "lfm2-tiny"])
+@pytest.mark.parametrize("shape", ["qwen3-tiny", "qwen2.5-tiny", "llama3.2-tiny", "lfm2-tiny"])
 def test_pagelm_runs_the_decoders(files, shape):
     pytest.importorskip("torch")
     import pagelm
