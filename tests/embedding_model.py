@@ -78,3 +78,43 @@ def reference(model, dense, ids: list[int]) -> np.ndarray:
         for weight in dense:
             h = weight.float() @ h
         return (h / h.norm()).numpy()
+
+
+def write_gguf(model, dense, path: Path, matrix_type=None) -> tuple[dict, list]:
+    """The model as llama.cpp's converter writes EmbeddingGemma (`gemma-embedding`): names from the
+    `gguf` package's map, Gemma's norms with their +1 folded in, mean pooling, the two projections as
+    `dense_2` / `dense_3`; matrices in `matrix_type` (F32 when None). Returns what the file holds as
+    (the model's state dict, the projections), quantized values decoded by `gguf.quants`."""
+    import gguf
+    from hf_gguf import decoder_metadata
+
+    from pagelm.formats.gguf import GGUFValueType, TensorToWrite, Typed, write_gguf as write
+    from pagelm.quant.types import GGMLType
+
+    arch, config = "gemma-embedding", model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA_EMBEDDING, config.num_hidden_layers)
+    tensors, held = [], {}
+    for hf_name, t in [*model.state_dict().items(), ("dense_2.weight", dense[0]), ("dense_3.weight", dense[1])]:
+        name = hf_name if hf_name.startswith("dense_") else names.get_name(hf_name, try_suffixes=(".weight",))
+        values = np.ascontiguousarray(t.detach().float().numpy())
+        if name.endswith("norm.weight"):
+            values = values + np.float32(1)
+        qtype = matrix_type if values.ndim == 2 and matrix_type is not None else GGMLType.F32
+        data = values if qtype == GGMLType.F32 else gguf.quants.quantize(values, gguf.GGMLQuantizationType[qtype.name])
+        tensors.append(TensorToWrite(name, tuple(reversed(values.shape)), qtype, [np.ascontiguousarray(data)]))
+        if qtype != GGMLType.F32:
+            values = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype.name])
+        if name.endswith("norm.weight"):
+            values = values - np.float32(1)  # back to transformers' zero-centred norms
+        held[hf_name] = torch.from_numpy(np.ascontiguousarray(values, np.float32))
+    rope = config.rope_parameters
+    metadata = {**decoder_metadata(arch, config),
+                f"{arch}.rope.freq_base": Typed(GGUFValueType.FLOAT32, rope["full_attention"]["rope_theta"]),
+                f"{arch}.rope.freq_base_swa": Typed(GGUFValueType.FLOAT32, rope["sliding_attention"]["rope_theta"]),
+                f"{arch}.attention.sliding_window": Typed(GGUFValueType.UINT32, (config.sliding_window - 1) * 2),
+                f"{arch}.pooling_type": Typed(GGUFValueType.UINT32, 1)}
+    for dense_name, weight in (("dense_2", dense[0]), ("dense_3", dense[1])):
+        metadata[f"{arch}.{dense_name}_feat_in"] = Typed(GGUFValueType.UINT32, weight.shape[1])
+        metadata[f"{arch}.{dense_name}_feat_out"] = Typed(GGUFValueType.UINT32, weight.shape[0])
+    write(path, metadata, tensors)
+    return {k: v for k, v in held.items() if not k.startswith("dense_")}, [held["dense_2.weight"], held["dense_3.weight"]]

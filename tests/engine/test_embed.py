@@ -115,3 +115,24 @@ def test_a_long_text_is_cut_inside_its_frame(embedding_gemma):
     whole, cut = tokenizer.encode_input(text), tokenizer.encode_input(text, limit=10)
     assert len(whole) > 10 and cut == whole[:9] + whole[-1:]  # <bos> and 8 text tokens, then <eos>
     assert tokenizer.encode_input("fox", limit=10) == tokenizer.encode_input("fox")
+
+
+@pytest.mark.parametrize("matrix_type", ["F32", "Q8_0"])
+def test_a_gguf_written_as_llama_cpp_writes_embeddinggemma_gives_the_same_vectors(embedding_gemma, tmp_path,
+                                                                                     matrix_type):
+    """Within 1e-5 of transformers run on what the file holds (Q8_0 values decoded by gguf.quants)."""
+    import copy
+
+    from embedding_model import write_gguf
+
+    from pagelm.quant.types import GGMLType
+
+    _, model, dense = embedding_gemma
+    gguf_path = tmp_path / f"embeddinggemma-{matrix_type}.gguf"
+    held, held_dense = write_gguf(model, dense, gguf_path, GGMLType[matrix_type])
+    reference_model = copy.deepcopy(model)
+    reference_model.load_state_dict(held)
+    embedder = Embedder.of(load_model(str(gguf_path), dtype="float32"))
+    assert embedder.head.pooling == "mean" and len(embedder.head.dense) == 2
+    for ids in INPUTS:
+        assert _rel(embedder.embed(ids), reference(reference_model, held_dense, ids)) <= 1e-5
