@@ -14,7 +14,8 @@ GGUF conventions handled here:
   before rope (attn_{q,k}_norm.weight, head_dim values each).
 - RMSNorm weights are used as stored (no +1); no embedding scale.
 - rope scaling: `<arch>.rope.scaling.type` none or linear, and the llama3-style per-pair
-  frequency factors tensor `rope_freqs.weight` when present; other scalings are refused.
+  frequency factors: GGUF's `rope_freqs.weight`, or computed from a Hugging Face config's llama3
+  numbers (`models.rope_scaling`); other scalings are refused.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.decoder import Decoder, Span, advance, per_sequence
 from pagelm.models.layers import (KVState, apply_rope_, check_config, attend_spans, attention, gated_mlp, inv_freq, rms_norm,
                                   rope_tables)
+from pagelm.models.rope_scaling import Llama3Scaling
 from pagelm.models.token_layers import K_NORM, TokenLayers
 from pagelm.models.token_ops import RopeRows, TokenStep, token_ropes
-from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, rope_scaling,
-                               tensor_maps)
+from pagelm.weights.hf import (LLAMA3_KEYS, HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope,
+                               rope_scaling, tensor_maps)
 from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
@@ -67,6 +69,7 @@ class FamilyConfig:
     rope_scale: float  # linear rope scaling factor (positions are divided by it); 1.0 for none
     rms_eps: float
     vocab: int  # rows of token_embd
+    llama3: Llama3Scaling | None = None  # Llama 3.1's rope scaling from a config's numbers (else rope_freqs.weight)
 
     @classmethod
     def from_loader(cls, model: WeightLoader) -> FamilyConfig:
@@ -92,10 +95,13 @@ class FamilyConfig:
         if opt("rope.dimension_count") is not None and i("rope.dimension_count") != head_dim:
             raise UnsupportedError(f"{model.name}: partial rope ({i('rope.dimension_count')} of {head_dim} dims) is not supported")
         scaling = opt("rope.scaling.type")
-        rope_scale = 1.0
-        if scaling not in (None, "none"):
+        rope_scale, llama3 = 1.0, None
+        if scaling == "llama3":  # a Hugging Face config's numbers (a GGUF carries rope_freqs.weight)
+            llama3 = Llama3Scaling(*(model.get_float(f"{name}.rope.scaling.{key}") for key in ("factor", *LLAMA3_KEYS)))
+        elif scaling not in (None, "none"):
             if scaling != "linear":
-                raise UnsupportedError(f"{model.name}: rope scaling {scaling!r:.40} is not supported (none, linear are)")
+                raise UnsupportedError(f"{model.name}: rope scaling {scaling!r:.40} is not supported (none, linear, "
+                                       f"llama3 are)")
             rope_scale = model.get_float(f"{name}.rope.scaling.factor")
         n_kv = i("attention.head_count_kv") if opt("attention.head_count_kv") is not None else n_heads
         config = cls(
@@ -109,13 +115,15 @@ class FamilyConfig:
             rope_scale=rope_scale,
             rms_eps=model.get_float(f"{name}.attention.layer_norm_rms_epsilon"),
             vocab=embd[1],
+            llama3=llama3,
         )
         config.validate(model.name)
         return config
 
     def validate(self, where: str | None = None) -> None:
         where = where or f"{self.family.arch} config"
-        counts = {name: value for name, value in vars(self).items() if name not in ("rope_base", "rope_scale", "rms_eps")}
+        counts = {name: value for name, value in vars(self).items()
+                  if name not in ("rope_base", "rope_scale", "rms_eps", "llama3")}
         check_config(where, counts, (
             (self.n_heads % self.n_kv_heads == 0, f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}"),
             (self.head_dim % 2 == 0, f"head dim {self.head_dim} must be even"),
@@ -179,6 +187,8 @@ class FamilyModel(Decoder):
         factors = None
         if model.has_tensor("rope_freqs.weight"):  # llama3-style rope scaling, per pair
             factors = model.tensor("rope_freqs.weight", (config.head_dim // 2,))
+        elif config.llama3 is not None:
+            factors = torch.tensor(config.llama3.factors(config.rope_base, config.head_dim), dtype=torch.float32)
         self.inv_freq = inv_freq(config.rope_base, config.head_dim, self.device, factors)
         self.token_rope = RopeRows(lambda pos: rope_tables(self.inv_freq, pos, 1, self.config.rope_scale))
         self._compiled: TokenLayers | bool | None = None  # the one-token layers as compiled calls; False: not taken

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pagelm.formats.gguf import GGUFValueType, Typed
+from pagelm.models.rope_scaling import Llama3Scaling
 from pagelm.quant.types import GGMLType, row_nbytes
 
 F32 = GGMLType.F32
@@ -233,19 +234,7 @@ def _gemma_layer(s: Shape, i: int, matrix: Matrix, residual: float) -> list[Plan
 def llama3_rope_factors(s: Shape) -> tuple[float, ...]:
     """Per rope pair, the divisor of its frequency, as llama.cpp's converter computes rope_freqs
     from a llama3 rope_scaling (LlamaModel.generate_extra_tensors)."""
-    factor, low, high, original = s.llama3_rope
-    low_wavelen, high_wavelen = original / low, original / high
-    factors = []
-    for j in range(0, s.head_dim, 2):
-        wavelen = 2 * math.pi * s.rope_theta ** (j / s.head_dim)
-        if wavelen < high_wavelen:
-            factors.append(1.0)
-        elif wavelen > low_wavelen:
-            factors.append(factor)
-        else:
-            smooth = (original / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return tuple(factors)
+    return Llama3Scaling(*s.llama3_rope).factors(s.rope_theta, s.head_dim)
 
 
 def _llama_extra(s: Shape, matrix: Matrix) -> list[PlannedTensor]:

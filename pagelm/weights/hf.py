@@ -313,15 +313,24 @@ def decoder_hf_config(c, tied: bool) -> dict[str, Any]:
     }
 
 
+LLAMA3_SCALED = ("llama",)  # the architectures whose configs may scale rope as Llama 3.1 does
+# llama3's numbers besides its factor, as pagelm's own metadata keys (a GGUF carries rope_freqs.weight instead)
+LLAMA3_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
 def rope_scaling(config: HFConfig, arch: str, holder: dict | None = None) -> dict[str, Any]:
     """GGUF's rope scaling keys for the config's rope type: none for default, the factor for
-    linear; any other type is refused."""
+    linear, llama3's numbers (LLAMA3_KEYS) for a llama; any other type is refused."""
     kind = config.rope("rope_type", "default", holder)
     if kind == "default":
         return {}
     if kind == "linear":
         return {f"{arch}.rope.scaling.type": "linear", f"{arch}.rope.scaling.factor": config.rope_float("factor", 0, holder)}
-    raise UnsupportedError(f"{config.name}: rope type {json.dumps(kind)[:40]} is not supported (default, linear are)")
+    if kind == "llama3" and arch in LLAMA3_SCALED:
+        return {f"{arch}.rope.scaling.type": "llama3", f"{arch}.rope.scaling.factor": config.rope_float("factor", 0, holder),
+                **{f"{arch}.rope.scaling.{key}": config.rope_float(key, 0, holder) for key in LLAMA3_KEYS}}
+    known = "default, linear" + (", llama3" if arch in LLAMA3_SCALED else "")
+    raise UnsupportedError(f"{config.name}: rope type {json.dumps(kind)[:40]} is not supported ({known} are)")
 
 
 def hf_rope(base: float, scale: float) -> dict[str, Any]:

@@ -36,6 +36,12 @@ def _configs():
                                       linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=True),
         "llama": t.LlamaConfig(**common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                tie_word_embeddings=False),
+        # Llama 3.2: rope scaled as Llama 3.1 scales it (every kind of pair: kept, blended, divided), a tied head
+        "llama3": t.LlamaConfig(**common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                tie_word_embeddings=True, rope_parameters={
+                                    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 64}),
         # q/k/v biases, unpermuted q/k rows, a tied head
         "qwen2": t.Qwen2Config(**common, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                tie_word_embeddings=True),
@@ -65,7 +71,7 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
-@pytest.mark.parametrize("arch", ["qwen35", "llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen35", "llama", "llama3", "qwen2", "qwen3", "gemma3"])
 def test_transformers_checkpoints_match_transformers(saved, arch, dtype):
     path = saved[arch, dtype]
     # the reference computes in float32 from the stored values (bf16 ones are exact in float32)
