@@ -136,3 +136,29 @@ def test_a_gguf_written_as_llama_cpp_writes_embeddinggemma_gives_the_same_vector
     assert embedder.head.pooling == "mean" and len(embedder.head.dense) == 2
     for ids in INPUTS:
         assert _rel(embedder.embed(ids), reference(reference_model, held_dense, ids)) <= 1e-5
+
+
+def test_a_qwen3_embedding_directory_pools_the_last_token(tmp_path):
+    """Qwen3-Embedding's layout: a Qwen3 base model, last-token pooling, normalization, no projection."""
+    import json
+
+    import transformers
+
+    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, initializer_range=0.2,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(2)
+    model = transformers.Qwen3Model(config).eval()
+    model.save_pretrained(tmp_path)
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    embedder = Embedder.of(load_model(str(tmp_path), dtype="float32"))
+    assert embedder.head.pooling == "last" and embedder.dimensions == 64
+    for ids in INPUTS:
+        with torch.inference_mode():
+            last = model(torch.tensor([ids])).last_hidden_state[0, -1]
+        assert _rel(embedder.embed(ids), (last / last.norm()).numpy()) <= 1e-5
