@@ -476,6 +476,8 @@ def test_importing_an_empty_export_says_so_and_send_still_works(tabs, smol):
     empty = json.dumps({"pagelm": 1, "conversations": []}).encode()
     page.set_input_files("#import-chats", files=[{"name": "empty.json", "mimeType": "application/json",
                                                   "buffer": empty}])
+    # the import reads the file asynchronously: wait for its notice rather than read it at once
+    page.wait_for_function("() => document.querySelector('#notice').innerText.includes('holds no conversations')")
     assert "empty.json: it holds no conversations" in page.inner_text("#notice")
     tab.send("Hello")
     assert page.locator("#messages .msg.assistant").count() == 1 and tab.last()
