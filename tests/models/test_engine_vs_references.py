@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from llama_cpp_oracle import import_llama_cpp
+from llama_cpp_oracle import llama_cpp_greedy
 from qwen35_hf import VARIANTS, build_hf_model, hf_logits, hf_to_gguf
 
 import pagelm
@@ -48,35 +48,9 @@ def test_prefill_decode_and_restore_match_transformers(case, embedding):
     assert np.abs(session.prefill(prompt[40:]) - reference[-1]).max() <= TOL
 
 
-def _greedy_llama_cpp(path: str, prompt: list[int], steps: int) -> list[int]:
-    llama_cpp = import_llama_cpp()
-    defaults = llama_cpp.llama_cpp.llama_model_default_params
-
-    def without_amx():  # peers.md: llama.cpp's AMX matmul path crashes on these machines
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-
-    llama_cpp.llama_cpp.llama_model_default_params = without_amx
-    llama_cpp.llama_model_default_params = without_amx
-    try:
-        llm = llama_cpp.Llama(path, n_ctx=256, n_threads=2, verbose=False, type_k=0, type_v=0)  # F32 KV
-    finally:
-        llama_cpp.llama_cpp.llama_model_default_params = defaults
-        llama_cpp.llama_model_default_params = defaults
-    n_vocab = llm.n_vocab()
-    tokens, feed = [], prompt
-    for _ in range(steps):
-        llm.eval(feed)
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
-        tokens.append(int(logits.argmax()))
-        feed = tokens[-1:]
-    return tokens
-
-
 def test_greedy_tokens_match_llama_cpp(case):
     _, _, path, prompt = case
-    expected = _greedy_llama_cpp(path, prompt[:16], 32)
+    expected = llama_cpp_greedy(path, prompt[:16], 32)
     session = pagelm.load(path, dtype="float32").session(max_len=64)
     assert list(session.generate(prompt[:16], SamplingParams(max_tokens=32))) == expected
 
