@@ -60,23 +60,25 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"non-standard constant {name}")
 
 
-def _parse_json(text: bytes | memoryview, where: str) -> dict[str, Any]:
-    """A JSON object with unique keys; anything else (bad UTF-8, NaN, nesting that overflows
-    the parser's recursion, over-long integers) is a ModelFormatError naming `where`."""
+def _parse_json(text: bytes | memoryview, where: str, kinds: tuple[type, ...] = (dict,)) -> Any:
+    """A JSON object with unique keys (or, where `kinds` allows, a list); anything else (bad UTF-8,
+    NaN, nesting that overflows the parser's recursion, over-long integers) is a ModelFormatError
+    naming `where`."""
     try:
         value = json.loads(str(text, "utf-8"), object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
     except UnicodeDecodeError as e:
         raise ModelFormatError(f"{where} is not valid UTF-8 (its byte {e.start})") from None
     except (ValueError, RecursionError) as e:
         raise ModelFormatError(f"{where} is not valid JSON: {str(e)[:200]}") from None
-    if not isinstance(value, dict):
-        raise ModelFormatError(f"{where} is a JSON {type(value).__name__}, expected an object")
+    if not isinstance(value, kinds):
+        expected = " or ".join("an object" if kind is dict else "a list" for kind in kinds)
+        raise ModelFormatError(f"{where} is a JSON {type(value).__name__}, expected {expected}")
     return value
 
 
-def read_json_file(path: str, limit: int) -> dict[str, Any]:
-    """A JSON object from a file of at most `limit` bytes (an index, a config), parsed as strictly
-    as a header; every failure is a ModelFormatError naming the file."""
+def read_json_file(path: str, limit: int, kinds: tuple[type, ...] = (dict,)) -> Any:
+    """A JSON object (or, where `kinds` allows, a list) from a file of at most `limit` bytes (an
+    index, a config), parsed as strictly as a header; every failure is a ModelFormatError naming the file."""
     try:
         with open(path, "rb") as fh:
             text = fh.read(limit + 1)
@@ -84,7 +86,7 @@ def read_json_file(path: str, limit: int) -> dict[str, Any]:
         raise ModelFormatError(f"{path}: cannot be read ({e.strerror})") from None
     if len(text) > limit:
         raise ModelFormatError(f"{path}: larger than the limit of {limit} bytes")
-    return _parse_json(text, path)
+    return _parse_json(text, path, kinds)
 
 
 def _is_int(v: Any) -> bool:

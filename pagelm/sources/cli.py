@@ -166,8 +166,8 @@ def register(commands) -> None:
         "list", help="the models in the store and the Hugging Face cache, and the known ones not pulled yet",
         description=_list.__doc__)
     listing.add_argument("--json", action="store_true",
-                         help="print one JSON array: name, file, path, revision, size and sha256 of each model "
-                              "(and its tower), to pin exactly what a deployment tested")
+                         help="print one JSON array: name, file, path, architecture, revision, size and sha256 of "
+                              "each model (and its tower), to pin exactly what a deployment tested")
     listing.set_defaults(run=_list)
 
     rm = commands.add_parser(

@@ -10,7 +10,6 @@ renamed into place only once its hash matches the listing's.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -21,11 +20,13 @@ from pathlib import Path, PurePosixPath
 
 from pagelm.errors import PagelmError
 from pagelm.formats.gguf import GGUFFile
+from pagelm.formats.safetensors import read_json_file
 from pagelm.models import VISION_ARCHITECTURES
 from pagelm.sources import records
 from pagelm.sources.home import home
 
 _PREFIXES = ("hf.co/", "huggingface.co/", "https://huggingface.co/", "hf://")
+CONFIG_LIMIT = 1 << 20  # a directory's config.json, read for its model_type
 _REPO_SHAPE = re.compile(r"[\w.-]+/[\w.-]+")  # what is meant as USER/REPO; _REPO_PART says whether the Hub allows it
 # as huggingface_hub's validate_repo_id (the Hub's own rule): 1 to 96 letters, digits, '_', '-', '.', starting
 # and ending with a letter, digit or '_', no '--' or '..' anywhere, not ending in .git
@@ -286,18 +287,14 @@ def _tower_of(snapshot: Path, model: str, files: list[str]) -> str | None:
 def architecture(path: Path) -> str | None:
     """The architecture a model's file names: a GGUF's general.architecture, a directory's
     config.json model_type; None when it cannot be read (a split's part, a broken file)."""
-    if path.is_dir():
-        try:
-            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
-        kind = config.get("model_type") if isinstance(config, dict) else None
-    else:
-        try:
+    try:
+        if path.is_dir():
+            kind = read_json_file(str(path / "config.json"), CONFIG_LIMIT).get("model_type")
+        else:
             with GGUFFile.open(path) as file:
                 kind = file.metadata.get("general.architecture")
-        except PagelmError:
-            return None
+    except PagelmError:
+        return None
     return kind if isinstance(kind, str) else None
 
 

@@ -13,7 +13,6 @@ A file with neither is a generative model: `embedding_head` gives None.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 from pagelm.errors import ModelFormatError, UnsupportedError
-from pagelm.formats.safetensors import SafetensorsFile
+from pagelm.formats.safetensors import SafetensorsFile, read_json_file
 from pagelm.weights.loader import WeightLoader
 
 POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's LLAMA_POOLING_TYPE_* values
@@ -83,8 +82,8 @@ def embedding_head(loader: WeightLoader) -> EmbeddingHead | None:
 
 
 def _sentence_transformers(directory: Path) -> EmbeddingHead:
-    modules = _json(directory / "modules.json")
-    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+    modules = read_json_file(str(directory / "modules.json"), JSON_LIMIT, (list,))
+    if not all(isinstance(m, dict) for m in modules):
         raise ModelFormatError(f"{directory}/modules.json: expected a list of modules")
     pooling, dense, normalize = None, [], False
     for module in modules:
@@ -151,26 +150,4 @@ def _float32(weights: SafetensorsFile, name: str) -> torch.Tensor:
 
 
 def _object(path: Path) -> dict:
-    value = _json(path)
-    if not isinstance(value, dict):
-        raise ModelFormatError(f"{path}: a JSON list, expected an object")
-    return value
-
-
-def _json(path: Path):
-    """A sentence-transformers JSON file (an object, or modules.json's list), at most JSON_LIMIT bytes."""
-    try:
-        with open(path, "rb") as fh:
-            text = fh.read(JSON_LIMIT + 1)
-    except OSError as e:
-        raise ModelFormatError(f"{path}: cannot be read ({e.strerror}); sentence-transformers' modules.json "
-                               f"lists it") from None
-    if len(text) > JSON_LIMIT:
-        raise ModelFormatError(f"{path}: larger than the limit of {JSON_LIMIT} bytes")
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise ModelFormatError(f"{path}: not valid JSON: {str(e)[:200]}") from None
-    if not isinstance(value, (dict, list)):
-        raise ModelFormatError(f"{path}: a JSON {type(value).__name__}, expected an object or a list")
-    return value
+    return read_json_file(str(path), JSON_LIMIT)
