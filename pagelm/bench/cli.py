@@ -204,6 +204,25 @@ def _batch(args: argparse.Namespace) -> int:
     return 1 if report.differing else 0
 
 
+def _peer(args: argparse.Namespace) -> int:
+    """One sequence of one file as a user runs it, pagelm and llama.cpp (llama-cpp-python) each in a fresh
+    process of its own, in turn, --runs times: each loads the file, warms up on an 8-token prompt, prefills a
+    seeded --prompt-tokens prompt into a --ctx-token context, then decodes --tokens greedy tokens. Prints
+    per runtime the medians of the time to the first token, decode tokens per second, and the process's
+    anonymous and file-backed memory after; then pagelm / llama.cpp for each, and how many greedy tokens
+    the two agree on. llama.cpp's turn prints its error when it cannot run (not installed, or the file)."""
+    from pagelm.bench.peer import run_peer
+    from pagelm.bench.server import progress
+
+    for flag in ("prompt_tokens", "tokens", "runs", "threads"):
+        _positive(f"--{flag.replace('_', '-')}", getattr(args, flag))
+    ctx = max(args.ctx, args.prompt_tokens + args.tokens)
+    report = run_peer(args.model, model_path(args.model, args.models_dir), args.prompt_tokens, args.tokens,
+                      ctx, args.runs, args.threads, args.weights, progress)
+    print(report.markdown())
+    return 0
+
+
 def _counts(flag: str, value: str) -> list[int]:
     try:
         counts = [int(part) for part in value.split(",")]
@@ -441,6 +460,23 @@ def _add_batch(subcommands, model_help: str) -> None:
     batch.set_defaults(run=_batch)
 
 
+def _add_peer(subcommands, model_help: str) -> None:
+    peer = subcommands.add_parser(
+        "peer", help="one sequence beside llama.cpp, each in a fresh process: TTFT, decode tok/s, anonymous memory",
+        description=_peer.__doc__)
+    peer.add_argument("model", metavar="MODEL", help=model_help)
+    peer.add_argument("--prompt-tokens", type=int, default=500, help="prompt length (default 500)")
+    peer.add_argument("--tokens", type=int, default=64, help="greedy tokens decoded (default 64)")
+    peer.add_argument("--ctx", type=int, default=4096,
+                      help="context both runtimes hold (default 4096; at least prompt + tokens)")
+    peer.add_argument("--runs", type=int, default=DEFAULT_RUNS, help=f"runs (default {DEFAULT_RUNS})")
+    peer.add_argument("--threads", type=int, default=2, help="threads of each runtime (default 2)")
+    peer.add_argument("--weights", choices=["mapped", "mapped-int8", "dense"], default="mapped",
+                      help="pagelm's weights mode (default mapped; mapped-int8 quantizes decode's activations)")
+    _models_dir(peer)
+    peer.set_defaults(run=_peer)
+
+
 def _add_concurrency(subcommands, model_help: str) -> None:
     concurrency = subcommands.add_parser(
         "concurrency", help="a pagelm serve --parallel process under 1, 2, 4, 8 concurrent clients; exit 1 if any "
@@ -510,5 +546,6 @@ def register(commands) -> None:
     _add_vision(subcommands)
     _add_perplexity(subcommands, model_help)
     _add_batch(subcommands, model_help)
+    _add_peer(subcommands, model_help)
     _add_concurrency(subcommands, model_help)
     _add_all(subcommands)
