@@ -129,8 +129,8 @@ class Session:
 
     @property
     def nbytes(self) -> int:
-        """Anonymous bytes this session holds: its state (KV caches preallocated for max_len, the
-        DeltaNet states) and its last logits."""
+        """Anonymous bytes this session holds: its state (the resident pages of KV caches reserved
+        for max_len, the DeltaNet and conv states) and its last logits."""
         return self.state.nbytes + (0 if self.logits is None else self.logits.nbytes)
 
     def checkpoint(self) -> Checkpoint:

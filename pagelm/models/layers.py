@@ -18,6 +18,7 @@ from pagelm.errors import ModelFormatError, PagelmError
 from pagelm.models.decoder import nbytes
 from pagelm.models.norms import rms_norm_rows
 from pagelm.models.token_ops import attend_token, attend_tokens, cache_views, rope_rows_, window_los
+from pagelm.runtime.pages import ZeroedTensors
 
 
 def check_config(where: str, counts: dict, checks) -> None:
@@ -172,16 +173,15 @@ class KVState:
         if max_len < 1:
             raise PagelmError(f"max_len {max_len} must be >= 1")
         self.pos, self.max_len = 0, max_len
-        shape = (n_kv_heads, max_len, head_dim)
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(n_layers)
-        ]
+        self._caches = ZeroedTensors((n_kv_heads, max_len, head_dim), 2 * n_layers, dtype, device)
+        pairs = self._caches.tensors
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = list(zip(pairs[::2], pairs[1::2]))
         self.views = [cache_views(k, v) for k, v in self.layers]  # the one-token attention kernel's
 
     @property
     def nbytes(self) -> int:
-        return nbytes(t for pair in self.layers for t in pair)
+        """Resident bytes: the pages of the positions written so far (runtime.pages)."""
+        return self._caches.nbytes
 
     def kv_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return list(self.layers)

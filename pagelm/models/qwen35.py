@@ -22,6 +22,7 @@ from pagelm.models.delta_rule import delta_rule_step, deltanet_tokens
 from pagelm.models.layers import (apply_rope_, attention, causal_conv1d, check_config, gated_mlp, inv_freq, rms_norm,
                                   rope_tables)
 from pagelm.models.token_ops import RopeRows, attend_tokens, cache_views, token_ropes
+from pagelm.runtime.pages import ZeroedTensors
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, heads_tiled, hf_rope,
                                layer_period, rope_scaling, shift_norms, tensor_maps)
 from pagelm.weights.linear import Linear
@@ -173,11 +174,12 @@ class Qwen35State:
         self.pos, self.max_len = 0, max_len
         c = config
         self.layers: list[KVCache | DeltaNetCache] = []
+        attention_layers = sum(map(c.is_attention_layer, range(c.n_layers)))
+        self._caches = ZeroedTensors((c.n_kv_heads, max_len, c.head_dim), 2 * attention_layers, dtype, device)
+        caches = iter(self._caches.tensors)
         for i in range(c.n_layers):
             if c.is_attention_layer(i):
-                shape = (c.n_kv_heads, max_len, c.head_dim)
-                self.layers.append(KVCache(torch.zeros(shape, dtype=dtype, device=device),
-                                           torch.zeros(shape, dtype=dtype, device=device)))
+                self.layers.append(KVCache(next(caches), next(caches)))
             else:
                 conv = torch.zeros(c.conv_kernel - 1, c.conv_channels, device=device)
                 rec = torch.zeros(c.n_value_heads, c.linear_key_dim, c.linear_value_dim, device=device)
@@ -196,7 +198,9 @@ class Qwen35State:
 
     @property
     def nbytes(self) -> int:
-        return nbytes(t for pair in self._tensors() for t in pair)
+        """Resident bytes: the KV pages of the positions written so far (runtime.pages) and the
+        DeltaNet states."""
+        return self._caches.nbytes + nbytes(self.fixed_tensors())
 
     def checkpoint(self) -> Qwen35Checkpoint:
         with torch.inference_mode():

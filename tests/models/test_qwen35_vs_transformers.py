@@ -147,7 +147,7 @@ def test_checkpoint_restore_matches_transformers(case: Case):
     dn = (c.n_layers - n_attn) * 4 * (c.conv_channels * (c.conv_kernel - 1)
                                       + c.n_value_heads * c.linear_key_dim * c.linear_value_dim)
     assert ckpt.nbytes == kv + dn
-    assert state.nbytes == kv // 40 * (PROMPT + 16) + dn
+    assert dn < state.nbytes <= kv // 40 * (PROMPT + 16) + dn  # the KV pages written so far, at most all reserved
 
 
 def test_restore_rejects_a_foreign_checkpoint(case: Case):
