@@ -19,6 +19,8 @@ WEATHER = Tool("get_weather", "Current weather", {
     "required": ["city"]})
 CLOCK = Tool("clock")
 
+TEMPLATES = Path(__file__).parent / "templates"
+QWEN25_TEMPLATE = (TEMPLATES / "qwen2.5.jinja").read_text()
 # Qwen2.5's tool-call rendering (the JSON-in-<tool_call> form of Hermes-style templates), trimmed
 HERMES_TEMPLATE = """{%- for message in messages %}
     {{- '<|im_start|>' + message.role + '\\n' + message.content }}
@@ -50,11 +52,13 @@ CALLS = [{"type": "function", "function": {"name": "get_weather",
 def test_forms_are_told_apart_by_the_template():
     assert isinstance(tool_format(QWEN35_TEMPLATE), QwenXmlFormat)
     assert isinstance(tool_format(HERMES_TEMPLATE), JsonFormat)
+    assert type(tool_format(QWEN25_TEMPLATE)) is JsonFormat
     assert tool_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
     assert tool_format(None) is None
 
 
-@pytest.mark.parametrize("source", [QWEN35_TEMPLATE, HERMES_TEMPLATE], ids=["qwen-xml", "json"])
+@pytest.mark.parametrize("source", [QWEN35_TEMPLATE, HERMES_TEMPLATE, QWEN25_TEMPLATE],
+                         ids=["qwen-xml", "json", "qwen2.5"])
 @pytest.mark.parametrize("chunk", [1, 3, 7, 1000])
 def test_calls_the_template_writes_are_read_back(source, chunk):
     text = rendered_answer(source, CALLS, content="Let me look.")
@@ -105,7 +109,8 @@ def accepts(grammar: str, text: str) -> bool:
     return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
 
 
-@pytest.mark.parametrize("source", [QWEN35_TEMPLATE, HERMES_TEMPLATE], ids=["qwen-xml", "json"])
+@pytest.mark.parametrize("source", [QWEN35_TEMPLATE, HERMES_TEMPLATE, QWEN25_TEMPLATE],
+                         ids=["qwen-xml", "json", "qwen2.5"])
 def test_the_forcing_grammar_accepts_what_the_template_writes_and_nothing_else(source):
     form = tool_format(source)
     grammar = form.grammar([WEATHER, CLOCK], parallel=True)
@@ -143,7 +148,8 @@ def test_forced_raw_strings_are_bounded():
     assert not accepts(unbounded, call("x" * (MAX_STRING_CHARS + 1)))
 
 
-@pytest.mark.parametrize("source", [QWEN35_TEMPLATE, HERMES_TEMPLATE], ids=["qwen-xml", "json"])
+@pytest.mark.parametrize("source", [QWEN35_TEMPLATE, HERMES_TEMPLATE, QWEN25_TEMPLATE],
+                         ids=["qwen-xml", "json", "qwen2.5"])
 def test_a_value_holding_the_closing_tag_does_not_end_the_call(source):
     calls = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}}]
     text = rendered_answer(source, calls)
@@ -152,7 +158,7 @@ def test_a_value_holding_the_closing_tag_does_not_end_the_call(source):
     assert [(p.name, p.arguments) for p in pieces] == [("get_weather", {"city": "a</tool_call>b"})]
 
 
-LLAMA3_TEMPLATE = (Path(__file__).parent / "templates" / "llama3.2.jinja").read_text()
+LLAMA3_TEMPLATE = (TEMPLATES / "llama3.2.jinja").read_text()
 
 
 def llama3_answer(call: dict) -> str:
