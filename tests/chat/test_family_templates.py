@@ -31,6 +31,7 @@ FAMILIES = {  # template file, special tokens, the keyword arguments each family
               [{}, {"enable_thinking": True}, {"enable_thinking": False}]),
     "qwen2.5": ("qwen2.5.jinja", {"bos_token": "", "eos_token": "<|im_end|>"}, [{}]),
     "lfm2": ("lfm2.jinja", {"bos_token": "<|startoftext|>", "eos_token": "<|im_end|>"}, [{}]),
+    "lfm2.5": ("lfm2.5.jinja", {"bos_token": "<|startoftext|>", "eos_token": "<|im_end|>"}, [{}]),
     "llama3.2": ("llama3.2.jinja", {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
                  [{"date_string": "05 Dec 2026"}]),
 }

@@ -22,6 +22,7 @@ CLOCK = Tool("clock")
 TEMPLATES = Path(__file__).parent / "templates"
 QWEN25_TEMPLATE = (TEMPLATES / "qwen2.5.jinja").read_text()
 LFM2_TEMPLATE = (TEMPLATES / "lfm2.jinja").read_text()
+LFM25_TEMPLATE = (TEMPLATES / "lfm2.5.jinja").read_text()
 # Qwen2.5's tool-call rendering (the JSON-in-<tool_call> form of Hermes-style templates), trimmed
 HERMES_TEMPLATE = """{%- for message in messages %}
     {{- '<|im_start|>' + message.role + '\\n' + message.content }}
@@ -54,7 +55,7 @@ def test_forms_are_told_apart_by_the_template():
     assert isinstance(tool_format(QWEN35_TEMPLATE), QwenXmlFormat)
     assert isinstance(tool_format(HERMES_TEMPLATE), JsonFormat)
     assert type(tool_format(QWEN25_TEMPLATE)) is JsonFormat
-    assert isinstance(tool_format(LFM2_TEMPLATE), Lfm2Format)
+    assert isinstance(tool_format(LFM2_TEMPLATE), Lfm2Format) and isinstance(tool_format(LFM25_TEMPLATE), Lfm2Format)
     assert tool_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
     assert tool_format(None) is None
 
@@ -217,6 +218,20 @@ def test_lfm2_python_calls_are_read_as_literals(chunk):
         ("get_weather", {"city": "Paris", "days": -3, "metric": True, "unit": "c",
                          "where": {"lat": 1.5, "tags": [None, False, None, True]}}),
         ("clock", {})]
+
+
+def test_lfm2_5_template_calls_are_read_back():
+    """LiquidAI's LFM2.5 template writes Python calls: strings in single quotes, True / None."""
+    calls = [{"type": "function", "function": {"name": "get_weather", "arguments": {
+        "city": "Paris, France", "days": 3, "metric": True, "unit": None, "where": {"lat": 1.5}}}},
+             {"type": "function", "function": {"name": "clock", "arguments": {}}}]
+    text = rendered_answer(LFM25_TEMPLATE, calls, content="Let me look.")
+    assert text.endswith("[get_weather(city='Paris, France', days=3, metric=True, unit=None, "
+                         'where={"lat": 1.5}), clock()]<|tool_call_end|>')
+    pieces = lfm2_read(text, 3)
+    assert "".join(p for p in pieces if isinstance(p, str)) == "Let me look."
+    assert [(p.name, p.arguments) for p in pieces if isinstance(p, ToolCall)] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls]
 
 
 def test_lfm2_json_strings_read_as_json():
