@@ -4,7 +4,7 @@ A chat template comes from the model file, so it is untrusted code. It runs in
 Jinja's ``ImmutableSandboxedEnvironment`` (no dunder or private attributes, no
 mutation of lists/dicts/sets) with the extras Hugging Face templates expect
 (``raise_exception``, ``strftime_now``, HF's ``tojson``, ``loopcontrols``,
-``dict``, a namespace that refuses ``_`` names), and on top of the sandbox every
+``{% generation %}``, ``dict``, a namespace that refuses ``_`` names), and on top of the sandbox every
 render is bounded:
 
 * every string or list a template builds is at most ``max_len`` long (checked
@@ -226,12 +226,25 @@ class _CodeGenerator(CodeGenerator):
         super().visit_Template(node, frame)
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """Hugging Face's ``{% generation %}...{% endgeneration %}``, which marks the assistant's own
+    text for training masks: rendered, it is its body in a scope of its own."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
 class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     code_generator_class = _CodeGenerator
     intercepted_binops = frozenset({"+", "-", "*", "/", "//", "%", "**"})
 
     def __init__(self, *, max_len: int, max_int_bits: int, max_range: int) -> None:
-        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols,
+                                                                              _GenerationBlock])
         self.max_len = max_len
         self.max_int_bits = max_int_bits
         self.max_range = max_range

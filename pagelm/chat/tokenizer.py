@@ -61,6 +61,7 @@ _GPT2_PRE: dict[str, tuple[str, bool, bool, bool]] = {
     "smollm": (_GPT2_SPLIT, True, False, False),
     "llama-bpe": (_LLAMA3_SPLIT, False, False, True),
     "llama3": (_LLAMA3_SPLIT, False, False, True),
+    "lfm2": (_LLAMA3_SPLIT, False, False, True),  # llama.cpp's name for LFM2's pre-tokenizer, Llama 3's split
     "qwen2": (_QWEN2_SPLIT, False, True, False),
     "qwen35": (_QWEN35_SPLIT, False, True, True),  # tiktoken semantics: a whole piece in the vocab wins
 }

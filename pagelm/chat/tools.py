@@ -6,15 +6,19 @@ Three forms exist among the templates pagelm knows:
   </function>\\n</tool_call>`, values written raw (strings as they are, other types as JSON);
 - the JSON form of Qwen3 / Qwen2.5 / Hermes-style templates: `<tool_call>\\n{"name": ..., "arguments":
   {...}}\\n</tool_call>`;
-- Llama 3.x's: the whole answer is one call, `{"name": ..., "parameters": {...}}`, without tags.
+- Llama 3.x's: the whole answer is one call, `{"name": ..., "parameters": {...}}`, without tags;
+- LFM2's: a list of calls between its tool-call tokens, `<|tool_call_start|>[get_weather(city="Paris")]
+  <|tool_call_end|>`, written as Python calls (LiquidAI's templates) or as JSON objects (llama.cpp's).
 A template that renders none has no tool support; the server refuses tools for it.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -135,6 +139,8 @@ def typed_value(text: str, schema: Any) -> Any:
 class ToolFormat:
     """How one template family writes a call; subclasses fill in the block's inside."""
 
+    open, close = OPEN, CLOSE  # the tags around a block of calls
+
     def stream(self, tools: Iterable[Tool]) -> ToolCallStream | AnswerCallStream:
         """What reads this form's calls to `tools` out of a streamed answer."""
         return ToolCallStream(self, tools)
@@ -142,6 +148,11 @@ class ToolFormat:
     def parse(self, inner: str, tools: dict[str, Tool]) -> ToolCall | None:
         """The call written between `<tool_call>` and `</tool_call>`; None when it is not one."""
         raise NotImplementedError
+
+    def block_calls(self, inner: str, tools: dict[str, Tool]) -> list[ToolCall] | None:
+        """The calls a block between the tags holds; None when it is not a block of calls."""
+        call = self.parse(inner, tools)
+        return None if call is None else [call]
 
     def inner_end(self, text: str, start: int) -> int:
         """Where the `</tool_call>` closing the block whose inside begins at `start` is; -1 while
@@ -213,6 +224,20 @@ class QwenXmlFormat(ToolFormat):
         return rules
 
 
+def _named_call(value: Any, tools: dict[str, Tool]) -> ToolCall | None:
+    """A call written as an object `{"name": ..., "arguments" (or "parameters"): {...}}`, the
+    arguments possibly as a JSON string; None when `value` is not a call to one of `tools`."""
+    if not isinstance(value, dict) or value.get("name") not in tools:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    return ToolCall(value["name"], arguments) if isinstance(arguments, dict) else None
+
+
 class JsonFormat(ToolFormat):
 
     def inner_end(self, text: str, start: int) -> int:
@@ -231,15 +256,7 @@ class JsonFormat(ToolFormat):
             value = json.loads(inner)
         except ValueError:
             return None
-        if not isinstance(value, dict) or value.get("name") not in tools:
-            return None
-        arguments = value.get("arguments", value.get("parameters", {}))
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                return None
-        return ToolCall(value["name"], arguments) if isinstance(arguments, dict) else None
+        return _named_call(value, tools)
 
     arguments = "arguments"  # the key a call's arguments are written under
 
@@ -262,11 +279,111 @@ class Llama3Format(JsonFormat):
         return "\n".join(["start: call_body"] + self.call_rule(tools)) + "\n"
 
 
+JSON_NAMES = {"true": True, "false": False, "null": None}  # JSON's constants, read in Python syntax
+
+
+def _literal(node: ast.expr, source: str) -> Any:
+    """The value a literal expression of `source` writes, JSON's constants included; ValueError
+    for anything else (nothing is evaluated)."""
+    if isinstance(node, ast.Constant) and type(node.value) in (str, int, float, bool, type(None)):
+        written = ast.get_source_segment(source, node) or ""
+        if isinstance(node.value, str) and written.startswith('"'):
+            try:  # a JSON-written string: its escapes (\/, surrogate pairs) read as JSON reads them
+                return json.loads(written)
+            except ValueError:
+                pass
+        return node.value
+    if (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant)
+            and type(node.operand.value) in (int, float)):
+        return -node.operand.value
+    if isinstance(node, ast.Name) and node.id in JSON_NAMES:
+        return JSON_NAMES[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(item, source) for item in node.elts]
+    if isinstance(node, ast.Dict) and all(key is not None for key in node.keys):
+        keys = [_literal(key, source) for key in node.keys]
+        if all(isinstance(key, str) for key in keys):
+            return dict(zip(keys, (_literal(value, source) for value in node.values)))
+    raise ValueError(f"not a literal: {ast.dump(node)[:80]}")
+
+
+def _call_list(text: str) -> ast.List | None:
+    """`text` parsed as a Python list expression; None when it is not one."""
+    try:
+        with warnings.catch_warnings():  # a JSON escape such as \/ is an invalid one in Python: warned about
+            warnings.simplefilter("ignore")
+            tree = ast.parse(text.strip(), mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    return tree if isinstance(tree, ast.List) else None
+
+
+def _keywords_in_order(params: list[tuple[str, bool]]) -> str:
+    """A Lark expression: the (rule, required) keyword arguments in their order, comma-separated,
+    each optional one free to be left out; empty when there are none."""
+    first, rest = "", ""  # from the current one on: with the first bare / each after ", "
+    for rule, required in reversed(params):
+        if required:
+            first, rest = f"{rule} {rest}", f'", " {rule} {rest}'
+        else:
+            first = f"({rule} {rest}| {first})" if first else f"({rule} {rest})?"
+            rest = f'(", " {rule})? {rest}'
+    return first
+
+
+class Lfm2Format(ToolFormat):
+    """LFM2: `<|tool_call_start|>[f(a=1), g()]<|tool_call_end|>`, a Python list of calls with
+    keyword arguments (LiquidAI's templates and models), or of JSON call objects (llama.cpp's
+    LFM2 template). Read with `ast`, literals only."""
+
+    open, close = "<|tool_call_start|>", "<|tool_call_end|>"
+
+    def inner_end(self, text: str, start: int) -> int:
+        end = text.find(self.close, start)
+        while end >= 0 and _call_list(text[start:end]) is None:  # a string value may hold the closing tag
+            end = text.find(self.close, end + 1)
+        return end
+
+    def block_calls(self, inner: str, tools: dict[str, Tool]) -> list[ToolCall] | None:
+        listed = _call_list(inner)
+        if listed is None or not listed.elts:
+            return None
+        try:
+            calls = [self._call(node, inner.strip(), tools) for node in listed.elts]
+        except ValueError:
+            return None
+        return None if None in calls else calls
+
+    @staticmethod
+    def _call(node: ast.expr, source: str, tools: dict[str, Tool]) -> ToolCall | None:
+        if not isinstance(node, ast.Call):
+            return _named_call(_literal(node, source), tools)
+        if not isinstance(node.func, ast.Name) or node.func.id not in tools or node.args \
+                or any(kw.arg is None for kw in node.keywords):
+            return None
+        return ToolCall(node.func.id, {kw.arg: _literal(kw.value, source) for kw in node.keywords})
+
+    def grammar(self, tools: list[Tool], parallel: bool) -> str:
+        repeat = f'(", " call){{0,{MAX_PARALLEL_CALLS - 1}}} ' if parallel else ""
+        rules = [f'start: {json.dumps(self.open + "[")} call {repeat}{json.dumps("]" + self.close)}',
+                 "call: " + " | ".join(f"fn_{i}" for i in range(len(tools)))]
+        for i, tool in enumerate(tools):
+            params = []
+            for j, (name, schema) in enumerate(tool.properties.items()):
+                rules.append(f"param_{i}_{j}: {json.dumps(name + '=')} "
+                             f"%json {_embedded(schema if isinstance(schema, dict) else {})}")
+                params.append((f"param_{i}_{j}", name in tool.required))
+            rules.append(f'fn_{i}: {json.dumps(tool.name + "(")} {_keywords_in_order(params)}")"')
+        return "\n".join(rules) + "\n"
+
+
 def tool_format(template_source: str | None) -> ToolFormat | None:
     """The form a chat template writes calls in; None when it renders no calls at all."""
     source = template_source or ""
     if "tool_calls" not in source:
         return None
+    if Lfm2Format.open in source:
+        return Lfm2Format()
     if OPEN in source:
         return QwenXmlFormat() if "<function=" in source else JsonFormat()
     return Llama3Format() if '"parameters": ' in source else None
@@ -298,26 +415,27 @@ class ToolCallStream:
     def push(self, text: str) -> list[str | ToolCall]:
         self.held += text
         out: list[str | ToolCall] = []
+        start_tag, end_tag = self.form.open, self.form.close
         while True:
-            start = self.held.find(OPEN)
+            start = self.held.find(start_tag)
             if start < 0:
                 break
-            end = self.form.inner_end(self.held, start + len(OPEN))
+            end = self.form.inner_end(self.held, start + len(start_tag))
             if end < 0:
                 self._content(self.held[:start], out, before_call=True)
                 self.held = self.held[start:]
                 return out
-            call = self.form.parse(self.held[start + len(OPEN) : end], self.tools)
-            if call is None:
-                self._content(self.held[: end + len(CLOSE)], out)
+            calls = self.form.block_calls(self.held[start + len(start_tag) : end], self.tools)
+            if calls is None:
+                self._content(self.held[: end + len(end_tag)], out)
             else:
                 self._content(self.held[:start], out, before_call=True)
-                self.calls.append(call)
-                out.append(call)
-            self.held = self.held[end + len(CLOSE) :]
-        # keep back a tail that could be the start of OPEN, and whitespace that may precede a call
-        keep = next((k for k in range(min(len(OPEN) - 1, len(self.held)), 0, -1)
-                     if self.held.endswith(OPEN[:k])), 0)
+                self.calls.extend(calls)
+                out.extend(calls)
+            self.held = self.held[end + len(end_tag) :]
+        # keep back a tail that could be the start of the opening tag, and whitespace that may precede a call
+        keep = next((k for k in range(min(len(start_tag) - 1, len(self.held)), 0, -1)
+                     if self.held.endswith(start_tag[:k])), 0)
         cut = len(self.held) - keep
         cut = len(self.held[:cut].rstrip())
         self._content(self.held[:cut], out)

@@ -29,6 +29,9 @@ CONVERSATION = [
 FAMILIES = {  # template file, special tokens, the keyword arguments each family's template reads
     "qwen3": ("qwen3.jinja", {"bos_token": "", "eos_token": "<|im_end|>"},
               [{}, {"enable_thinking": True}, {"enable_thinking": False}]),
+    "qwen2.5": ("qwen2.5.jinja", {"bos_token": "", "eos_token": "<|im_end|>"}, [{}]),
+    "lfm2": ("lfm2.jinja", {"bos_token": "<|startoftext|>", "eos_token": "<|im_end|>"}, [{}]),
+    "lfm2.5": ("lfm2.5.jinja", {"bos_token": "<|startoftext|>", "eos_token": "<|im_end|>"}, [{}]),
     "llama3.2": ("llama3.2.jinja", {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
                  [{"date_string": "05 Dec 2026"}]),
 }

@@ -399,3 +399,9 @@ def test_output_limit_configurable():
     tpl = ChatTemplate(None, max_output=100)
     with pytest.raises(TemplateLimitError):
         tpl.render([{"role": "user", "content": "x" * 200}])
+
+
+def test_generation_blocks_render_their_body_in_a_scope():
+    source = ("{% set x = 'out' %}{% for m in messages %}{% generation %}{% set x = 'in' %}{{ m.content }} {{ x }}"
+              "{% endgeneration %}{% endfor %} {{ x }}")
+    assert ChatTemplate(source).render([{"role": "user", "content": "a"}]) == "a in out"

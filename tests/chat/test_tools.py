@@ -9,8 +9,8 @@ import pytest
 
 from pagelm.chat.qwen35_template import QWEN35_TEMPLATE
 from pagelm.chat.template import ChatTemplate
-from pagelm.chat.tools import (MAX_STRING_CHARS, JsonFormat, QwenXmlFormat, Tool, ToolCall, ToolCallStream,
-                               tool_format, typed_value)
+from pagelm.chat.tools import (MAX_STRING_CHARS, JsonFormat, Lfm2Format, QwenXmlFormat, Tool, ToolCall,
+                               ToolCallStream, tool_format, typed_value)
 
 WEATHER = Tool("get_weather", "Current weather", {
     "type": "object",
@@ -19,6 +19,10 @@ WEATHER = Tool("get_weather", "Current weather", {
     "required": ["city"]})
 CLOCK = Tool("clock")
 
+TEMPLATES = Path(__file__).parent / "templates"
+QWEN25_TEMPLATE = (TEMPLATES / "qwen2.5.jinja").read_text()
+LFM2_TEMPLATE = (TEMPLATES / "lfm2.jinja").read_text()
+LFM25_TEMPLATE = (TEMPLATES / "lfm2.5.jinja").read_text()
 # Qwen2.5's tool-call rendering (the JSON-in-<tool_call> form of Hermes-style templates), trimmed
 HERMES_TEMPLATE = """{%- for message in messages %}
     {{- '<|im_start|>' + message.role + '\\n' + message.content }}
@@ -50,11 +54,14 @@ CALLS = [{"type": "function", "function": {"name": "get_weather",
 def test_forms_are_told_apart_by_the_template():
     assert isinstance(tool_format(QWEN35_TEMPLATE), QwenXmlFormat)
     assert isinstance(tool_format(HERMES_TEMPLATE), JsonFormat)
+    assert type(tool_format(QWEN25_TEMPLATE)) is JsonFormat
+    assert isinstance(tool_format(LFM2_TEMPLATE), Lfm2Format) and isinstance(tool_format(LFM25_TEMPLATE), Lfm2Format)
     assert tool_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
     assert tool_format(None) is None
 
 
-@pytest.mark.parametrize("source", [QWEN35_TEMPLATE, HERMES_TEMPLATE], ids=["qwen-xml", "json"])
+@pytest.mark.parametrize("source", [QWEN35_TEMPLATE, HERMES_TEMPLATE, QWEN25_TEMPLATE, LFM2_TEMPLATE],
+                         ids=["qwen-xml", "json", "qwen2.5", "lfm2"])
 @pytest.mark.parametrize("chunk", [1, 3, 7, 1000])
 def test_calls_the_template_writes_are_read_back(source, chunk):
     text = rendered_answer(source, CALLS, content="Let me look.")
@@ -105,7 +112,8 @@ def accepts(grammar: str, text: str) -> bool:
     return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
 
 
-@pytest.mark.parametrize("source", [QWEN35_TEMPLATE, HERMES_TEMPLATE], ids=["qwen-xml", "json"])
+@pytest.mark.parametrize("source", [QWEN35_TEMPLATE, HERMES_TEMPLATE, QWEN25_TEMPLATE],
+                         ids=["qwen-xml", "json", "qwen2.5"])
 def test_the_forcing_grammar_accepts_what_the_template_writes_and_nothing_else(source):
     form = tool_format(source)
     grammar = form.grammar([WEATHER, CLOCK], parallel=True)
@@ -143,16 +151,19 @@ def test_forced_raw_strings_are_bounded():
     assert not accepts(unbounded, call("x" * (MAX_STRING_CHARS + 1)))
 
 
-@pytest.mark.parametrize("source", [QWEN35_TEMPLATE, HERMES_TEMPLATE], ids=["qwen-xml", "json"])
+@pytest.mark.parametrize("source", [QWEN35_TEMPLATE, HERMES_TEMPLATE, QWEN25_TEMPLATE, LFM2_TEMPLATE],
+                         ids=["qwen-xml", "json", "qwen2.5", "lfm2"])
 def test_a_value_holding_the_closing_tag_does_not_end_the_call(source):
-    calls = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}}]
+    form = tool_format(source)
+    city = f"a{form.close}b"
+    calls = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}]
     text = rendered_answer(source, calls)
-    stream = ToolCallStream(tool_format(source), [WEATHER])
+    stream = ToolCallStream(form, [WEATHER])
     pieces = [p for ch in text for p in stream.push(ch)] + stream.finish()
-    assert [(p.name, p.arguments) for p in pieces] == [("get_weather", {"city": "a</tool_call>b"})]
+    assert [(p.name, p.arguments) for p in pieces] == [("get_weather", {"city": city})]
 
 
-LLAMA3_TEMPLATE = (Path(__file__).parent / "templates" / "llama3.2.jinja").read_text()
+LLAMA3_TEMPLATE = (TEMPLATES / "llama3.2.jinja").read_text()
 
 
 def llama3_answer(call: dict) -> str:
@@ -189,3 +200,73 @@ def test_the_llama3_forcing_grammar_accepts_one_call_as_the_template_writes_it()
     assert accepts(grammar, llama3_answer(CALLS[1]))
     assert not accepts(grammar, "Sure! " + llama3_answer(CALLS[1]))
     assert not accepts(grammar, llama3_answer(CALLS[0]).replace('"parameters"', '"arguments"'))
+
+
+def lfm2_read(text: str, chunk: int = 1) -> list:
+    stream = Lfm2Format().stream([WEATHER, CLOCK])
+    return [p for i in range(0, len(text), chunk) for p in stream.push(text[i : i + chunk])] + stream.finish()
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_lfm2_python_calls_are_read_as_literals(chunk):
+    text = ("Checking.<|tool_call_start|>[get_weather(city=\"Paris\", days=-3, metric=True, unit='c', "
+            "where={'lat': 1.5, \"tags\": [None, false, null, true]}), clock()]<|tool_call_end|>Done.")
+    pieces = lfm2_read(text, chunk)
+    calls_at = [i for i, p in enumerate(pieces) if isinstance(p, ToolCall)]
+    assert "".join(pieces[: calls_at[0]]) == "Checking." and "".join(pieces[calls_at[-1] + 1 :]) == "Done."
+    assert [(p.name, p.arguments) for p in pieces if isinstance(p, ToolCall)] == [
+        ("get_weather", {"city": "Paris", "days": -3, "metric": True, "unit": "c",
+                         "where": {"lat": 1.5, "tags": [None, False, None, True]}}),
+        ("clock", {})]
+
+
+def test_lfm2_5_template_calls_are_read_back():
+    """LiquidAI's LFM2.5 template writes Python calls: strings in single quotes, True / None."""
+    calls = [{"type": "function", "function": {"name": "get_weather", "arguments": {
+        "city": "Paris, France", "days": 3, "metric": True, "unit": None, "where": {"lat": 1.5}}}},
+             {"type": "function", "function": {"name": "clock", "arguments": {}}}]
+    text = rendered_answer(LFM25_TEMPLATE, calls, content="Let me look.")
+    assert text.endswith("[get_weather(city='Paris, France', days=3, metric=True, unit=None, "
+                         'where={"lat": 1.5}), clock()]<|tool_call_end|>')
+    pieces = lfm2_read(text, 3)
+    assert "".join(p for p in pieces if isinstance(p, str)) == "Let me look."
+    assert [(p.name, p.arguments) for p in pieces if isinstance(p, ToolCall)] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+def test_lfm2_json_strings_read_as_json():
+    [call] = lfm2_read('<|tool_call_start|>[get_weather(city="\\ud83d\\ude00 a\\/b")]<|tool_call_end|>')
+    assert call.arguments == {"city": "😀 a/b"}
+
+
+@pytest.mark.parametrize("text", [
+    "<|tool_call_start|>[unknown(city='x')]<|tool_call_end|>",  # not one of the tools
+    "<|tool_call_start|>[get_weather('Paris')]<|tool_call_end|>",  # positional: no argument name
+    "<|tool_call_start|>[get_weather(city=__import__('os').getcwd())]<|tool_call_end|>",  # not a literal
+    "<|tool_call_start|>[get_weather(**{'city': 'x'})]<|tool_call_end|>",
+    "<|tool_call_start|>get_weather(city='x')<|tool_call_end|>",  # not a list
+    "<|tool_call_start|>[]<|tool_call_end|>",
+    "<|tool_call_start|>[get_weather(city='x'), unknown()]<|tool_call_end|>",
+    "<|tool_call_start|>[get_weather(city='Par",  # never closed
+    "a [get_weather(city='x')] b <|tool_call_sta",
+])
+def test_lfm2_text_that_is_not_a_call_is_kept(text):
+    stream = Lfm2Format().stream([WEATHER, CLOCK])
+    pieces = [p for ch in text for p in stream.push(ch)] + stream.finish()
+    assert "".join(pieces) == text and not stream.calls
+
+
+def test_the_lfm2_forcing_grammar_writes_python_calls_that_read_back():
+    grammar = Lfm2Format().grammar([WEATHER, CLOCK], parallel=True)
+    one = '<|tool_call_start|>[get_weather(city="Paris", days=3, where={"lat": 1.5})]<|tool_call_end|>'
+    both = '<|tool_call_start|>[get_weather(city="Paris", metric=true), clock()]<|tool_call_end|>'
+    for text in (one, both):
+        assert accepts(grammar, text)
+        assert all(isinstance(p, ToolCall) for p in lfm2_read(text))
+    assert accepts(grammar, '<|tool_call_start|>[get_weather(city="x", days=1, metric=false, unit="f", '
+                            'where={})]<|tool_call_end|>')
+    assert not accepts(Lfm2Format().grammar([WEATHER, CLOCK], parallel=False), both)
+    assert not accepts(grammar, "Sure! " + one)
+    assert not accepts(grammar, '<|tool_call_start|>[get_weather(days=3)]<|tool_call_end|>')  # `city` is required
+    assert not accepts(grammar, '<|tool_call_start|>[get_weather(days=3, city="x")]<|tool_call_end|>')  # in order
+    assert not accepts(Lfm2Format().grammar([CLOCK], parallel=False), one)
