@@ -166,7 +166,7 @@ class Qwen35Checkpoint:
 
 
 class Qwen35State:
-    """Per-layer decode state, preallocated for `max_len` positions; `pos` tokens are in it."""
+    """Per-layer decode state for `max_len` positions (KV pages resident once written); `pos` tokens are in it."""
 
     def __init__(self, config: Qwen35Config, max_len: int, dtype: torch.dtype, device: torch.device):
         if max_len < 1:
