@@ -18,6 +18,7 @@ import numpy as np
 
 from pagelm.bench.batch import llama_cpp_missing
 from pagelm.bench.report import markdown_table
+from pagelm.bench.server import end_process
 
 COSINE_FLOOR = 0.999  # the lowest cosine between the two runtimes' vectors of an input that counts as agreeing
 FIRST_ID = 3  # past the special tokens (<pad>, <eos>, <bos>) every Gemma vocabulary starts with
@@ -62,13 +63,7 @@ class LlamaCppProcess:
         return reply["seconds"], np.asarray(reply["vectors"], np.float32)
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        end_process(self.process, lambda process: process.stdin.close(), 30)  # its end of input: it returns
         self._stderr.close()
 
 
