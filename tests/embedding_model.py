@@ -70,6 +70,26 @@ def write(path: Path, dtype: torch.dtype = torch.float32, seed: int = 0):
     return model, dense
 
 
+def write_qwen3_embedding(path: Path):
+    """Qwen3-Embedding's layout at `path`: a tiny random Qwen3 base model, last-token pooling,
+    normalization, no projection; returns the transformers model."""
+    import transformers
+
+    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, initializer_range=0.2,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(2)
+    model = transformers.Qwen3Model(config).eval()
+    model.save_pretrained(path)
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    return model
+
+
 def reference(model, dense, ids: list[int]) -> np.ndarray:
     """The pipeline in float32 over the stored values: hidden states, mean, projections, L2 norm."""
     model = model.float()

@@ -190,19 +190,36 @@ def _added_anonymous(model, prompts: list[list[int]]) -> tuple[float, int]:
 _llama_quiet = None  # llama.cpp's log callback, kept alive while llama.cpp may call it
 
 
+def silence_llama_cpp() -> None:
+    """Drop llama.cpp's log (a few hundred lines a model), which would bury the progress lines."""
+    from llama_cpp import llama_cpp as c
+
+    global _llama_quiet
+    if _llama_quiet is None:
+        _llama_quiet = c.llama_log_callback(lambda level, text, user_data: None)
+        c.llama_log_set(_llama_quiet, None)
+
+
+def load_llama_cpp_model(path: str):
+    """llama.cpp's model of the file at `path` (llama-cpp-python's low-level API), its log silenced."""
+    from llama_cpp import llama_cpp as c
+
+    silence_llama_cpp()
+    params = c.llama_model_default_params()
+    params.use_extra_bufts = False  # peers.md: the AMX matmul path crashes on these machines
+    model = c.llama_model_load_from_file(path.encode(), params)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    return model
+
+
 def _llama_cpp_aggregate(path: str, prompts: list[list[int]], tokens: int, threads: int) -> float:
     """llama.cpp's aggregate decode tokens per second for the same sequences: each prompt decoded
     as its own sequence, then `tokens` greedy steps of all of them in one llama_batch a step."""
     from llama_cpp import llama_cpp as c
 
-    global _llama_quiet
-    if _llama_quiet is None:  # its log (a few hundred lines a model) would bury the progress lines
-        _llama_quiet = c.llama_log_callback(lambda level, text, user_data: None)
-        c.llama_log_set(_llama_quiet, None)
     n = len(prompts)
-    model_params = c.llama_model_default_params()
-    model_params.use_extra_bufts = False  # peers.md: the AMX matmul path crashes on these machines
-    model = c.llama_model_load_from_file(path.encode(), model_params)
+    model = load_llama_cpp_model(path)
     ctx_params = c.llama_context_default_params()
     ctx_params.n_ctx = sum(len(p) for p in prompts) + n * (tokens + 2)
     ctx_params.n_batch = ctx_params.n_ubatch = max(len(p) for p in prompts) + n
@@ -238,7 +255,7 @@ def _llama_cpp_aggregate(path: str, prompts: list[list[int]], tokens: int, threa
         c.llama_model_free(model)
 
 
-def _llama_cpp_missing() -> str:
+def llama_cpp_missing() -> str:
     """Why llama.cpp's figures cannot be measured here; empty when they can."""
     try:
         import llama_cpp  # noqa: F401
@@ -273,7 +290,7 @@ def run_batch(name: str, path: str, sizes: list[int], tokens: int, runs: int, th
     if max(sizes) > 1:
         report.added_anonymous, report.state_bytes = _added_anonymous(model, prompts)
     peak_before = fma_peak_gflops(threads)  # and after the runs: a shared host's slow moment shows as one low
-    report.llama_cpp_note = _llama_cpp_missing()
+    report.llama_cpp_note = llama_cpp_missing()
     cpp: dict[int, list[float]] = {} if report.llama_cpp_note else {n: [] for n in sizes}
     for run in range(runs):
         for n in sizes:

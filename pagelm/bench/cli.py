@@ -223,6 +223,26 @@ def _peer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _embed(args: argparse.Namespace) -> int:
+    """In process, weights mapped: --inputs counts of seeded inputs of --tokens pseudo-random token ids
+    each, embedded together (Embedder.embed_all: passes of many inputs). Prints per count pagelm's inputs
+    and tokens per second (medians of --runs runs, counts interleaved, the first of each count warmed
+    once) and, with llama_cpp installed, llama.cpp's embedding mode on the same file and inputs (one
+    llama_batch, a sequence per input, pooled as the file says, --threads threads) right after pagelm's
+    turn, the ratio, and the lowest cosine between the two runtimes' vectors of an input; then one line
+    'inputs N: pagelm P inputs/s[, llama.cpp L inputs/s, R×]' per count. llama.cpp's failure to run
+    the file is printed, not fatal."""
+    from pagelm.bench.embed import run_embed
+
+    counts = sorted(set(_counts("--inputs", args.inputs)))
+    for flag in ("tokens", "runs", "threads"):
+        _positive(f"--{flag}", getattr(args, flag))
+    report = run_embed(args.model, model_path(args.model, args.models_dir), counts, args.tokens, args.runs,
+                       args.threads)
+    print(report.markdown())
+    return 0
+
+
 def _counts(flag: str, value: str) -> list[int]:
     try:
         counts = [int(part) for part in value.split(",")]
@@ -477,6 +497,19 @@ def _add_peer(subcommands, model_help: str) -> None:
     peer.set_defaults(run=_peer)
 
 
+def _add_embed(subcommands, model_help: str) -> None:
+    embed = subcommands.add_parser(
+        "embed", help="inputs per second of an embedding model, many inputs computed together, beside "
+                      "llama.cpp's embedding mode", description=_embed.__doc__)
+    embed.add_argument("model", metavar="MODEL", help=model_help)
+    embed.add_argument("--inputs", default="1,32", metavar="N,…", help="counts of inputs per call (default 1,32)")
+    embed.add_argument("--tokens", type=int, default=100, help="tokens of each input (default 100)")
+    embed.add_argument("--runs", type=int, default=DEFAULT_RUNS, help=f"runs (default {DEFAULT_RUNS})")
+    embed.add_argument("--threads", type=int, default=2, help="threads of pagelm and of llama.cpp (default 2)")
+    _models_dir(embed)
+    embed.set_defaults(run=_embed)
+
+
 def _add_concurrency(subcommands, model_help: str) -> None:
     concurrency = subcommands.add_parser(
         "concurrency", help="a pagelm serve --parallel process under 1, 2, 4, 8 concurrent clients; exit 1 if any "
@@ -547,5 +580,6 @@ def register(commands) -> None:
     _add_perplexity(subcommands, model_help)
     _add_batch(subcommands, model_help)
     _add_peer(subcommands, model_help)
+    _add_embed(subcommands, model_help)
     _add_concurrency(subcommands, model_help)
     _add_all(subcommands)

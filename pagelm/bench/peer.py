@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagelm.bench.batch import load_llama_cpp_model
 from pagelm.bench.report import markdown_table
 from pagelm.errors import PagelmError
 from pagelm.measure.memory import MIB, read_memory
@@ -58,13 +59,7 @@ def run_llama_cpp(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: 
     """(`weights` is pagelm's; llama.cpp maps the file as it does by default.)"""
     from llama_cpp import llama_cpp as c
 
-    quiet = c.llama_log_callback(lambda level, text, user_data: None)
-    c.llama_log_set(quiet, None)
-    model_params = c.llama_model_default_params()
-    model_params.use_extra_bufts = False  # peers.md: the AMX matmul path crashes on these machines
-    model = c.llama_model_load_from_file(path.encode(), model_params)
-    if not model:
-        raise PagelmError(f"llama.cpp could not load {path}")
+    model = load_llama_cpp_model(path)
     vocab = c.llama_vocab_n_tokens(c.llama_model_get_vocab(model))
     ctx_params = c.llama_context_default_params()
     ctx_params.n_ctx = n_ctx

@@ -73,6 +73,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def end_process(process: subprocess.Popen, ask, timeout: float) -> None:
+    """Ask a running process to end (`ask(process)`), then kill it if it has not within `timeout` seconds."""
+    if process.poll() is None:
+        ask(process)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 class ServerProcess:
     """`pagelm serve MODEL` as a child process; use as a context manager so it always stops."""
 
@@ -120,13 +131,7 @@ class ServerProcess:
         raise PagelmError(f"pagelm serve {self.model_path} was not ready after {timeout:.0f} s:\n{self.log_tail()}")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        end_process(self.process, lambda process: process.send_signal(signal.SIGTERM), 15)
         self._log.close()
 
     def memory(self) -> MemorySnapshot:

@@ -10,6 +10,15 @@ from dataclasses import dataclass
 import torch
 
 from pagelm.errors import PagelmError
+from pagelm.models.norms import MAX_ROWS as FEW_NORM_ROWS
+from pagelm.weights.linear import MAX_GEMV_ROWS
+
+# Rows an encoder pass has at least (a span of zeros makes up the rest): every product and norm over
+# a pass's rows then takes the many-row path (torch's GEMM and norm), whose row i has the same bits
+# whatever the other rows are, so that an input's hidden states are the same encoded alone and packed
+# with others (tests/engine/test_embed.py). Below it the few-row kernels (GEMV, norms) would round a
+# short input alone otherwise than packed; so would torch's float32 GEMM of under 12 rows (measured).
+ENCODE_MIN_ROWS = max(MAX_GEMV_ROWS, FEW_NORM_ROWS) + 1
 
 
 def nbytes(tensors) -> int:
@@ -103,13 +112,33 @@ class Decoder:
     __call__ = forward
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Final hidden states of one whole input (T, hidden), from a state of its own that is then
-        dropped: an embedding model's pass. Never cut into segments, so that a model whose tokens
-        see later ones (EmbeddingGemma) sees the whole input."""
-        self._check_input(x)
+        """Final hidden states of one whole input (T, hidden): `encode_all` of it alone."""
+        return self.encode_all([x])[0]
+
+    def encode_all(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Final hidden states of whole inputs xs[i] (T_i, hidden), an embedding model's pass: their
+        rows packed into one matrix, so that each product runs once over every row, while attention,
+        rope positions (from 0) and state stay each input's own (a state per input, then dropped).
+        Never cut into segments, so that a model whose tokens see later ones (EmbeddingGemma) sees
+        each whole input. Input i's result is the same bits whatever else is in the pass, where the
+        architecture's transcendental activations run per span (layers.gated_mlp's `spans`)."""
+        if not xs:
+            return []
+        for x in xs:
+            self._check_input(x)
+            if x.shape[0] == 0:
+                raise PagelmError("encode: an input needs at least one row")
+        rows = sum(x.shape[0] for x in xs)
+        # one row per span would take the decode kernels: where every input has one row, the pad has two
+        pad = max(ENCODE_MIN_ROWS - rows, 2 if rows == len(xs) else 0)
+        parts = [*xs, torch.zeros(pad, self.config.hidden, dtype=xs[0].dtype, device=xs[0].device)] if pad else xs
+        spans, lo = [], 0
+        for part in parts:
+            spans.append(Span(self.new_state(part.shape[0]), lo, lo + part.shape[0]))
+            lo += part.shape[0]
         with torch.inference_mode():
-            state = self.new_state(x.shape[0])
-            return finish(self._layers(x, [Span(state, 0, x.shape[0])], alone=False))
+            h = finish(self._layers(torch.cat(parts), spans, alone=False))
+        return [h[s.lo : s.hi] for s in spans[: len(xs)]]
 
     def decode_batch(self, x: torch.Tensor, states: list, positions: list | None = None) -> torch.Tensor:
         """Final hidden states (n, hidden) of one token of each of n sequences: x (n, hidden) holds

@@ -288,7 +288,7 @@ class Gemma3Model(Decoder):
             if o is None:
                 o = per_sequence(attend, spans, ropes)
             h += rms_norm(w.out(o, alone).float(), w.post_attn_norm, c.rms_eps)
-            m = gated_mlp(w.gate_up, w.down, rms_norm(h, w.ffn_norm, c.rms_eps), _gelu_tanh, alone)
+            m = gated_mlp(w.gate_up, w.down, rms_norm(h, w.ffn_norm, c.rms_eps), _gelu_tanh, alone, spans)
             h += rms_norm(m.float(), w.post_ffn_norm, c.rms_eps)
             yield
         advance(spans)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pagelm.errors import ModelFormatError, PagelmError
-from pagelm.models.decoder import nbytes
+from pagelm.models.decoder import nbytes, per_sequence
 from pagelm.models.norms import rms_norm_rows
 from pagelm.models.token_ops import attend_token, attend_tokens, cache_views, rope_rows_, window_los
 from pagelm.runtime.pages import ZeroedTensors
@@ -133,11 +133,18 @@ def attend_spans(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list,
     return attend_tokens(q, k, v, [s.state.views[i] for s in spans], positions, scale, los, rope)
 
 
-def gated_mlp(gate_up, down, y: torch.Tensor, activation, alone: bool) -> torch.Tensor:
+def gated_mlp(gate_up, down, y: torch.Tensor, activation, alone: bool, spans: list | None = None) -> torch.Tensor:
     """down(activation(gate) · up) of rows y, gate and up being the two halves of gate_up(y)
-    (ffn_gate's rows, then ffn_up's); in the operators' dtype. `alone`: as Linear's."""
+    (ffn_gate's rows, then ffn_up's); in the operators' dtype. `alone`: as Linear's. With `spans`
+    (the rows of several sequences), the activation runs on each span's rows by itself: torch's
+    elementwise kernels split a call's values among threads and vector lanes by the call's size, and
+    a transcendental's scalar tail rounds unlike its vector body, so a row's bits would otherwise
+    depend on how many other rows are in the call."""
     gate, up = gate_up(y, alone).chunk(2, -1)
-    return down(activation(gate).mul_(up), alone)
+    if spans is None or len(spans) == 1:
+        return down(activation(gate).mul_(up), alone)
+    gated = per_sequence(lambda s, _: activation(gate[s.lo : s.hi]), spans, [None] * len(spans))
+    return down(gated.mul_(up), alone)
 
 
 def causal_conv1d(x: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -271,7 +271,8 @@ class Lfm2Model(Decoder):
                 h += self._attention(w.mixer, y, slot, spans, ropes, tokens, alone)
             else:
                 h += self._conv(w.mixer, y, slot, spans, alone)
-            h += gated_mlp(w.gate_up, w.down, rms_norm(h, w.ffn_norm, c.rms_eps, tokens_alone=alone), F.silu, alone)
+            h += gated_mlp(w.gate_up, w.down, rms_norm(h, w.ffn_norm, c.rms_eps, tokens_alone=alone), F.silu, alone,
+                           spans)
             yield
         advance(spans)
         return rms_norm(h, self.output_norm, c.rms_eps, tokens_alone=alone)

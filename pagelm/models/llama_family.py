@@ -230,7 +230,7 @@ class FamilyModel(Decoder):
 
             o = None if tokens is None else attend_spans(q, k, v, spans, i, tokens, scale)
             h += w.out(per_sequence(attend, spans, ropes) if o is None else o, alone)
-            h += gated_mlp(w.gate_up, w.down, rms_norm(h, w.ffn_norm, c.rms_eps), F.silu, alone)
+            h += gated_mlp(w.gate_up, w.down, rms_norm(h, w.ffn_norm, c.rms_eps), F.silu, alone, spans)
             yield
         advance(spans)
         return rms_norm(h, self.output_norm, c.rms_eps)

@@ -94,7 +94,7 @@ class Server:
         self.chat: ChatModel | None = None
         self.worker: Worker | None = None  # a generative model's engine thread
         self.embedder: Embedder | None = None  # an embedding model's
-        self._embedding = asyncio.Lock()  # one input at a time: the embeddings take every compute thread
+        self._embedding = asyncio.Lock()  # one request at a time: its inputs' passes take every compute thread
         self.cache = PrefixCache(settings.prefix_slots, settings.prefix_cache_mib << 20)
         self.load_error: Exception | None = None
         self.load_s = 0.0
@@ -145,8 +145,9 @@ class Server:
         return self.embedder
 
     async def embed(self, texts_or_tokens: list, truncate: bool, dimensions: int | None) -> tuple[np.ndarray, int]:
-        """(vectors (n, dims), prompt tokens) of inputs given as text or token ids; an input past the
-        context is cut to it when `truncate`, else a 400 naming the limit."""
+        """(vectors (n, dims), prompt tokens) of inputs given as text or token ids, computed together
+        (Embedder.embed_all), each the bits of its input alone; an input past the context is cut to it
+        when `truncate`, else a 400 naming the limit."""
         embedder, chat = self.require_embedder(), self.require_ready()
         if dimensions is not None and dimensions > embedder.dimensions:
             raise RequestError(f"dimensions must be at most {embedder.dimensions} for model '{chat.name}', "

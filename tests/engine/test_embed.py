@@ -1,18 +1,19 @@
 """Embeddings from a tiny random EmbeddingGemma (tests/embedding_model.py) against transformers
 through the sentence-transformers pipeline: vectors within 1e-5 in float32 (1e-4 from a bf16
-directory), the same bits alone and among 32 others, Matryoshka truncation, and a generative model
-refused."""
+directory), the same bits alone and among 32 others (EmbeddingGemma and Qwen3-Embedding, every
+weights mode), passes bounded by their tokens, Matryoshka truncation, and a generative model refused."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from embedding_model import VOCAB, reference, write
+from embedding_model import VOCAB, reference, write, write_gguf, write_qwen3_embedding
 
 from pagelm.engine.embed import Embedder, NotAnEmbeddingModel
 from pagelm.engine.load import load_model
 from pagelm.errors import PagelmError
+from pagelm.quant.types import GGMLType
 
 INPUTS = [list(np.random.default_rng(i).integers(3, VOCAB, n)) for i, n in enumerate([1, 5, 17, 40])]
 
@@ -43,14 +44,61 @@ def test_a_bf16_directory_matches_transformers_on_the_same_weights(tmp_path):
         assert _rel(embedder.embed(ids), reference(model, dense, ids)) <= 1e-4
 
 
-def test_a_vector_is_the_same_bits_alone_and_among_32_others(embedding_gemma):
-    embedder = Embedder.of(load_model(embedding_gemma[0], dtype="bfloat16"))
+@pytest.fixture(scope="module")
+def packing_models(embedding_gemma, tmp_path_factory):
+    """name -> path: EmbeddingGemma as GGUF files (Q8_0, F32) and Qwen3-Embedding as a directory."""
+    _, model, dense = embedding_gemma
+    folder = tmp_path_factory.mktemp("packing")
+    paths = {}
+    for matrix_type in ("Q8_0", "F32"):
+        paths[f"gemma-{matrix_type}"] = str(folder / f"embeddinggemma-{matrix_type}.gguf")
+        write_gguf(model, dense, folder / f"embeddinggemma-{matrix_type}.gguf", GGMLType[matrix_type])
+    (folder / "qwen3").mkdir()
+    write_qwen3_embedding(folder / "qwen3")
+    paths["qwen3"] = str(folder / "qwen3")
+    return paths
+
+
+# lengths on both sides of every row limit a pass's arithmetic could switch at (MAX_GEMV_ROWS 16,
+# the few-row norms' 64, torch's small GEMMs), past the fixture's sliding window, and random ones
+PACKED_LENGTHS = [1, 2, 5, 11, 12, 16, 17, 40, 63, 64, 65, 100] + \
+    [int(n) for n in np.random.default_rng(3).integers(1, 101, 21)]
+
+
+@pytest.mark.parametrize("name, dtype, weights", [
+    ("gemma-Q8_0", "bfloat16", "mapped"), ("gemma-Q8_0", "float32", "mapped-int8"), ("gemma-F32", "float32", "dense"),
+    ("gemma-F32", "bfloat16", "dense"), ("qwen3", "float32", "mapped"), ("qwen3", "bfloat16", "dense")])
+def test_a_vector_is_the_same_bits_alone_and_among_32_others(packing_models, name, dtype, weights, monkeypatch):
+    """33 inputs of 1..100 tokens embedded together (one pass): each the bits of its input alone."""
+    embedder = Embedder.of(load_model(packing_models[name], dtype=dtype, weights=weights))
     rng = np.random.default_rng(7)
-    others = [list(rng.integers(3, VOCAB, int(rng.integers(1, 60)))) for _ in range(32)]
-    alone = embedder.embed(INPUTS[2])
-    together = embedder.embed_all(others[:16] + [INPUTS[2]] + others[16:])
-    assert together.shape == (33, embedder.dimensions)
-    assert together[16].tobytes() == alone.tobytes()
+    inputs = [list(rng.integers(3, VOCAB, n)) for n in PACKED_LENGTHS]
+    passes = []
+    encode_all = embedder.model.network.encode_all
+    monkeypatch.setattr(embedder.model.network, "encode_all", lambda xs: passes.append(len(xs)) or encode_all(xs))
+    together = embedder.embed_all(inputs)
+    assert passes == [33] and together.shape == (33, embedder.dimensions)
+    for ids, vector in zip(inputs, together):
+        assert np.array_equal(embedder.embed(ids), vector), len(ids)
+    assert len(passes) == 34
+
+
+def test_passes_are_bounded_by_their_tokens(embedding_gemma, monkeypatch):
+    """Inputs past a pass's token budget go into further passes (one too long for it, alone), in
+    order, with the same bits."""
+    from pagelm.engine import embed
+
+    embedder = Embedder.of(load_model(embedding_gemma[0], dtype="float32"))
+    rng = np.random.default_rng(5)
+    inputs = [list(rng.integers(3, VOCAB, n)) for n in (30, 50, 90, 10, 20, 70)]
+    together = embedder.embed_all(inputs)
+    passes = []
+    encode_all = embedder.model.network.encode_all
+    monkeypatch.setattr(embedder.model.network, "encode_all", lambda xs: passes.append(len(xs)) or encode_all(xs))
+    monkeypatch.setattr(embed, "PASS_TOKENS", 80)
+    assert np.array_equal(embedder.embed_all(inputs), together)
+    assert passes == [2, 1, 2, 1]  # 30+50 | 90 | 10+20 | 70
+    assert embed._passes([3000, 2000, 5000, 10, 4086], 4096) == [[0], [1], [2], [3, 4]]
 
 
 def test_dimensions_keep_the_first_values_normalized_again(embedding_gemma):
@@ -123,10 +171,6 @@ def test_a_gguf_written_as_llama_cpp_writes_embeddinggemma_gives_the_same_vector
     """Within 1e-5 of transformers run on what the file holds (Q8_0 values decoded by gguf.quants)."""
     import copy
 
-    from embedding_model import write_gguf
-
-    from pagelm.quant.types import GGMLType
-
     _, model, dense = embedding_gemma
     gguf_path = tmp_path / f"embeddinggemma-{matrix_type}.gguf"
     held, held_dense = write_gguf(model, dense, gguf_path, GGMLType[matrix_type])
@@ -140,22 +184,7 @@ def test_a_gguf_written_as_llama_cpp_writes_embeddinggemma_gives_the_same_vector
 
 def test_a_qwen3_embedding_directory_pools_the_last_token(tmp_path):
     """Qwen3-Embedding's layout: a Qwen3 base model, last-token pooling, normalization, no projection."""
-    import json
-
-    import transformers
-
-    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, initializer_range=0.2,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      tie_word_embeddings=True)
-    torch.manual_seed(2)
-    model = transformers.Qwen3Model(config).eval()
-    model.save_pretrained(tmp_path)
-    (tmp_path / "1_Pooling").mkdir()
-    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
-    (tmp_path / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    model = write_qwen3_embedding(tmp_path)
     embedder = Embedder.of(load_model(str(tmp_path), dtype="float32"))
     assert embedder.head.pooling == "last" and embedder.dimensions == 64
     for ids in INPUTS:

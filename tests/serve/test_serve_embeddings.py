@@ -1,6 +1,6 @@
 """Embeddings over HTTP from a real `pagelm serve` of a tiny random EmbeddingGemma: the official
 `openai` client on /v1/embeddings and the official `ollama` client on /api/embed get the vectors
-`pagelm embed` prints, bit for bit; inputs past the context, chat asked of an embedding model and
+`pagelm embed` prints, bit for bit; many inputs of one request get the bits of each alone; inputs past the context, chat asked of an embedding model and
 vectors asked of a chat model get 400s naming why."""
 
 from __future__ import annotations
@@ -52,6 +52,26 @@ def test_the_ollama_client_gets_the_clis_vectors(embedder, cli_vectors):
     assert [list(v) for v in client.embed(model=embedder.model, input=TEXTS).embeddings] == cli_vectors
     assert list(client.embeddings(model=embedder.model, prompt=TEXTS[1]).embedding) == cli_vectors[1]
     assert "embedding" in client.show(embedder.model).capabilities
+
+
+def test_many_inputs_in_one_request_each_get_the_bits_of_their_input_alone(embedder):
+    """33 inputs of 1..64 tokens computed together: each vector is the one a request of that input
+    alone gets, on both routes."""
+    rng = np.random.default_rng(11)
+    inputs = [rng.integers(3, 300, n).tolist() for n in [1, 17, 64, *rng.integers(1, 65, 30)]]
+    with embedder.client() as client:
+        together = client.post("/v1/embeddings", json={"model": embedder.model, "input": inputs})
+        assert together.status_code == 200, together.text
+        vectors = [d["embedding"] for d in together.json()["data"]]
+        assert len(vectors) == 33
+        for ids, vector in zip(inputs, vectors):
+            alone = client.post("/v1/embeddings", json={"model": embedder.model, "input": [ids]})
+            assert alone.json()["data"][0]["embedding"] == vector, len(ids)
+        texts = [" ".join(["lazy dog"] * k) for k in range(1, 12)]
+        ollama = client.post("/api/embed", json={"model": embedder.model, "input": texts}).json()["embeddings"]
+        for text, vector in zip(texts, ollama):
+            assert client.post("/api/embed", json={"model": embedder.model, "input": text}).json()["embeddings"] == \
+                [vector]
 
 
 def test_an_input_past_the_context_is_cut_when_allowed_else_refused(embedder):
