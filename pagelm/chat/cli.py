@@ -190,8 +190,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _embed(args: argparse.Namespace) -> int:
     """The vector of each TEXT from an embedding model (EmbeddingGemma, Qwen3-Embedding): one JSON line
-    per text on stdout, {"index", "tokens", "embedding"}, in the order given. Each text is embedded
-    alone: its vector is the same bits whatever else is asked with it."""
+    per text on stdout, {"index", "tokens", "embedding"}, in the order given. The texts are computed
+    together, each vector the same bits as its text's alone."""
     from pagelm.chat.model import ChatModel
     from pagelm.engine.embed import Embedder
 
@@ -206,11 +206,11 @@ def _embed(args: argparse.Namespace) -> int:
     if args.prompt_name and args.prompt_name not in embedder.head.prompts:
         known = ", ".join(embedder.head.prompts) or "none"
         raise PagelmError(f"--prompt-name {args.prompt_name!r}: the model names no such prompt (it has: {known})")
-    for i, text in enumerate(args.texts):
-        tokens = chat.tokenizer.encode_input(prefix + text)
+    inputs = [chat.tokenizer.encode_input(prefix + text) for text in args.texts]
+    for i, tokens in enumerate(inputs):
         if len(tokens) > args.ctx_len:
             raise PagelmError(f"text {i + 1} is {len(tokens)} tokens long, more than --ctx-len {args.ctx_len}")
-        vector = embedder.embed(tokens, args.dimensions)
+    for i, (tokens, vector) in enumerate(zip(inputs, embedder.embed_all(inputs, args.dimensions))):
         print(json.dumps({"index": i, "tokens": len(tokens), "embedding": vector.tolist()}), flush=True)
     return 0
 
