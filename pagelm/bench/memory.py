@@ -118,7 +118,7 @@ class MemoryReport:
                 f"`/proc/PID` (anonymous = smaps_rollup `Anonymous`, file RSS = `RssFile`) and its parts from "
                 f"`/api/ps`: the prefix cache's bytes, the weights' anonymous bytes (dense matrices, or the mapped "
                 f"prefill scratch, and norms), the tokenizer's (anonymous memory added while building it), the "
-                f"decode state's (KV caches, DeltaNet states, for the whole context); runtime is the rest "
+                f"decode state's (the KV caches' pages written so far, DeltaNet states); runtime is the rest "
                 f"(Python, torch, numba, buffers). Then a "
                 f"{self.prompt_tokens}-token prompt with {self.new_tokens} greedy new tokens: TTFT is the "
                 f"server's prefill time up to the first token (`prompt_eval_duration`), decode tok/s the "
