@@ -60,8 +60,8 @@ def _arrays(arrays: list) -> typed.List:
 
 def _functions(kind: types.FunctionType, *fns) -> typed.List:
     """fns as a typed list of one first-class function type, called from compiled code by address; built as
-    _arrays is. _append's compiled entry takes each dispatcher as a function of `kind` (typeof sees a
-    dispatcher), so its address is the cached compile of `kind`'s signature."""
+    _arrays is, by _append compiled for `kind`, whose entry takes each dispatcher as a function of that type
+    (the addresses typed.List.append stores; a dispatcher's own type would compile _append for each kernel)."""
     out = _empty(kind)
     append = _append.compile((types.ListType(kind), kind))
     for fn in fns:
@@ -187,7 +187,7 @@ class TokenLayers:
         self.norms = _arrays([getattr(w, name).numpy() for w in layers for name in NORMS[:per]])
         no_bias = np.zeros(0, np.float32)
         self.biases = _arrays([no_bias if getattr(w, "qkv_bias", None) is None else w.qkv_bias.numpy()
-                                  for w in layers])
+                               for w in layers])
         self.per, self.kinds = per, np.array(kinds, np.int64)
         self.norm, self.rope = _functions(_NORM, rms_rows), _functions(_ROPE, rope_heads)
         self._attend = {}
