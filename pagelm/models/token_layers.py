@@ -14,7 +14,7 @@ layer kind (global, sliding); qwen2's a bias of q/k/v, qwen3's q/k norms.
 from __future__ import annotations
 
 import numpy as np
-from numba import from_dtype, njit, typed, types
+from numba import from_dtype, njit, typed, typeof, types
 
 from pagelm.models.norms import rms_rows
 from pagelm.models.token_ops import TokenStep, attend_heads, rope_heads, gated_rows
@@ -39,11 +39,33 @@ NORMS = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ff
 ATTN_NORM, FFN_NORM, Q_NORM, K_NORM, POST_ATTN_NORM, POST_FFN_NORM = range(6)
 
 
+@njit(cache=True)
+def _empty(kind):
+    return typed.List.empty_list(kind)
+
+
+@njit(cache=True)
+def _append(items, item):
+    items.append(item)
+
+
+def _arrays(arrays: list) -> typed.List:
+    """arrays (of one type) as a typed list, built by cached compiled calls: a process whose numba cache is warm
+    compiles nothing, where typed.List's own methods compile for each item type in every process; no copy."""
+    out = _empty(typeof(arrays[0]))
+    for a in arrays:
+        _append(out, a)
+    return out
+
+
 def _functions(kind: types.FunctionType, *fns) -> typed.List:
-    """fns as a typed list of one first-class function type: called from compiled code by address."""
-    out = typed.List.empty_list(kind)
+    """fns as a typed list of one first-class function type, called from compiled code by address; built as
+    _arrays is, by _append compiled for `kind`, whose entry takes each dispatcher as a function of that type
+    (the addresses typed.List.append stores; a dispatcher's own type would compile _append for each kernel)."""
+    out = _empty(kind)
+    append = _append.compile((types.ListType(kind), kind))
     for fn in fns:
-        out.append(fn)
+        append(out, fn)
     return out
 
 
@@ -158,14 +180,14 @@ class TokenLayers:
                 spans.append((first, len(parts)))
             products.append(spans)
         self.gemv = _functions(_GEMV, *(k for t in kernels for k in gemv_kernels(t)))
-        self.datas = typed.List([d for _, d in datas.values()])
-        self.offsets = typed.List(offsets)
+        self.datas = _arrays([d for _, d in datas.values()])
+        self.offsets = _arrays(offsets)
         self.parts = np.array(parts, np.int64)
         self.products = np.array(products, np.int64)
-        self.norms = typed.List([getattr(w, name).numpy() for w in layers for name in NORMS[:per]])
+        self.norms = _arrays([getattr(w, name).numpy() for w in layers for name in NORMS[:per]])
         no_bias = np.zeros(0, np.float32)
-        self.biases = typed.List([no_bias if getattr(w, "qkv_bias", None) is None else w.qkv_bias.numpy()
-                                  for w in layers])
+        self.biases = _arrays([no_bias if getattr(w, "qkv_bias", None) is None else w.qkv_bias.numpy()
+                               for w in layers])
         self.per, self.kinds = per, np.array(kinds, np.int64)
         self.norm, self.rope = _functions(_NORM, rms_rows), _functions(_ROPE, rope_heads)
         self._attend = {}
