@@ -348,7 +348,9 @@ def acc_store(typingctx, acc, rows, vectors, out, i0, n, col):
 
 
 # GGML type numbers of the 32-value layouts values32 unpacks (as pagelm.quant.types.GGMLType).
-_F32_T, _F16_T, _Q4_0_T, _Q4_1_T, _Q5_0_T, _Q5_1_T, _Q8_0_T, _BF16_T = 0, 1, 2, 3, 6, 7, 8, 30
+_F32_T, _F16_T, _Q4_0_T, _Q4_1_T, _Q5_0_T, _Q5_1_T, _Q8_0_T, _BF16_T, _MXFP4_T = 0, 1, 2, 3, 6, 7, 8, 30, 39
+# MXFP4's codes, twice their E2M1 values (codecs.MXFP4_VALUES)
+_MXFP4_CODES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 _V32F = ir.VectorType(_F32, 32)
 
 
@@ -383,6 +385,8 @@ def values32(typingctx, kind, data, at, qh, d, m, w):
                 q, signed = bytes_at(context, builder, arrty, data, at), True
             elif t in (_Q4_0_T, _Q4_1_T):
                 q, signed = nibbles16(context, builder, arrty, data, at), t == _Q4_0_T
+            elif t == _MXFP4_T:
+                q, signed = _mxfp4_codes(builder, nibbles16(context, builder, arrty, data, at)), True
             else:
                 q, signed = q5_group(context, builder, arrty, data, at, qh), t == _Q5_0_T
             if t == _Q4_0_T:
@@ -398,12 +402,26 @@ def values32(typingctx, kind, data, at, qh, d, m, w):
     return types.void(kind, data, at, qh, d, m, w), codegen
 
 
+def _mxfp4_codes(builder, q):
+    """MXFP4's code of each 4-bit value of byte vector q: its magnitude from the low 3 bits (0-4 as
+    they are, 5 -> 6, 6 -> 8, 7 -> 12), negative where bit 3 is set."""
+    n = q.type.count
+    low = builder.and_(q, _splat8(n, 7))
+
+    def plus(where, add):
+        return builder.select(builder.icmp_unsigned("==", low, _splat8(n, where)), _splat8(n, add), _splat8(n, 0))
+
+    magnitude = builder.add(builder.add(builder.add(low, plus(5, 1)), plus(6, 2)), plus(7, 5))
+    negative = builder.icmp_unsigned("!=", builder.and_(q, _splat8(n, 8)), _splat8(n, 0))
+    return builder.select(negative, builder.sub(_splat8(n, 0), magnitude), magnitude)
+
+
 @intrinsic
 def q4_floats(typingctx, kind, data, at, d, m, w):
-    """w[0:32] = values32's values of the Q4_0 / Q4_1 block (`kind`, a constant) whose 16 quant
-    bytes start at data[at], each picked by its nibble from the block's 16 possible floats (AVX-512
-    vpermps, which reads the low 4 bits of each index): (q - 8) · d, or fma(q, d, m), the bits of
-    q · d + m since q · d is exact in float32 (4 bits times an 11-bit half)."""
+    """w[0:32] = values32's values of the Q4_0 / Q4_1 / MXFP4 block (`kind`, a constant) whose 16
+    quant bytes start at data[at], each picked by its nibble from the block's 16 possible floats
+    (AVX-512 vpermps, which reads the low 4 bits of each index): (q - 8) · d, fma(q, d, m), the bits
+    of q · d + m since q · d is exact in float32 (4 bits times an 11-bit half), or code(q) · d."""
     if not _literals(kind):
         return None
 
@@ -412,6 +430,8 @@ def q4_floats(typingctx, kind, data, at, d, m, w):
         v16i = ir.VectorType(I32, 16)
         if t == _Q4_0_T:
             table = builder.fmul(_iota16(-8), splat_f32(builder, d))
+        elif t == _MXFP4_T:
+            table = builder.fmul(ir.Constant(_V16F, [float(c) for c in _MXFP4_CODES]), splat_f32(builder, d))
         else:
             table = builder.call(fma16(builder), [_iota16(), splat_f32(builder, d), splat_f32(builder, m)])
         index, pick = builder.zext(bytes_at(context, builder, arrty, data, at, 16), v16i), _permvar16(builder)

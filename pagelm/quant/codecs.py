@@ -178,6 +178,25 @@ def _dec_q6_k(b: np.ndarray, o: np.ndarray) -> None:
     o16 = o.reshape(-1, 16, 16)
     o16 *= ds[:, :, None]
 
+# MXFP4: 32 FP4 (E2M1) values sharing one E8M0 scale byte e. The codes are read as twice their E2M1
+# value (ggml's kvalues_mxfp4), so the scale is half of E8M0's 2^(e - 127): 2^(e - 128), subnormal
+# for e < 2, never Inf or NaN (e = 255 is 2^127, as ggml reads it).
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def mxfp4_scale(e: np.ndarray) -> np.ndarray:
+    """2^(e - 128) as float32 for E8M0 bytes e (uint8)."""
+    e = e.astype(np.uint32)
+    return np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << 23).astype(np.uint32).view(np.float32)
+
+
+def _dec_mxfp4(b: np.ndarray, o: np.ndarray) -> None:
+    q = np.empty((len(b), 2, 16), np.uint8)
+    _nibbles(b[:, 1:], q)
+    o[...] = MXFP4_VALUES[q.reshape(len(b), 32)]
+    with np.errstate(over="ignore"):  # 12 · 2^127 is Inf, as in ggml
+        o *= mxfp4_scale(b[:, :1])
+
 
 _DECODERS = {
     _T.Q8_0: _dec_q8_0,
@@ -188,10 +207,11 @@ _DECODERS = {
     _T.Q4_K: _dec_q4_k,
     _T.Q5_K: _dec_q5_k,
     _T.Q6_K: _dec_q6_k,
+    _T.MXFP4: _dec_mxfp4,
 }
 
 DECODABLE = frozenset({_T.F32, _T.F16, _T.BF16, *_DECODERS})
-ENCODABLE = frozenset({_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q4_K, _T.Q5_K, _T.Q6_K})
+ENCODABLE = frozenset({_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.MXFP4})
 K_QUANTS = frozenset({_T.Q4_K, _T.Q5_K, _T.Q6_K})  # encoded by pagelm's own quantizer, not ggml's
 
 
@@ -417,8 +437,25 @@ def _enc_q6_k(b: np.ndarray, o: np.ndarray) -> None:
     o[:, 208:210] = d_bytes
 
 
+_MXFP4_CHUNK = 1 << 14  # blocks a step: bounds the (blocks, 32, 16) distances to every code
+
+
+def _enc_mxfp4(b: np.ndarray, o: np.ndarray) -> None:
+    """ggml's choice: the scale exponent floor(log2 max|x|) - 2 (so 6 · 2^e' reaches up to 1.5 · 2^k of
+    a block whose largest magnitude is in [2^k, 2^(k+1))), each value the nearest code, the first on ties."""
+    codes = MXFP4_VALUES.astype(np.float32)
+    for lo in range(0, len(b), _MXFP4_CHUNK):
+        x = b[lo : lo + _MXFP4_CHUNK]
+        amax = np.abs(x).max(axis=1, keepdims=True)
+        with np.errstate(divide="ignore"):
+            e = np.where(amax > 0, np.floor(np.log2(amax)) - 2 + 127, 0).clip(0, 255).astype(np.uint8)
+        distance = np.abs(mxfp4_scale(e)[:, :, None] * codes - x[:, :, None])
+        o[lo : lo + len(x), :1] = e
+        _pack_nibbles(distance.argmin(axis=2).astype(np.uint8), o[lo : lo + len(x), 1:])
+
+
 _ENCODERS = {_T.Q8_0: _enc_q8_0, _T.Q4_0: _enc_q4_0, _T.Q4_1: _enc_q4_1,
-             _T.Q4_K: _enc_q4_k, _T.Q5_K: _enc_q5_k, _T.Q6_K: _enc_q6_k}
+             _T.Q4_K: _enc_q4_k, _T.Q5_K: _enc_q5_k, _T.Q6_K: _enc_q6_k, _T.MXFP4: _enc_mxfp4}
 
 
 def encode(values: np.ndarray, ggml_type: int) -> np.ndarray:

@@ -28,7 +28,7 @@ from pagelm.quant.blockir import (
     stack_bytes,
     values32,
 )
-from pagelm.quant.codecs import DECODABLE
+from pagelm.quant.codecs import DECODABLE, MXFP4_VALUES
 from pagelm.quant.codegen import (
     F16_TO_F32,
     f32_bits,
@@ -48,6 +48,7 @@ _T = GGMLType
 _F32, _F16, _BF16 = int(_T.F32), int(_T.F16), int(_T.BF16)
 _Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1 = int(_T.Q8_0), int(_T.Q4_0), int(_T.Q4_1), int(_T.Q5_0), int(_T.Q5_1)
 _Q4_K, _Q5_K, _Q6_K = int(_T.Q4_K), int(_T.Q5_K), int(_T.Q6_K)
+_MXFP4 = int(_T.MXFP4)
 
 # Hint the rows about this many bytes ahead of the one being read (about 7 rows of 1,024 Q8_0 values):
 # the hardware prefetcher stops at each 4 KiB page, hints do not. The K-quants, whose GEMVs spend the most
@@ -152,6 +153,12 @@ def fp16_at(f16, data, at):
 # again for each nested call, and that made one type's kernels take ~75 s to compile (now ~25 s).
 
 
+@njit(inline="always")
+def _mxfp4_scale(e):
+    """codecs.mxfp4_scale of one E8M0 byte: 2^(e - 128)."""
+    return u32_as_f32(np.uint32(0x00200000) << e if e < 2 else np.uint32(e - 1) << 23)
+
+
 @njit
 def scale_min_k4(data, at, g):
     """6-bit scale and min of sub-block g from the 12 scale bytes at `at` (Q4_K, Q5_K)."""
@@ -175,6 +182,9 @@ def _prep(kind, data, o, g, f16):
         sc, mn = scale_min_k4(data, o + 4, g)
         s, m = fp16_at(f16, data, o) * np.float32(sc), fp16_at(f16, data, o + 2) * np.float32(mn)
         return s, m, s, m
+    if kind == _MXFP4:
+        d = _mxfp4_scale(np.uint32(_u8(data, o)))
+        return d, zero, d, zero
     if kind == _Q6_K:
         d = fp16_at(f16, data, o + 208)
         at = o + 192 + 2 * g  # int8 scales of 16 values each
@@ -240,6 +250,8 @@ def _lane(kind, exact, data, o, g, h, j0, jj, s, m, f16):
         return np.float32(np.int8((_u8(data, o + 2 + j) >> 4 * h & 15) - 8)) * s
     if kind == _Q4_1:
         return _plus(exact, np.float32(np.uint8(_u8(data, o + 4 + j) >> 4 * h & 15)) * s, m)
+    if kind == _MXFP4:
+        return np.float32(MXFP4_VALUES[_u8(data, o + 1 + j) >> 4 * h & 15]) * s
     if kind == _Q5_0:
         return np.float32(np.int8(_q5(data, o + 2, o + 6, h, j0, jj) - 16)) * s
     if kind == _Q5_1:
@@ -361,7 +373,7 @@ def _unpack(kind, data, o, f16, w, q6, s6):
     """w[0 : values of a block] = the values of the block at byte o as float32. Float types and the
     32-value quants are unpacked in vector ops (blockir.values32), a Q6_K block's values and scales
     too (q6, s6: its bytes and scales, on the stack); Q4_K/Q5_K decode the 16 scales and mins of the
-    block in one byte-vector op (blockir.k4_scales); under AVX-512 each Q4_0 / Q4_1 value is picked
+    block in one byte-vector op (blockir.k4_scales); under AVX-512 each Q4_0 / Q4_1 / MXFP4 value is picked
     from its block's 16 possible floats (blockir.q4_floats), each Q5_0 / Q5_1 value from its block's
     32 (blockir.q5_floats) and each Q4_K value from its group's 16 (blockir.q4k_floats), otherwise
     both nibbles of each byte are taken at once."""
@@ -396,6 +408,12 @@ def _unpack(kind, data, o, f16, w, q6, s6):
             q5_floats(kind, data, qh + 4, load_at(data, qh, np.uint32), fp16_at(f16, data, o), m, w)
         else:
             values32(kind, data, qh + 4, load_at(data, qh, np.uint32), fp16_at(f16, data, o), m, w)
+    elif kind == _MXFP4:  # under AVX-512 each value picked from the block's 16
+        d = _mxfp4_scale(np.uint32(_u8(data, o)))
+        if AVX512:
+            q4_floats(kind, data, o + 1, d, np.float32(0), w)
+        else:
+            values32(kind, data, o + 1, np.uint32(0), d, np.float32(0), w)
     else:  # Q8_0, Q4_0, Q4_1
         at = o + 4 if kind == _Q4_1 else o + 2
         m = fp16_at(f16, data, o + 2) if kind == _Q4_1 else np.float32(0)

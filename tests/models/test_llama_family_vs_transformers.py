@@ -1,6 +1,7 @@
 """qwen2 and qwen3 GGUF files (written from transformers' own tiny random models the way llama.cpp's
-converter writes them, F32 and Q8_0) against transformers on the values the file holds: prefill,
-decode and greedy tokens in every weights mode; batched decode and checkpoints bit for bit."""
+converter writes them, F32, Q8_0 and MXFP4, gpt-oss's expert codec) against transformers on the values
+the file holds: prefill, decode and greedy tokens in every weights mode; batched decode and checkpoints
+bit for bit."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from hf_oracle import F32_REL_TOL, PROMPT, check_greedy, greedy, rel
 
 pytest.importorskip("transformers")
 
-@pytest.fixture(scope="module", params=[(c, t) for c in TINY for t in ("F32", "Q8_0")], ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=[(c, t) for c in TINY for t in ("F32", "Q8_0", "MXFP4")], ids=lambda p: f"{p[0]}-{p[1]}")
 def written(request, tmp_path_factory):
     """(GGUF path, transformers fp32 model holding the values the file holds)."""
     case, qtype = request.param

@@ -17,7 +17,7 @@ CHECK = """
 from pagelm.quant import GGMLType, matmul
 assert not matmul.AVX512, "numba compiled for AVX-512, not for Haswell"
 import test_batched_gemv, test_matmul
-for name in ("Q8_0", "Q4_K", "F16"):  # a 32-value block, a 256-value block, a float row with a tail
+for name in ("Q8_0", "Q4_K", "F16", "MXFP4"):  # 32- and 256-value blocks, a float row with a tail, MXFP4's codes
     test_batched_gemv.test_every_batch_size_gives_each_row_its_one_row_bits(GGMLType[name])
     test_matmul.test_matmul_multiplies_gguf_weights_exactly(GGMLType[name])
 print("checked")

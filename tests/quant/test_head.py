@@ -29,7 +29,12 @@ def random_table(t: GGMLType, rows: int, blocks: int, seed: int, specials: bool 
         return encode(rng.standard_normal((rows, blocks)).astype(np.float32), t)
     raw = rng.integers(0, 256, (rows, blocks * block_bytes), dtype=np.uint8)
     b = raw.reshape(-1, block_bytes)
-    for off in SCALE_FIELDS[t]:
+    if t == T.MXFP4:  # an E8M0 scale byte: 2^-10..2^2, specials the subnormal and the largest (Inf products)
+        b[:, 0] = rng.integers(118, 131, len(b))
+        if specials:
+            pick = rng.random(len(b)) < 0.5
+            b[pick, 0] = rng.choice(np.array([0, 1, 254, 255], np.uint8), pick.sum())
+    for off in SCALE_FIELDS.get(t, ()):
         field = b[:, off : off + 2].view(np.uint16)[:, 0]
         field[:] = rng.uniform(-0.1, 0.1, len(b)).astype(np.float16).view(np.uint16)
         if specials:
