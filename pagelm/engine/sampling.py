@@ -59,11 +59,19 @@ class Constraint(Protocol):
 
 
 class Sampler:
-    """Draws tokens for one generation; seeded, so the same seed repeats the same choices."""
+    """Draws tokens for one generation. The draw for the token at position p of a sequence is a
+    function of (seed, p) alone: the same seed repeats the same choices, and a token comes out the
+    same whether the ones before it were decoded one at a time or several were checked at once (as
+    speculative decoding checks drafts). Without a seed, one is drawn for the generation."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
-        self.rng = np.random.default_rng(params.seed)
+        seed = params.seed if params.seed is not None else np.random.SeedSequence().entropy
+        self.seed = seed % 2**64  # any integer a request gives, as numpy's seeds must be non-negative
+
+    def uniform(self, position: int) -> float:
+        """The draw in [0, 1) for the token at `position`."""
+        return float(np.random.default_rng((self.seed, position)).random())
 
     def penalize(self, logits: np.ndarray, seen: Counter) -> np.ndarray:
         p = self.params
@@ -79,7 +87,8 @@ class Sampler:
         logits[ids] = values
         return logits
 
-    def sample(self, logits: np.ndarray, seen: Counter | None = None) -> int:
+    def sample(self, logits: np.ndarray, position: int, seen: Counter | None = None) -> int:
+        """The token at `position` of its sequence, from the logits that predict it."""
         p = self.params
         logits = self.penalize(logits, seen or Counter())
         if p.temperature == 0 or p.top_k == 1:
@@ -97,7 +106,8 @@ class Sampler:
         if p.min_p > 0:
             keep = probs >= p.min_p * probs.max()
             ids, probs = ids[keep], probs[keep] / probs[keep].sum()
-        return int(ids[self.rng.choice(ids.size, p=probs)])
+        cdf = np.cumsum(probs)
+        return int(ids[min(int(np.searchsorted(cdf, self.uniform(position) * cdf[-1], side="right")), ids.size - 1)])
 
     def _candidates(self, scaled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and their scaled logits after top-k and top-p (best first when either cuts)."""

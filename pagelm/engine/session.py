@@ -184,7 +184,7 @@ class Chooser:
         if self.constraint is not None:
             # a copy: the session's logits stay the model's own (checkpoints keep them)
             logits = self.constraint.mask(logits.copy())
-        token = self.sampler.sample(logits, self.seen)
+        token = self.sampler.sample(logits, len(self.session.tokens), self.seen)
         if self.constraint is not None:
             self.constraint.accept(token)
         done = token in self.stops or len(self.session.tokens) >= self.session.max_len

@@ -109,7 +109,7 @@ def test_masked_tokens_are_never_sampled(smollm2_chat, params):
         texts = {tok.decode([i]) for i in allowed}
         assert {t[:1] for t in texts} == {"y", "n"} and all("yes".startswith(t) or "no".startswith(t) for t in texts)
         sampler = Sampler(replace(params, seed=seed))
-        token = sampler.sample(masked, Counter({favourite: 3, min(allowed): 1}))
+        token = sampler.sample(masked, 0, Counter({favourite: 3, min(allowed): 1}))
         assert token in allowed
         if params.temperature == 0:
             assert token == max(allowed, key=lambda i: logits[i])

@@ -11,7 +11,7 @@ from pagelm.engine.sampling import Sampler, SamplingParams
 
 def _draws(params, logits, n=4000, seen=None):
     sampler = Sampler(params)
-    return Counter(sampler.sample(logits, seen) for _ in range(n))
+    return Counter(sampler.sample(logits, position, seen) for position in range(n))
 
 
 LOGITS = np.log(np.array([0.5, 0.25, 0.15, 0.07, 0.03], np.float32))
@@ -19,8 +19,8 @@ LOGITS = np.log(np.array([0.5, 0.25, 0.15, 0.07, 0.03], np.float32))
 
 def test_greedy_is_argmax_and_ignores_seed():
     logits = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
-    assert Sampler(SamplingParams()).sample(logits) == int(np.argmax(logits))
-    assert Sampler(SamplingParams(temperature=0.7, top_k=1, seed=3)).sample(logits) == int(np.argmax(logits))
+    assert Sampler(SamplingParams()).sample(logits, 0) == int(np.argmax(logits))
+    assert Sampler(SamplingParams(temperature=0.7, top_k=1, seed=3)).sample(logits, 0) == int(np.argmax(logits))
 
 
 def test_temperature_one_follows_the_softmax():
@@ -47,9 +47,23 @@ def test_seed_repeats_and_differs():
 
     def run(seed):
         sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
-        return [sampler.sample(logits) for _ in range(30)]
+        return [sampler.sample(logits, position) for position in range(30)]
 
     assert run(7) == run(7) and run(7) != run(8)
+
+
+def test_a_draw_depends_on_the_seed_and_the_position_alone():
+    """What speculative decoding needs: the token at a position comes out the same whatever was
+    drawn before it, in whatever order the positions are asked."""
+    logits = np.random.default_rng(6).standard_normal(500).astype(np.float32)
+    params = SamplingParams(temperature=1.0, seed=11)
+    in_order = [Sampler(params).sample(logits, position) for position in range(40)]
+    shuffled = Sampler(params)
+    order = np.random.default_rng(0).permutation(40)
+    assert {int(p): shuffled.sample(logits, int(p)) for p in order} == dict(enumerate(in_order))
+    assert len(set(in_order)) > 10  # the positions draw differently
+    assert Sampler(SamplingParams(temperature=1.0, seed=-3)).uniform(5) == Sampler(
+        SamplingParams(temperature=1.0, seed=2**64 - 3)).uniform(5)  # any integer seed is taken modulo 2^64
 
 
 def test_penalties_follow_their_definitions():
@@ -59,7 +73,7 @@ def test_penalties_follow_their_definitions():
     assert np.allclose(rep, [1.0, -4.0, 1.0, 0.5])
     freq = Sampler(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)).penalize(logits, seen)
     assert np.allclose(freq, [2.0 - 0.5 - 0.75, -2.0 - 0.5 - 0.25, 1.0, 0.5])
-    assert Sampler(SamplingParams(repetition_penalty=4.0)).sample(logits, seen) == 2
+    assert Sampler(SamplingParams(repetition_penalty=4.0)).sample(logits, 0, seen) == 2
     assert np.array_equal(logits, [2.0, -2.0, 1.0, 0.5])  # the caller's logits are untouched
 
 
