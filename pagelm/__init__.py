@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+from pagelm.runtime import kernel_cache  # noqa: E402
+
+kernel_cache.configure(__version__)  # before anything imports numba
+
 
 def load(path: str, embedding: str = "mapped", weights: str = "mapped", dtype: str = "bfloat16",
          device: str = "cpu", threads: int | None = None, mmproj: str | None = None):

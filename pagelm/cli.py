@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pagelm.serve import cli as serve
     from pagelm.sources import cli as sources
     from pagelm.tools import cli as tools
+    from pagelm.tools import warm
 
     parser = argparse.ArgumentParser(
         prog="pagelm",
@@ -27,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"pagelm {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (tools, chat, serve, sources, measure, bench):
+    for command in (tools, chat, serve, sources, measure, bench, warm):
         command.register(commands)
     return parser
 
@@ -35,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "compiles_kernels", False):
+            from pagelm.quant.compile_progress import CompileProgress
+
+            with CompileProgress():
+                return args.run(args)
         return args.run(args)
     except PagelmError as e:
         print(f"pagelm: error: {e}", file=sys.stderr)

@@ -571,6 +571,7 @@ def register(commands) -> None:
                     "embedding modes and prefix cache settings), memory (dense vs mapped), pressure (page cache "
                     "evicted) and shared (two servers on one file); `all` runs them and regenerates the marked "
                     "block of docs/results.md. Tables go to stdout, progress to stderr. MODEL is " + model_help + ".")
+    bench.set_defaults(compiles_kernels=True)  # pagelm.cli reports kernels compiling in this process
     subcommands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     _add_scenarios(subcommands, model_help)
     _add_memory(subcommands)

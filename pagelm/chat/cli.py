@@ -55,6 +55,19 @@ def _open_chat(args: argparse.Namespace):
     return chat, conversation, params
 
 
+def _open_compiled(args: argparse.Namespace):
+    """_open_chat with a line on stderr while kernels compile; on a cold cache the first decode step's
+    are compiled here too, so that the line ends before the answer starts."""
+    from pagelm.engine.warm import run_first_step
+    from pagelm.quant.compile_progress import CompileProgress
+
+    with CompileProgress() as compiling:
+        opened = _open_chat(args)
+        if compiling.compiled:
+            run_first_step(opened[0].model)
+    return opened
+
+
 def _read_image(chat, path: str):
     with open(path, "rb") as fh:
         data = fh.read()
@@ -162,7 +175,7 @@ def _run(args: argparse.Namespace) -> int:
         args.model, args.prompt = None, args.model  # `pagelm run "Why is the sky blue?"`
     args.model = args.model or store.DEFAULT_MODEL
     schema = _read_schema(args.json_schema) if args.json_schema else None
-    chat, conversation, params = _open_chat(args)
+    chat, conversation, params = _open_compiled(args)
     images = [_read_image(chat, path) for path in args.image]
     grammar = None
     if args.format or args.json_schema:

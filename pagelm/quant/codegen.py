@@ -1,11 +1,16 @@
 """Code generation helpers the numba kernels share: the decorator of per-type kernels, function
-attributes, prefetch hints, stack buffers kept in registers, and the fp16 table. No kernel of its own."""
+attributes, prefetch hints, stack buffers kept in registers, and the fp16 table. No kernel of its own.
+Every kernel module imports it, so it is where reading numba's cache is made to survive damaged entries."""
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from pagelm.runtime import kernel_cache
+
+kernel_cache.tolerate_damaged_entries()
 
 
 def kernel_of(name: str, **options):

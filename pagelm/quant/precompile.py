@@ -30,8 +30,16 @@ def _the_rest() -> None:
     matmul.warmup(parts=("few-row", "dequantize"))
 
 
+def _reporting(job) -> None:
+    """`job` with its process's line on stderr while it compiles (none when all is cached)."""
+    from pagelm.quant.compile_progress import CompileProgress
+
+    with CompileProgress(live=False):
+        job()
+
+
 def precompile() -> None:
     """Compiles (or finds in numba's cache) every kernel, the two halves on two fresh processes at once."""
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for done in [pool.submit(job) for job in (_one_row, _the_rest)]:
+        for done in [pool.submit(_reporting, job) for job in (_one_row, _the_rest)]:
             done.result()

@@ -36,7 +36,9 @@ def create_app(settings: ServeSettings, on_load=None, server: Server | None = No
         if server.load_error is not None:
             return JSONResponse({"status": "error", "error": str(server.load_error)}, status_code=500)
         if not server.ready:
-            return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
+            compiling = server.compiling.status() if server.compiling is not None else None
+            detail = {"detail": compiling} if compiling else {}
+            return JSONResponse({"status": "loading", **detail}, status_code=503, headers={"Retry-After": "1"})
         return JSONResponse({"status": "ok", "model": server.chat.name})
 
     async def metrics(request: Request) -> Response:

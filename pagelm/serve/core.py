@@ -26,7 +26,9 @@ from pagelm.chat.tools import AnswerCallStream, PlainStream, Tool, ToolCallStrea
 from pagelm.errors import ImageError, PagelmError
 from pagelm.chat.grammar import Grammar, GrammarError
 from pagelm.engine.embed import Embedder
+from pagelm.engine.warm import run_first_step
 from pagelm.measure.memory import read_memory
+from pagelm.quant.compile_progress import CompileProgress
 from pagelm.weights.pooling import embedding_head
 from pagelm.engine.sampling import SamplingParams
 from pagelm.serve.prefix_cache import PrefixCache
@@ -98,17 +100,22 @@ class Server:
         self.cache = PrefixCache(settings.prefix_slots, settings.prefix_cache_mib << 20)
         self.load_error: Exception | None = None
         self.load_s = 0.0
+        self.compiling: CompileProgress | None = None  # while loading: what /health says is happening
         self.started = time.time()
         self.on_load = lambda error: None  # called from the loading thread: None on success
         self._grammars: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
 
     def load(self) -> None:
         start = time.perf_counter()
+        self.compiling = CompileProgress(live=False)  # a log: two lines, not one rewritten
         try:
             s = self.settings
-            chat = ChatModel.open(s.model_path, name=s.model_name, embedding=s.embedding, weights=s.weights,
-                                  dtype=s.dtype, threads=s.threads, mmproj=s.mmproj,
-                                  image_cache_mib=s.image_cache_mib, image_tokens=s.image_tokens)
+            with self.compiling:
+                chat = ChatModel.open(s.model_path, name=s.model_name, embedding=s.embedding, weights=s.weights,
+                                      dtype=s.dtype, threads=s.threads, mmproj=s.mmproj,
+                                      image_cache_mib=s.image_cache_mib, image_tokens=s.image_tokens)
+                if self.compiling.compiled and embedding_head(chat.model.loader) is None:
+                    run_first_step(chat.model)  # a cold cache: not inside the first request
             head = embedding_head(chat.model.loader)
             if head is not None:
                 self.embedder = Embedder(chat.model, head)

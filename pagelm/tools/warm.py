@@ -1,0 +1,57 @@
+"""`pagelm warm [MODEL]`: fills the kernel cache ahead of time (an image, a container, CI), so that
+the first `run` or `serve` loads its kernels instead of compiling them. Computes nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def warm_model(path: str, weights: str, mmproj: str | None) -> None:
+    """Compiles what `path`'s tensor types and architecture need: its load (the kernels of its block
+    types, tiles and head) and one short prefill and decode step (its layers' one-token kernels)."""
+    from pagelm.engine.load import load_model
+    from pagelm.engine.warm import run_first_step
+
+    run_first_step(load_model(path, weights=weights, mmproj=mmproj))
+
+
+def _warm(args: argparse.Namespace) -> int:
+    """Compile kernels into the per-user cache ahead of time, so that the first run or server of this
+    install loads them instead of compiling (for images and containers). Without MODEL: every kernel of
+    every block type; with MODEL: those its tensor types and architecture need (with --weights, its
+    weights mode's). The cache is $PAGELM_CACHE, else $XDG_CACHE_HOME/pagelm/kernels or
+    ~/.cache/pagelm/kernels, one directory per pagelm, numba, llvmlite and Python version (numba keys
+    each entry by the CPU too); NUMBA_CACHE_DIR, when set, is used instead. A kernel already cached
+    is not compiled again; a damaged entry is rebuilt."""
+    from pagelm.quant.compile_progress import CompileProgress
+
+    with CompileProgress():
+        _compile(args)
+    where = os.environ.get("NUMBA_CACHE_DIR", "the __pycache__ folders beside pagelm's sources")
+    print(f"pagelm warm: kernels cached in {where}", file=sys.stderr)
+    return 0
+
+
+def _compile(args: argparse.Namespace) -> None:
+    if args.model is None:
+        from pagelm.quant.precompile import precompile
+
+        precompile()
+    else:
+        from pagelm.sources.cli import locate
+
+        path, tower = locate(args.model)
+        warm_model(str(path), args.weights, tower)
+
+
+def register(commands) -> None:
+    warm = commands.add_parser("warm", help="compile kernels ahead of time into the per-user cache (images, containers)",
+                               description=_warm.__doc__)
+    warm.add_argument("model", nargs="?", metavar="MODEL",
+                      help="a known model name, a Hub model (hf.co/USER/REPO[:QUANT][@REVISION]), a .gguf file or a "
+                           "model directory; pulled if needed (default: every kernel, no model)")
+    warm.add_argument("--weights", choices=("mapped", "mapped-int8", "dense"), default="mapped",
+                      help="the weights mode whose kernels to compile (default mapped)")
+    warm.set_defaults(run=_warm)

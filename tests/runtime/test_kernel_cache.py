@@ -1,0 +1,64 @@
+"""The per-user kernel cache (pagelm.runtime.kernel_cache) and the line that says kernels compile
+(pagelm.quant.compile_progress), each run in a fresh process over a cache of the test's own: one
+kernel (Q8_0's one-row GEMV) compiled into an empty cache, loaded from a warm one, rebuilt from a damaged one."""
+
+import os
+import subprocess
+import sys
+
+from pagelm.runtime import kernel_cache
+
+ONE_KERNEL = """
+import numpy as np
+from pagelm.quant import GGMLType, encode, matmul
+from pagelm.quant.compile_progress import CompileProgress
+
+w = encode(np.random.default_rng(0).standard_normal((1, 64), dtype=np.float32), GGMLType.Q8_0).reshape(-1)
+x, out = np.ones((1, 64), np.float32), np.empty((1, 1), np.float32)
+with CompileProgress():
+    matmul.rows_matmul(w, GGMLType.Q8_0, np.zeros(1, np.int64), 64, x, out)
+print(out.tobytes().hex())
+"""
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    environ.update(env)
+    done = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_the_cache_lives_under_pagelm_cache_else_the_users_cache_directory(monkeypatch, tmp_path):
+    monkeypatch.delenv("PAGELM_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert kernel_cache.root() == tmp_path / "pagelm" / "kernels"
+    monkeypatch.setenv("PAGELM_CACHE", str(tmp_path / "elsewhere"))
+    name = kernel_cache.directory("1.2.3").name
+    assert kernel_cache.directory("1.2.3").parent == tmp_path / "elsewhere"
+    assert name.startswith("pagelm-1.2.3-numba-") and "-llvmlite-" in name and "unknown" not in name
+
+
+def test_importing_pagelm_points_numba_at_the_cache_unless_the_user_did(tmp_path):
+    code = "import os, pagelm; print(os.environ['NUMBA_CACHE_DIR'])"
+    assert _run(code, PAGELM_CACHE=str(tmp_path)).stdout.strip().startswith(str(tmp_path / "pagelm-"))
+    assert _run(code, PAGELM_CACHE=str(tmp_path), NUMBA_CACHE_DIR="/mine").stdout.strip() == "/mine"
+
+
+def test_a_cold_cache_says_it_compiles_a_warm_one_says_nothing_a_damaged_one_is_rebuilt(tmp_path):
+    cold = _run(ONE_KERNEL, PAGELM_CACHE=str(tmp_path))
+    assert "compiling kernels for Q8_0 (first run only) …" in cold.stderr
+    assert "compiled 1 kernels for Q8_0 in" in cold.stderr
+    warm = _run(ONE_KERNEL, PAGELM_CACHE=str(tmp_path))
+    assert warm.stderr == "" and warm.stdout == cold.stdout
+
+    files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs]
+    assert any(f.endswith(".nbc") for f in files) and any(f.endswith(".nbi") for f in files)
+    for suffix, damage in ((".nbc", b"not a pickle"), (".nbi", b"\x80\x05garbage")):
+        for f in files:
+            if f.endswith(suffix):
+                with open(f, "wb") as out:
+                    out.write(damage)
+        rebuilt = _run(ONE_KERNEL, PAGELM_CACHE=str(tmp_path))
+        assert "compiled 1 kernels for Q8_0" in rebuilt.stderr and rebuilt.stdout == cold.stdout
+    assert _run(ONE_KERNEL, PAGELM_CACHE=str(tmp_path)).stderr == ""
