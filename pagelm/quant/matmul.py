@@ -568,6 +568,16 @@ def _put_q4(kind, out, r, at, data, o, f16):
 
 
 @njit(inline="always")
+def _put_mxfp4(kind, out, r, at, data, o, f16, w):
+    """out[r, at : at + 32] = the MXFP4 block at byte o, unpacked as the GEMV unpacks it (_unpack,
+    into w: 32 float32 on the stack): the same values as _lane's, in vector ops."""
+    _unpack(kind, data, o, f16, w, w, w)
+    values = carray(w, 32)
+    for j in range(32):
+        _put(kind, out, r, np.uint64(at + j), values[j])
+
+
+@njit(inline="always")
 def _put_q5(kind, out, r, at, data, o, f16):
     """out[r, at : at + 32] = the Q5_0/Q5_1 block at byte o, unpacked as one byte vector
     (_q5_block): 1.6-1.7x the rate of _lane's per-value fifth bits, the same values."""
@@ -605,11 +615,15 @@ def _dequant_kernel(kind: int, vb: int, bb: int):
             keep_loops()
             r0, r1 = chunk_bounds(c, nch, rows)
             ahead = ahead_rows(kind, rnb)
+            w = stack_f32(32)
             for r in range(r0, r1):
                 row, hint = offs[r], _row_ahead(offs, 0, rows, r, ahead)
                 for b in range(nblk):
                     o = row + b * bb
                     hint_block(data, hint, b, bb)
+                    if kind == _MXFP4:
+                        _put_mxfp4(kind, out, r, b * 32, data, o, f16, w)
+                        continue
                     if kind == _Q4_0 or kind == _Q4_1:
                         _put_q4(kind, out, r, b * 32, data, o, f16)
                         continue

@@ -20,6 +20,7 @@ import test_batched_gemv, test_matmul
 for name in ("Q8_0", "Q4_K", "F16", "MXFP4"):  # 32- and 256-value blocks, a float row with a tail, MXFP4's codes
     test_batched_gemv.test_every_batch_size_gives_each_row_its_one_row_bits(GGMLType[name])
     test_matmul.test_matmul_multiplies_gguf_weights_exactly(GGMLType[name])
+test_matmul.test_dequantize_is_bit_identical_to_gguf_and_decode(GGMLType.MXFP4)  # unpacked as its GEMV does
 print("checked")
 """
 
