@@ -55,8 +55,7 @@ def run_pagelm(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: int
     return _figures(ttft, time.perf_counter() - start, tokens)
 
 
-def run_llama_cpp(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: int, weights: str) -> dict:
-    """(`weights` is pagelm's; llama.cpp maps the file as it does by default.)"""
+def run_llama_cpp(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: int) -> dict:
     from llama_cpp import llama_cpp as c
 
     model = load_llama_cpp_model(path)
@@ -156,5 +155,8 @@ def run_peer(name: str, path: str, n_prompt: int, n_tokens: int, n_ctx: int, run
 
 if __name__ == "__main__":  # one runtime's turn, in the process run_peer started
     runtime, model_file, weights_mode, *numbers = sys.argv[1:]
-    run = run_pagelm if runtime == "pagelm" else run_llama_cpp
-    print(json.dumps(run(model_file, *map(int, numbers), weights_mode)))
+    if runtime == "pagelm":
+        figures = run_pagelm(model_file, *map(int, numbers), weights_mode)
+    else:
+        figures = run_llama_cpp(model_file, *map(int, numbers))
+    print(json.dumps(figures))

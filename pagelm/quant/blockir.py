@@ -10,6 +10,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from pagelm.quant.codecs import MXFP4_VALUES
+
 I8, I32 = ir.IntType(8), ir.IntType(32)
 V32I8 = ir.VectorType(I8, 32)
 _V8I8 = ir.VectorType(I8, 8)
@@ -349,8 +351,6 @@ def acc_store(typingctx, acc, rows, vectors, out, i0, n, col):
 
 # GGML type numbers of the 32-value layouts values32 unpacks (as pagelm.quant.types.GGMLType).
 _F32_T, _F16_T, _Q4_0_T, _Q4_1_T, _Q5_0_T, _Q5_1_T, _Q8_0_T, _BF16_T, _MXFP4_T = 0, 1, 2, 3, 6, 7, 8, 30, 39
-# MXFP4's codes, twice their E2M1 values (codecs.MXFP4_VALUES)
-_MXFP4_CODES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 _V32F = ir.VectorType(_F32, 32)
 
 
@@ -431,7 +431,7 @@ def q4_floats(typingctx, kind, data, at, d, m, w):
         if t == _Q4_0_T:
             table = builder.fmul(_iota16(-8), splat_f32(builder, d))
         elif t == _MXFP4_T:
-            table = builder.fmul(ir.Constant(_V16F, [float(c) for c in _MXFP4_CODES]), splat_f32(builder, d))
+            table = builder.fmul(ir.Constant(_V16F, [float(c) for c in MXFP4_VALUES]), splat_f32(builder, d))
         else:
             table = builder.call(fma16(builder), [_iota16(), splat_f32(builder, d), splat_f32(builder, m)])
         index, pick = builder.zext(bytes_at(context, builder, arrty, data, at, 16), v16i), _permvar16(builder)

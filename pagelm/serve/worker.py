@@ -261,9 +261,9 @@ class Worker:
         busy = sum(s is not None for s in slots)
         # working: 1 until the engine has also kept the last answers and trimmed the heap (what
         # memory readings of an idle server wait for)
+        per_slot = [0 if s is None else s.nbytes for s in self._sessions]  # resident pages: asked once each
         return {"total": self.parallel, "busy": busy, "idle": self.parallel - busy, "working": int(self._working),
-                "state_bytes": sum(s.nbytes for s in self._sessions if s is not None),
-                "per_slot_state_bytes": [0 if s is None else s.nbytes for s in self._sessions]}
+                "state_bytes": sum(per_slot), "per_slot_state_bytes": per_slot}
 
     @property
     def alive(self) -> bool:
