@@ -61,6 +61,18 @@ def qwen3_tiny_gguf(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def lfm2_tiny_gguf(tmp_path_factory) -> str:
+    """A tiny random transformers LFM2 (token ids up to 4095) as a Q8_0 GGUF (lfm2_hf)."""
+    pytest.importorskip("transformers")
+    from lfm2_hf import build_hf_model, hf_to_gguf
+    from pagelm.quant.types import GGMLType
+
+    path = str(tmp_path_factory.mktemp("lfm2") / "lfm2-tiny-q8_0.gguf")
+    hf_to_gguf(build_hf_model(vocab=4096), path, GGMLType.Q8_0)
+    return path
+
+
+@pytest.fixture(scope="session")
 def qwen35_chat_gguf(tmp_path_factory) -> str:
     """A synthetic Qwen3.5 with tiny layers and the real vocabulary, tokenizer and chat template."""
     from pagelm.tools.synth import SHAPES, write_model

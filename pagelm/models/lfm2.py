@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Generator
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -29,7 +30,8 @@ from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.models.decoder import Decoder, Span, advance, nbytes, per_sequence
 from pagelm.models.layers import (KVCheckpoint, KVState, apply_rope_, attend_spans, attention, causal_conv1d,
                                   check_config, gated_mlp, inv_freq, rms_norm, rope_tables)
-from pagelm.models.token_ops import RopeRows, TokenStep, token_ropes
+from pagelm.models.token_layers import K_NORM, TokenLayers
+from pagelm.models.token_ops import RopeRows, TokenStep, conv_tokens, token_ropes
 from pagelm.weights.hf import HFConfig, HFLayout, decoder_hf_config, hf_rope, rope_scaling, tensor_maps
 from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
@@ -251,6 +253,7 @@ class Lfm2Model(Decoder):
         self.output_norm = model.tensor("token_embd_norm.weight", (config.hidden,))
         self.inv_freq = inv_freq(config.rope_base, config.head_dim, self.device)
         self.token_rope = RopeRows(lambda pos: rope_tables(self.inv_freq, pos, 1))
+        self._compiled: TokenLayers | bool | None = None  # the one-token layers as compiled calls; False: not taken
 
     def new_state(self, max_len: int) -> Lfm2State:
         return Lfm2State(self.config, max_len, self.dtype, self.device)
@@ -314,9 +317,21 @@ class Lfm2Model(Decoder):
 
     def _token_layers(self, step: TokenStep, spans: list[Span], alone: bool) -> Generator:
         """_layers for one token of each span's sequence, in numpy between the kernels, without ~15
-        torch dispatches a layer (a third of the time outside the products of a 1.2B step)."""
+        torch dispatches a layer (a third of the time outside the products of a 1.2B step); or as
+        compiled calls (token_layers.TokenLayers), where every product is GGML rows read in place."""
         c, h = self.config, step.h
         H, G, D, n = c.n_heads, c.n_kv_heads, c.head_dim, h.shape[0]
+        if self._compiled is None:
+            self._compiled = TokenLayers.of([_token_layer(w) for w in self.layers], K_NORM + 1, slots=[
+                slot if isinstance(w.mixer, AttentionWeights) else -1 - slot
+                for w, slot in zip(self.layers, self.slots)]) or False
+        # each conv layer's window of each sequence, by address (float32, C-contiguous, never reallocated)
+        windows = np.array([[s.state.conv[j].data_ptr() for s in spans] for j in range(len(spans[0].state.conv))],
+                           np.int64)
+        if self._compiled:
+            h = yield from self._compiled.run(step, H, G, D, c.rms_eps, F.silu, conv_at=windows)
+            advance(spans)
+            return torch.from_numpy(step.norm(h, self.output_norm, c.rms_eps))
         for w, slot in zip(self.layers, self.slots):
             y = step.norm(h, w.attn_norm, c.rms_eps, "norm")
             m = w.mixer
@@ -328,25 +343,28 @@ class Lfm2Model(Decoder):
                 v = np.ascontiguousarray(proj[:, (H + G) * D :]).reshape(n, G, D)
                 h += step.product(m.out, step.attend(q.reshape(n, H, D), k.reshape(n, G, D), v, slot), alone)
             else:
-                h += step.product(m.out, self._conv_token(m, step.product(m.in_proj, y, alone), slot, spans), alone)
+                h += step.product(m.out, self._conv_token(m, step.product(m.in_proj, y, alone), slot, windows), alone)
             h += step.gated(w.gate_up, w.down, step.norm(h, w.ffn_norm, c.rms_eps, "norm"), F.silu, alone)
             yield
         advance(spans)
         return torch.from_numpy(step.norm(h, self.output_norm, c.rms_eps))
 
-    def _conv_token(self, w: ConvWeights, proj: np.ndarray, slot: int, spans: list[Span]) -> np.ndarray:
-        """C · conv(B · x) of one token of each span's sequence (proj: in_proj's rows B, C, x), each
-        sequence's conv window advanced in place."""
-        n, taps = self.config.hidden, w.taps.numpy()
-        bx = proj[:, :n] * proj[:, 2 * n :]
-        out = bx * taps[-1]
-        for i, s in enumerate(spans):
-            window = s.state.conv[slot].numpy()
-            for j in range(len(window)):
-                out[i] += window[j] * taps[j]
-            window[:-1] = window[1:]
-            window[-1] = bx[i]
-        return proj[:, n : 2 * n] * out
+    def _conv_token(self, w: ConvWeights, proj: np.ndarray, slot: int, windows: np.ndarray) -> np.ndarray:
+        """C · conv(B · x) of one token of each sequence (proj: in_proj's rows B, C, x), each sequence's conv
+        window (address windows[slot, s]) advanced in place."""
+        out = np.empty((proj.shape[0], self.config.hidden), np.float32)
+        conv_tokens(w.taps.numpy(), windows[slot], proj, out)
+        return out
+
+
+def _token_layer(w: Lfm2Layer) -> SimpleNamespace:
+    """A layer as TokenLayers takes it: a conv layer's in_proj as its `qkv`, its attention norm in place
+    of the q/k norms it lacks (unused)."""
+    m = w.mixer
+    conv = isinstance(m, ConvWeights)
+    return SimpleNamespace(qkv=m.in_proj if conv else m.qkv, out=m.out, gate_up=w.gate_up, down=w.down,
+                           attn_norm=w.attn_norm, ffn_norm=w.ffn_norm, q_norm=w.attn_norm if conv else m.q_norm,
+                           k_norm=w.attn_norm if conv else m.k_norm, taps=m.taps if conv else None)
 
 
 HF_GLOBALS = {"token_embd_norm.weight": "embedding_norm.weight"}

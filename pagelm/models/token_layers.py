@@ -1,4 +1,4 @@
-"""A layer's one-token step as one compiled call, from its attention norm to its FFN's activation (llama, Gemma 3).
+"""A layer's one-token step as one compiled call, from its attention norm to its FFN's activation (llama, Gemma 3, LFM2).
 
 TokenStep's numpy step still runs ~40 Python operations a layer around the kernels (SmolLM2: ~30 µs a
 layer with the caches warm, about twice that in a real step, after the products have streamed the
@@ -8,7 +8,8 @@ first-class functions): the very compiled code the numpy step calls, not compile
 caller, so the same bits. The FFN's activation stays torch's (its bits): the one return to Python a
 layer. Taken where every product is a MappedLinear of GGML rows without int8 activations.
 Gemma 3's layers add q/k norms, a norm of each sublayer's output, and a rope table and a window per
-layer kind (global, sliding); qwen2's a bias of q/k/v, qwen3's q/k norms.
+layer kind (global, sliding); qwen2's a bias of q/k/v, qwen3's q/k norms; LFM2 conv layers between
+its attention layers.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 from numba import from_dtype, njit, typed, typeof, types
 
 from pagelm.models.norms import rms_rows
-from pagelm.models.token_ops import TokenStep, attend_heads, rope_heads, gated_rows
+from pagelm.models.token_ops import TokenStep, attend_heads, conv_tokens, gated_rows, rope_heads
 from pagelm.quant.codegen import F16_TO_F32
 from pagelm.quant.matmul import gemv_kernels, readonly
 from pagelm.runtime.threads import kernel_threads
@@ -117,42 +118,55 @@ def last_down(gemv, datas, offsets, parts, f16, threads, span, act, r, h, norm, 
     _down(gemv, datas, offsets, parts, f16, threads, span, act, r, h, norm, norms, post, eps, y)
 
 
+_NO_CONV = np.zeros((0, 0), np.int64)  # conv windows' addresses of a model without conv layers
+
+
 @njit(cache=True)
 def to_activation(i, gemv, datas, offsets, parts, products, f16, threads, norm, norms, biases, eps, rope, cos, sin,
-                   kinds, attend, k_at, v_at, like, lens, pos, los, scale, h, y, proj, q, k, v, qn, kn, o, r, gu, act):
+                  kinds, slots, taps, conv_at, attend, k_at, v_at, like, lens, pos, los, scale, h, y, proj, q, k, v,
+                  qn, kn, o, conv_proj, conv_out, r, gu, act):
     """Layer i up to its FFN's activation: the previous layer's down product of `act` added to h (i > 0),
-    the attention norm, q/k/v (plus biases[i], empty where the layer has none; normed per head where
-    layers have q/k norms), rope, attention, the output
-    product added to h (normed where layers norm it), the FFN norm, gate/up into gu. kinds[i] picks the
-    layer's rope table (cos[kinds[i]], sin[...]) and first keys (los[kinds[i]])."""
+    the attention norm, the mixer, its output product added to h (normed where layers norm it), the FFN
+    norm, gate/up into gu. The mixer: attention (slots[i] >= 0, the layer's KV caches): q/k/v (plus
+    biases[i], empty where the layer has none; normed per head where layers have q/k norms), rope,
+    attention; or LFM2's short convolution (slots[i] < 0: its conv windows conv_at[-1 - slots[i]], taps
+    taps[i]) over in_proj's rows (conv_proj), into conv_out. kinds[i] picks the layer's rope table (cos[kinds[i]],
+    sin[...]) and first keys (los[kinds[i]])."""
     per = len(norms) // products.shape[0]
     if i > 0:
         _down(gemv, datas, offsets, parts, f16, threads, products[i - 1, DOWN], act, r, h, norm, norms,
               _slot(per, i - 1, POST_FFN_NORM), eps, y)
     norm[0](h, norms[per * i + ATTN_NORM], eps, y)
-    _product(gemv, datas, offsets, parts, f16, threads, products[i, QKV], y, proj)
-    bias = biases[i]
-    for s in range(proj.shape[0]):
-        for c in range(bias.shape[0]):
-            proj[s, c] += bias[c]
     n, H, D = q.shape
-    G = k.shape[1]
-    for s in range(n):
-        for c in range(H * D):
-            q[s, c // D, c % D] = proj[s, c]
-        for c in range(G * D):
-            k[s, c // D, c % D] = proj[s, H * D + c]
-            v[s, c // D, c % D] = proj[s, (H + G) * D + c]
-    if per > K_NORM:
-        norm[0](q.reshape((n * H, D)), norms[per * i + Q_NORM], eps, qn.reshape((n * H, D)))
-        norm[0](k.reshape((n * G, D)), norms[per * i + K_NORM], eps, kn.reshape((n * G, D)))
+    slot = slots[i]
+    if slot < 0:
+        _product(gemv, datas, offsets, parts, f16, threads, products[i, QKV], y, conv_proj)
+        conv_tokens(taps[i], conv_at[-1 - slot], conv_proj, conv_out)
+        out = conv_out
     else:
-        qn, kn = q, k
-    t = kinds[i]
-    rope[0](qn, cos[t], sin[t])
-    rope[0](kn, cos[t], sin[t])
-    attend[0](qn, kn, v, k_at[i], v_at[i], like, lens, pos, los[t], scale, o)
-    _product(gemv, datas, offsets, parts, f16, threads, products[i, OUT], o, r)
+        _product(gemv, datas, offsets, parts, f16, threads, products[i, QKV], y, proj)
+        bias = biases[i]
+        for s in range(proj.shape[0]):
+            for c in range(bias.shape[0]):
+                proj[s, c] += bias[c]
+        G = k.shape[1]
+        for s in range(n):
+            for c in range(H * D):
+                q[s, c // D, c % D] = proj[s, c]
+            for c in range(G * D):
+                k[s, c // D, c % D] = proj[s, H * D + c]
+                v[s, c // D, c % D] = proj[s, (H + G) * D + c]
+        if per > K_NORM:
+            norm[0](q.reshape((n * H, D)), norms[per * i + Q_NORM], eps, qn.reshape((n * H, D)))
+            norm[0](k.reshape((n * G, D)), norms[per * i + K_NORM], eps, kn.reshape((n * G, D)))
+        else:
+            qn, kn = q, k
+        t = kinds[i]
+        rope[0](qn, cos[t], sin[t])
+        rope[0](kn, cos[t], sin[t])
+        attend[0](qn, kn, v, k_at[slot], v_at[slot], like, lens, pos, los[t], scale, o)
+        out = o
+    _product(gemv, datas, offsets, parts, f16, threads, products[i, OUT], out, r)
     _residual(norm, norms, _slot(per, i, POST_ATTN_NORM), eps, r, y, h)
     norm[0](h, norms[per * i + FFN_NORM], eps, y)
     _product(gemv, datas, offsets, parts, f16, threads, products[i, GATE_UP], y, gu)
@@ -161,9 +175,12 @@ def to_activation(i, gemv, datas, offsets, parts, products, f16, threads, norm, 
 class TokenLayers:
     """A model's layers as TokenLayers.run takes them: every kernel and every part of every product
     (RowGroup: a GGML type's kernels, its data, offsets, rows), each layer's norms (the first `per` of
-    NORMS), q/k/v bias (`qkv_bias`, where a layer has one) and kind (the index of its rope table and attention window in the step's), built once per model."""
+    NORMS), q/k/v bias (`qkv_bias`, where a layer has one), kind (the index of its rope table and
+    attention window in the step's) and state slot (its KV caches' index; for LFM2's conv layers, which
+    have `taps`, -1 - the index of its conv windows), built once per model. A conv layer's `qkv` is its
+    in_proj, and its q/k norms (where `per` has them) are unused."""
 
-    def __init__(self, layers: list, per: int, kinds: list[int]):
+    def __init__(self, layers: list, per: int, kinds: list[int], slots: list[int]):
         kernels, datas, offsets, parts, products = {}, {}, [], [], []
         for w in layers:
             spans = []
@@ -188,19 +205,23 @@ class TokenLayers:
         no_bias = np.zeros(0, np.float32)
         self.biases = _arrays([no_bias if getattr(w, "qkv_bias", None) is None else w.qkv_bias.numpy()
                                for w in layers])
-        self.per, self.kinds = per, np.array(kinds, np.int64)
+        no_taps = np.zeros((0, 0), np.float32)
+        self.taps = _arrays([no_taps if getattr(w, "taps", None) is None else w.taps.numpy() for w in layers])
+        self.per, self.kinds, self.slots = per, np.array(kinds, np.int64), np.array(slots, np.int64)
         self.norm, self.rope = _functions(_NORM, rms_rows), _functions(_ROPE, rope_heads)
         self._attend = {}
 
     @classmethod
-    def of(cls, layers: list, per: int = 2, kinds: list[int] | None = None) -> TokenLayers | None:
-        """The layers' calls (kinds: default all 0), or None where a product is not GGML rows read in place
-        without int8."""
+    def of(cls, layers: list, per: int = 2, kinds: list[int] | None = None,
+           slots: list[int] | None = None) -> TokenLayers | None:
+        """The layers' calls (kinds: default all 0; slots: default each layer's index), or None where a
+        product is not GGML rows read in place without int8."""
         linears = [linear for w in layers for linear in (w.qkv, w.out, w.gate_up, w.down)]
         if not all(isinstance(m, MappedLinear) and all(type(p) is RowGroup and not p.takes_int8 for p in m.parts)
                    for m in linears):
             return None
-        return cls(layers, per, [0] * len(layers) if kinds is None else kinds)
+        return cls(layers, per, [0] * len(layers) if kinds is None else kinds,
+                   list(range(len(layers))) if slots is None else slots)
 
     def _attend_function(self, like: np.ndarray) -> typed.List:
         fn = self._attend.get(like.dtype)
@@ -211,10 +232,12 @@ class TokenLayers:
             fn = self._attend[like.dtype] = _functions(kind, attend_heads)
         return fn
 
-    def run(self, step: TokenStep, H: int, G: int, D: int, eps: float, activation, windows: tuple = (None,)):
+    def run(self, step: TokenStep, H: int, G: int, D: int, eps: float, activation, windows: tuple = (None,),
+            conv_at: np.ndarray = _NO_CONV):
         """The step's layers: a generator yielding after each layer's activation (as _layers does) whose
         result is h after the last layer (step.h, in place). windows[k], step.ropes[k]: kind k's window
-        and rope table."""
+        and rope table; conv_at[j, s]: the address of sequence s's window of conv layer j (float32,
+        C-contiguous)."""
         h = step.h
         n = h.shape[0]
         first = step.rows[windows[0]]
@@ -226,6 +249,8 @@ class TokenLayers:
         qn, kn = (buffer(name, (n, heads, D)) for name, heads in (("q normed", H), ("k normed", G))) \
             if self.per > K_NORM else (q, k)  # q/k normed per head, where the layers have those norms
         o, r = buffer("attention", (n, H * D)), buffer("residual", h.shape)
+        conv_proj, conv_out = (buffer("conv in", (n, 3 * h.shape[1])), buffer("conv out", h.shape)) if len(conv_at) \
+            else (y, y)  # no conv layer
         attend, threads = self._attend_function(first.like), kernel_threads()
         gate_up = self.parts[self.products[0, GATE_UP, 1] - 1]
         gu = buffer("gate_up", (n, gate_up[4] + gate_up[3]))
@@ -233,11 +258,11 @@ class TokenLayers:
         L = self.products.shape[0]
         for i in range(L):
             to_activation(i, self.gemv, self.datas, self.offsets, self.parts, self.products, F16_TO_F32, threads,
-                           self.norm, self.norms, self.biases, eps, self.rope, cos, sin, self.kinds, attend, first.k_at,
-                           first.v_at, first.like, first.lens, first.positions, los, first.scale, h, y, proj, q, k, v,
-                           qn, kn, o, r, gu, act)
+                          self.norm, self.norms, self.biases, eps, self.rope, cos, sin, self.kinds, self.slots,
+                          self.taps, conv_at, attend, first.k_at, first.v_at, first.like, first.lens, first.positions,
+                          los, first.scale, h, y, proj, q, k, v, qn, kn, o, conv_proj, conv_out, r, gu, act)
             gated_rows(gu, activation, act)
             yield
         last_down(self.gemv, self.datas, self.offsets, self.parts, F16_TO_F32, threads, self.products[-1, DOWN], act,
-                   r, h, self.norm, self.norms, _slot(self.per, L - 1, POST_FFN_NORM), eps, y)
+                  r, h, self.norm, self.norms, _slot(self.per, L - 1, POST_FFN_NORM), eps, y)
         return h

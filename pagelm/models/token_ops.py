@@ -22,6 +22,7 @@ from numba import carray, njit, prange, types
 from numba.extending import intrinsic, overload
 
 from pagelm.models.norms import MAX_ROWS, norm_rows  # MAX_ROWS: rows (tokens × heads) of one decode step take the kernels
+from pagelm.quant.codegen import fma
 from pagelm.quant.matmul import bf16_bits, u32_as_f32
 from pagelm.weights.linear import as_float32
 
@@ -298,6 +299,31 @@ def attend_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, views: Cache
                  pos: int, scale: float, lo: int = 0) -> torch.Tensor | None:
     """attend_tokens for one sequence: q (1, H, D), k and v (1, G, D); returns (1, H·D) or None."""
     return attend_tokens(q, k, v, [views], [pos], scale, [lo])
+
+
+# --- LFM2's short convolution ---------------------------------------------------------
+
+_WINDOW = np.zeros(1, np.float32)  # the conv windows' dtype, for `pointer`
+
+
+@njit(cache=True)
+def conv_tokens(taps, window_at, proj, out):
+    """LFM2's short convolution of one token of each sequence s: out[s] = C · conv(B · x) from in_proj's rows
+    proj[s] = [B | C | x], over the window of its last K - 1 values of B · x (float32 (K - 1, hidden) at address
+    window_at[s], oldest first), advanced in place; taps (K, hidden). layers.causal_conv1d's operations: its
+    addcmul_ one fused multiply-add (torch's CPU kernel rounds once)."""
+    K, hidden = taps.shape
+    for s in range(out.shape[0]):
+        window = carray(pointer(window_at[s], _WINDOW), (K - 1, hidden))
+        for c in range(hidden):
+            bx = proj[s, c] * proj[s, 2 * hidden + c]
+            o = bx * taps[K - 1, c]
+            for j in range(K - 1):
+                o = fma(window[j, c], taps[j, c], o)
+            for j in range(K - 2):
+                window[j, c] = window[j + 1, c]
+            window[K - 2, c] = bx
+            out[s, c] = proj[s, hidden + c] * o
 
 
 def window_los(positions: list[int], window: int | None) -> list[int]:

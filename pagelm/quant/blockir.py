@@ -77,31 +77,37 @@ def _lanes8(values):
     return ir.Constant(_V8I8, [values[0]] * 4 + [values[1]] * 4)
 
 
-@intrinsic
-def k4_scales(typingctx, data, at, d, dmin, buf):
-    """buf[g] = d · scale g and buf[8 + g] = dmin · min g for the 8 groups of a Q4_K/Q5_K block whose
-    12 packed 6-bit scale bytes start at data[at]: the values of matmul.scale_min_k4 for every group
-    at once, in a few byte-vector ops instead of ~12 scalar ones a group.
+def k4_codes(context, builder, arrty, data, at):
+    """(scales, mins): the 6-bit scale and min of each of the 8 groups of a Q4_K/Q5_K block whose 12
+    packed scale bytes start at data[at], as two <8 x i8> vectors (matmul.scale_min_k4 of every group).
 
     Groups 0-3: scale = S[g] & 63, min = S[g + 4] & 63; groups 4-7: scale = S[g + 4] & 15 | (S[g - 4] >> 6) << 4,
     min = S[g + 4] >> 4 | (S[g] >> 6) << 4.
     """
+    s = bytes_at(context, builder, arrty, data, at, 12)
+
+    def pick(first, second):
+        return builder.shuffle_vector(s, s, ir.Constant(ir.VectorType(I32, 8), first + second))
+
+    def tops(v):  # (v >> 6) << 4 in groups 4-7, 0 in groups 0-3
+        return builder.and_(builder.shl(builder.lshr(v, _lanes8((6, 6))), _lanes8((4, 4))), _lanes8((0, 48)))
+
+    low = pick([0, 1, 2, 3], [8, 9, 10, 11])  # S[g], then S[g + 4]
+    scale = builder.or_(builder.and_(low, _lanes8((63, 15))), tops(pick([0, 1, 2, 3], [0, 1, 2, 3])))
+    high = pick([4, 5, 6, 7], [8, 9, 10, 11])  # S[g + 4]
+    first = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1] * 4 + [0] * 4)
+    mins = builder.select(first, builder.and_(high, _lanes8((63, 63))), builder.lshr(high, _lanes8((4, 4))))
+    return scale, builder.or_(mins, tops(pick([4, 5, 6, 7], [4, 5, 6, 7])))
+
+
+@intrinsic
+def k4_scales(typingctx, data, at, d, dmin, buf):
+    """buf[g] = d · scale g and buf[8 + g] = dmin · min g for the 8 groups of a Q4_K/Q5_K block whose
+    12 packed 6-bit scale bytes start at data[at]: the values of matmul.scale_min_k4 for every group
+    at once (k4_codes), in a few byte-vector ops instead of ~12 scalar ones a group."""
 
     def codegen(context, builder, signature, args):
-        s = bytes_at(context, builder, signature.args[0], args[0], args[1], 12)
-
-        def pick(first, second):
-            return builder.shuffle_vector(s, s, ir.Constant(ir.VectorType(I32, 8), first + second))
-
-        def tops(v):  # (v >> 6) << 4 in groups 4-7, 0 in groups 0-3
-            return builder.and_(builder.shl(builder.lshr(v, _lanes8((6, 6))), _lanes8((4, 4))), _lanes8((0, 48)))
-
-        low = pick([0, 1, 2, 3], [8, 9, 10, 11])  # S[g], then S[g + 4]
-        scale = builder.or_(builder.and_(low, _lanes8((63, 15))), tops(pick([0, 1, 2, 3], [0, 1, 2, 3])))
-        high = pick([4, 5, 6, 7], [8, 9, 10, 11])  # S[g + 4]
-        first = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1] * 4 + [0] * 4)
-        mins = builder.select(first, builder.and_(high, _lanes8((63, 63))), builder.lshr(high, _lanes8((4, 4))))
-        mins = builder.or_(mins, tops(pick([4, 5, 6, 7], [4, 5, 6, 7])))
+        scale, mins = k4_codes(context, builder, signature.args[0], args[0], args[1])
         v8f = ir.VectorType(ir.FloatType(), 8)
         out = builder.bitcast(args[4], v8f.as_pointer())
         for i, (codes, factor) in enumerate(((scale, args[2]), (mins, args[3]))):

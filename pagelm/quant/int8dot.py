@@ -1,12 +1,15 @@
 """The opt-in int8-activation GEMV (weights "mapped-int8"): llama.cpp's scheme, not fp32-exact.
 
-One activation row is quantized once per operator call to int8 in groups of 32 values (a float32
-scale each, round to nearest), and every 32 weights of a block are multiplied by their 32 int8
-activations in integer arithmetic (AVX2 `vpmaddubsw` of unsigned weight values by signed
-activations, then `vpmaddwd`), the block's scales applied to the eight int32 lanes in float.
-Weights whose values are stored with an offset (Q4_0's q - 8, Q6_K's q - 32) or a minimum
-(Q4_1, Q5_1, the K-quants) take it through the sums of the quantized activations (per 32 values;
-per 16 under Q6_K's scales). Layers' rows are addressed by offset, an output head's by stride.
+One activation row is quantized once per operator call to int8, round to nearest: in groups of 32
+values (a float32 scale each) for the 32-value types, and of 256 (llama.cpp's Q8_K) for the
+K-quants. Every 32 weights are multiplied by their 32 int8 activations in integer arithmetic (AVX2
+`vpmaddubsw` of unsigned weight values by signed activations, then `vpmaddwd`). A 32-value block's
+scales are applied to the eight int32 lanes in float; a K-quant block's sub-block scales are
+integers, applied in the `vpmaddwd`, so that its 256 products are summed exactly in int32 lanes
+and scaled in float once a block. Weights whose values are stored with an offset (Q4_0's q - 8,
+Q6_K's q - 32) or a minimum (Q4_1, Q5_1, the K-quants) take it through the sums of the quantized
+activations (per 32 values; per 16 under Q6_K's scales). The arithmetic is the same under AVX2 and
+AVX-512 (256-bit vectors, integers exact). Layers' rows are addressed by offset, an output head's by stride.
 Kernels read the uint8 array they are handed (normally the read-only file map), never copy it.
 """
 
@@ -18,7 +21,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from pagelm.errors import UnsupportedError
-from pagelm.quant.blockir import I8, I32, V32I8, bytes_at, nibbles16, q5_group
+from pagelm.quant.blockir import I8, I32, V32I8, bytes_at, k4_codes, nibbles16, q5_group
 from pagelm.quant.codegen import F16_TO_F32, wide_vectors, kernel_of
 from pagelm.quant.head import check_table
 from pagelm.quant.matmul import (
@@ -29,17 +32,18 @@ from pagelm.quant.matmul import (
     hint_block,
     load_at,
     row_at,
-    scale_min_k4,
     readonly,
 )
 from pagelm.quant.types import BLOCK_LAYOUT, GGMLType, as_ggml_type
 
-GROUP = 32  # activation values per float32 scale
+GROUP = 32  # activation values per float32 scale (32-value types)
+K_GROUP = 256  # the same for the K-quants
 
 _T = GGMLType
 _Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1 = int(_T.Q8_0), int(_T.Q4_0), int(_T.Q4_1), int(_T.Q5_0), int(_T.Q5_1)
 _Q4_K, _Q5_K, _Q6_K = int(_T.Q4_K), int(_T.Q5_K), int(_T.Q6_K)
 INT8_TYPES = frozenset(GGMLType(k) for k in (_Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q4_K, _Q5_K, _Q6_K))
+K_TYPES = frozenset(GGMLType(k) for k in (_Q4_K, _Q5_K, _Q6_K))  # activations in 256-value groups
 
 
 def available() -> bool:
@@ -82,13 +86,6 @@ def _accumulate(builder, acc, w, x, scales, scale):
 
 def _ones():
     return ir.Constant(_V16I16, 1)
-
-
-def _halves(builder, lo, hi):
-    """int16 scales: lo for the pair sums of bytes 0-15, hi for bytes 16-31."""
-    v = builder.insert_element(ir.Constant(ir.VectorType(_I16, 2), ir.Undefined), builder.trunc(lo, _I16), I32(0))
-    v = builder.insert_element(v, builder.trunc(hi, _I16), I32(1))
-    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 16), [0] * 8 + [1] * 8))
 
 
 _ACC = types.CPointer(types.float32)
@@ -164,41 +161,83 @@ def _dot_q5(typingctx, data, at, qh, xq, xat, acc, scale):
     return types.void(data, at, qh, xq, xat, acc, scale), codegen
 
 
-@intrinsic
-def _dot_kq(typingctx, data, at, shift, qh_at, bit, xq, xat, acc, scale):
-    """acc += scale * q·x, q = (byte j at data[at] >> shift) & 15, with (when qh_at >= 0) bit `bit`
-    of byte j at data[qh_at] as its fifth bit (Q4_K, Q5_K)."""
+def _int16s_at(context, builder, arrty, arr, index, n):
+    """n int16 values of an int16 array from element `index`, as an <n x i16> vector."""
+    base = context.make_array(arrty)(context, builder, arr).data
+    return builder.load(builder.bitcast(builder.gep(base, [index]), ir.VectorType(_I16, n).as_pointer()), align=2)
 
-    def codegen(context, builder, signature, args):
-        arrty = signature.args[0]
-        w = _low_bits(builder, bytes_at(context, builder, arrty, args[0], args[1]), args[2], 4)
-        with_top = builder.icmp_signed(">=", args[3], ir.Constant(args[3].type, 0))
-        top_at = builder.select(with_top, args[3], args[1])  # a valid address either way
-        top = builder.shl(_low_bits(builder, bytes_at(context, builder, arrty, args[0], top_at), args[4], 1),
-                          ir.Constant(V32I8, 4))
-        w = builder.select(with_top, builder.or_(w, top), w)
-        x = bytes_at(context, builder, signature.args[5], args[5], args[6])
-        _accumulate(builder, args[7], w, x, _ones(), args[8])
-        return context.get_dummy_value()
 
-    return types.void(data, at, shift, qh_at, bit, xq, xat, acc, scale), codegen
+def _splat_lanes(builder, codes, signed, lanes):
+    """A <16 x i16> of codes[lanes[0]] in lanes 0-7 and codes[lanes[1]] in 8-15 (codes: a byte vector)."""
+    wide = (builder.sext if signed else builder.zext)(codes, ir.VectorType(_I16, codes.type.count))
+    return builder.shuffle_vector(wide, wide, ir.Constant(ir.VectorType(I32, 16), [lanes[0]] * 8 + [lanes[1]] * 8))
 
 
 @intrinsic
-def _dot_q6(typingctx, data, ql_at, shift, qh_at, qshift, xq, xat, acc, scale, s_lo, s_hi):
-    """acc += scale * sum(q·x·s), q = (ql >> shift & 15) | (qh >> qshift & 3) << 4 over 32 bytes
-    each, s the int8 scale s_lo of the first 16 values and s_hi of the last (Q6_K)."""
+def _dot_k(typingctx, kind, data, o, xq, xat, xs, sat, acc, scale):
+    """A K-quant block at data[o] times its 256 activations at xq[xat:]: acc (8 float lanes) += scale
+    times the int32 lanes of sum(q · x · s) over its sub-blocks (q unsigned: Q4_K 0-15, Q5_K 0-31,
+    Q6_K 0-63 before its -32; s the sub-block's integer scale); returns the int32 its offsets take:
+    Q4_K/Q5_K the sum of min g times xs[sat + g] (the sums of x per 32), Q6_K of scale g times
+    xs[sat + g] (per 16). `kind` a constant."""
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
 
     def codegen(context, builder, signature, args):
-        arrty = signature.args[0]
-        lo = _low_bits(builder, bytes_at(context, builder, arrty, args[0], args[1]), args[2], 4)
-        hi = _low_bits(builder, bytes_at(context, builder, arrty, args[0], args[3]), args[4], 2)
-        w = builder.or_(lo, builder.shl(hi, ir.Constant(V32I8, 4)))
-        x = bytes_at(context, builder, signature.args[5], args[5], args[6])
-        _accumulate(builder, args[7], w, x, _halves(builder, args[9], args[10]), args[8])
-        return context.get_dummy_value()
+        t, arrty, xty, sty = kind.literal_value, signature.args[1], signature.args[3], signature.args[5]
+        data, o, xqa, xat, xsa, sat, accp = args[1], args[2], args[3], args[4], args[5], args[6], args[7]
 
-    return types.void(data, ql_at, shift, qh_at, qshift, xq, xat, acc, scale, s_lo, s_hi), codegen
+        def at(base, k):
+            return builder.add(base, base.type(k))
+
+        def low(v, shift, bits):
+            return _low_bits(builder, v, ir.Constant(ir.IntType(64), shift), bits)
+
+        def weights(q, x_at, scales):  # <8 x i32>: sum(q · x) per pair of bytes, times scales
+            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, q, bytes_at(context, builder, xty, xqa, x_at))
+            return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, pairs, scales)
+
+        lanes = []
+        if t == _Q6_K:
+            codes = bytes_at(context, builder, arrty, data, at(o, 192), 16)  # int8 scale per 16 values
+            for h in range(2):
+                ql = [bytes_at(context, builder, arrty, data, at(o, 64 * h + 32 * i)) for i in range(2)]
+                top = bytes_at(context, builder, arrty, data, at(o, 128 + 32 * h))
+                for k in range(4):
+                    q = builder.or_(low(ql[k & 1], 4 * (k >> 1), 4), builder.shl(low(top, 2 * k, 2), _splat8_32(4)))
+                    g = 8 * h + 2 * k
+                    lanes.append(weights(q, at(xat, 128 * h + 32 * k), _splat_lanes(builder, codes, True, (g, g + 1))))
+            offsets = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, builder.sext(codes, _V16I16),
+                            _int16s_at(context, builder, sty, xsa, sat, 16))
+        else:
+            codes, mins = k4_codes(context, builder, arrty, data, at(o, 4))
+            qs = at(o, 16 if t == _Q4_K else 48)
+            top = None if t == _Q4_K else bytes_at(context, builder, arrty, data, at(o, 16))
+            for p in range(4):
+                both = bytes_at(context, builder, arrty, data, at(qs, 32 * p))
+                for k in range(2):
+                    g = 2 * p + k
+                    q = low(both, 4 * k, 4)
+                    if top is not None:
+                        q = builder.or_(q, builder.shl(low(top, g, 1), _splat8_32(4)))
+                    lanes.append(weights(q, at(xat, 32 * g), _splat_lanes(builder, codes, False, (g, g))))
+            v8i16 = ir.VectorType(_I16, 8)
+            offsets = _call(builder, "llvm.x86.sse2.pmadd.wd", ir.VectorType(I32, 4), builder.zext(mins, v8i16),
+                            _int16s_at(context, builder, sty, xsa, sat, 8))
+        while len(lanes) > 1:  # integers: any order gives the same sum
+            lanes = [builder.add(lanes[i], lanes[i + 1]) for i in range(0, len(lanes), 2)]
+        vec_ptr = builder.bitcast(accp, _V8F32.as_pointer())
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F32, [_V8F32] * 3), "llvm.fma.v8f32")
+        total = builder.call(fma, [builder.sitofp(lanes[0], _V8F32), _splat(builder, args[8], _V8F32),
+                                   builder.load(vec_ptr, align=4)])
+        builder.store(total, vec_ptr, align=4)
+        return _call(builder, f"llvm.vector.reduce.add.v{offsets.type.count}i32", I32, offsets)
+
+    return types.int32(kind, data, o, xq, xat, xs, sat, acc, scale), codegen
+
+
+def _splat8_32(value):
+    return ir.Constant(V32I8, value)
 
 
 # --- activations ----------------------------------------------------------------------
@@ -223,11 +262,32 @@ def _quantize(x, xq, xd, xs, xm):
         xm[g] = d * np.float32(xs[2 * g] + xs[2 * g + 1])
 
 
-class Int8Row:
-    """One activation row quantized for the int8 kernels: values (int8), a float32 scale per 32,
-    the int32 sum of the quantized values per 16, and per 32 the sum of the values they stand for."""
+@njit(cache=True)
+def _quantize_k(x, kq, kd, k16, k32):
+    for g in range(len(kd)):
+        amax = np.float32(0)
+        for j in range(K_GROUP):
+            amax = max(amax, abs(x[K_GROUP * g + j]))
+        kd[g] = amax / np.float32(127)
+        inv = np.float32(127) / amax if amax > 0 else np.float32(0)
+        for h in range(K_GROUP // 16):
+            s = 0
+            for j in range(16):
+                q = np.int8(np.rint(x[K_GROUP * g + 16 * h + j] * inv))
+                kq[K_GROUP * g + 16 * h + j] = q
+                s += q
+            k16[K_GROUP // 16 * g + h] = s
+        for h in range(K_GROUP // 32):
+            k32[K_GROUP // 32 * g + h] = k16[K_GROUP // 16 * g + 2 * h] + k16[K_GROUP // 16 * g + 2 * h + 1]
 
-    __slots__ = ("xq", "xd", "xs", "xm")
+
+class Int8Row:
+    """One activation row quantized for the int8 kernels: for the 32-value types values (int8), a
+    float32 scale per 32, the int32 sum of the quantized values per 16, and per 32 the sum of the
+    values they stand for; for the K-quants (a row of whole 256-value groups) values with a scale
+    per 256 and the int16 sums of the quantized values per 16 and per 32."""
+
+    __slots__ = ("xq", "xd", "xs", "xm", "kq", "kd", "k16", "k32")
 
     def __init__(self, x: np.ndarray):
         width = x.shape[0]
@@ -238,9 +298,18 @@ class Int8Row:
         self.xs = np.empty(width // 16, np.int32)
         self.xm = np.empty(width // GROUP, np.float32)
         _quantize(x, self.xq, self.xd, self.xs, self.xm)
+        k_width = width if width % K_GROUP == 0 else 0  # no K-quant row is narrower than its 256-value blocks
+        self.kq = np.empty(k_width, np.int8)
+        self.kd = np.empty(k_width // K_GROUP, np.float32)
+        self.k16 = np.empty(k_width // 16, np.int16)
+        self.k32 = np.empty(k_width // 32, np.int16)
+        _quantize_k(x, self.kq, self.kd, self.k16, self.k32)
 
-    def dequantized(self) -> np.ndarray:
-        """The values the kernels multiply, as float32 (for tests and error measurements)."""
+    def dequantized(self, ggml_type=None) -> np.ndarray:
+        """The values the kernels of `ggml_type` (default: the 32-value types') multiply, as float32
+        (for tests and error measurements)."""
+        if ggml_type is not None and as_ggml_type(ggml_type) in K_TYPES:
+            return (self.kq.reshape(-1, K_GROUP).astype(np.float32) * self.kd[:, None]).reshape(-1)
         return (self.xq.reshape(-1, GROUP).astype(np.float32) * self.xd[:, None]).reshape(-1)
 
 
@@ -251,28 +320,7 @@ _F32 = np.float32
 
 
 @njit(inline="always")
-def _kq_group(kind, acc, data, o, b, g, d, dmin, xq, xd, xm):
-    """Group g (a constant, so shifts and scale bytes fold) of a Q4_K / Q5_K block; what it adds outside acc."""
-    qs, qh = (o + 16, -1) if kind == _Q4_K else (o + 48, o + 16)
-    sc, mn = scale_min_k4(data, o + 4, g)
-    at = 8 * b + g
-    _dot_kq(data, qs + 32 * (g >> 1), 4 * (g & 1), qh, g, xq, 32 * at, acc, d * _F32(sc) * xd[at])
-    return -dmin * _F32(mn) * xm[at]
-
-
-@njit(inline="always")
-def _q6_group(acc, data, o, b, g, d, xq, xd, xs):
-    """Group g (a constant) of a Q6_K block: values (q - 32) * d * int8 scale per 16; what it adds outside acc."""
-    h, k, at = g >> 2, g & 3, 8 * b + g
-    s_lo, s_hi = load_at(data, o + 192 + 2 * g, np.int8), load_at(data, o + 193 + 2 * g, np.int8)
-    s = d * xd[at]
-    _dot_q6(data, o + 64 * h + 32 * (k & 1), 4 * (k >> 1), o + 128 + 32 * h, 2 * k, xq, 32 * at, acc, s,
-            np.intp(s_lo), np.intp(s_hi))
-    return _F32(-32) * s * _F32(np.int32(s_lo) * xs[2 * at] + np.int32(s_hi) * xs[2 * at + 1])
-
-
-@njit(inline="always")
-def _block(kind, acc, data, o, b, xq, xd, xs, xm, f16):
+def _block(kind, acc, data, o, b, xq, xd, xs, xm, kq, kd, k16, k32, f16):
     """acc += block b (at byte o) · the activations; returns what the block adds outside acc."""
     if kind == _Q8_0:
         _dot_q8(data, o + 2, xq, 32 * b, acc, fp16_at(f16, data, o) * xd[b])
@@ -293,24 +341,15 @@ def _block(kind, acc, data, o, b, xq, xd, xs, xm, f16):
         return fp16_at(f16, data, o + 2) * xm[b]
     if kind == _Q4_K or kind == _Q5_K:
         d, dmin = fp16_at(f16, data, o), fp16_at(f16, data, o + 2)
-        return (_kq_group(kind, acc, data, o, b, 0, d, dmin, xq, xd, xm)
-                + _kq_group(kind, acc, data, o, b, 1, d, dmin, xq, xd, xm)
-                + _kq_group(kind, acc, data, o, b, 2, d, dmin, xq, xd, xm)
-                + _kq_group(kind, acc, data, o, b, 3, d, dmin, xq, xd, xm)
-                + _kq_group(kind, acc, data, o, b, 4, d, dmin, xq, xd, xm)
-                + _kq_group(kind, acc, data, o, b, 5, d, dmin, xq, xd, xm)
-                + _kq_group(kind, acc, data, o, b, 6, d, dmin, xq, xd, xm)
-                + _kq_group(kind, acc, data, o, b, 7, d, dmin, xq, xd, xm))
-    d = fp16_at(f16, data, o + 208)  # Q6_K
-    return (_q6_group(acc, data, o, b, 0, d, xq, xd, xs) + _q6_group(acc, data, o, b, 1, d, xq, xd, xs)
-            + _q6_group(acc, data, o, b, 2, d, xq, xd, xs) + _q6_group(acc, data, o, b, 3, d, xq, xd, xs)
-            + _q6_group(acc, data, o, b, 4, d, xq, xd, xs) + _q6_group(acc, data, o, b, 5, d, xq, xd, xs)
-            + _q6_group(acc, data, o, b, 6, d, xq, xd, xs) + _q6_group(acc, data, o, b, 7, d, xq, xd, xs))
+        mins = _dot_k(kind, data, o, kq, K_GROUP * b, k32, 8 * b, acc, d * kd[b])
+        return -dmin * kd[b] * _F32(mins)
+    s = fp16_at(f16, data, o + 208) * kd[b]  # Q6_K
+    return _F32(-32) * s * _F32(_dot_k(kind, data, o, kq, K_GROUP * b, k16, 16 * b, acc, s))
 
 
 def _kernel(kind: int, vb: int, bb: int):
     @kernel_of(GGMLType(kind).name, parallel=True, fastmath={"contract"})
-    def mv(data, offs, stride, rows, xq, xd, xs, xm, f16, out, lo, width, nch):
+    def mv(data, offs, stride, rows, xq, xd, xs, xm, kq, kd, k16, k32, f16, out, lo, width, nch):
         nblk = width // vb
         rnb = max(nblk * bb, 1)
         for c in prange(nch):
@@ -324,7 +363,7 @@ def _kernel(kind: int, vb: int, bb: int):
                 extra = _F32(0)
                 for b in range(nblk):
                     hint_block(data, hint, b, bb)
-                    extra += _block(kind, acc, data, row + b * bb, b, xq, xd, xs, xm, f16)
+                    extra += _block(kind, acc, data, row + b * bb, b, xq, xd, xs, xm, kq, kd, k16, k32, f16)
                 out[0, lo + r] = _acc8_take(acc) + extra
 
     return mv
@@ -342,7 +381,8 @@ def _bound(data, t, offs, stride: int, rows: int, width: int):
     mv, offs, data = _KERNELS[t], readonly(offs), readonly(data)
 
     def run(row: Int8Row, out: np.ndarray, out_lo: int) -> None:
-        mv(data, offs, stride, rows, row.xq, row.xd, row.xs, row.xm, F16_TO_F32, out, out_lo, width, thread_chunks(rows))
+        mv(data, offs, stride, rows, row.xq, row.xd, row.xs, row.xm, row.kq, row.kd, row.k16, row.k32, F16_TO_F32, out,
+           out_lo, width, thread_chunks(rows))
 
     return run
 

@@ -207,7 +207,8 @@ def test_a_prefill_dropped_half_way_leaves_nothing_behind_a_reset_or_restore(qwe
 
 @pytest.mark.parametrize("weights, dtype", [("mapped", "bfloat16"), ("dense", "float32")])
 @pytest.mark.parametrize("fixture, module", [("smollm2_gguf", "llama_family"), ("gemma3_gguf", "gemma3"),
-                                             ("qwen2_tiny_gguf", "llama_family"), ("qwen3_tiny_gguf", "llama_family")])
+                                             ("qwen2_tiny_gguf", "llama_family"), ("qwen3_tiny_gguf", "llama_family"),
+                                             ("lfm2_tiny_gguf", "lfm2")])
 def test_the_token_step_in_numpy_gives_the_torch_layers_bits(request, monkeypatch, fixture, module, weights, dtype):
     """The one-token step in numpy between the kernels (token_ops.TokenStep) against the torch
     layers it stands in for, which take every step where TokenStep.of refuses it; the layers as

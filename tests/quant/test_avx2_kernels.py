@@ -1,4 +1,5 @@
-"""The GEMVs' AVX2 code (one row of W a pass, 2 rows of x; 1 for 256-value blocks) on an AVX-512
+"""The GEMVs' AVX2 code (one row of W a pass, 2 rows of x; 1 for 256-value blocks), and the K-quants'
+int8 GEMVs (their integer sums without VNNI), on an AVX-512
 host, where the rest of the suite runs only the AVX-512 passes: a subprocess under bench/as_avx2.sh
 (numba compiling for Haswell's name and instruction set), with its own cache, where every batch size
 must still give each row its one-row bits, close to a float64 reference. (On an AVX2 host the other
@@ -21,6 +22,9 @@ for name in ("Q8_0", "Q4_K", "F16", "MXFP4"):  # 32- and 256-value blocks, a flo
     test_batched_gemv.test_every_batch_size_gives_each_row_its_one_row_bits(GGMLType[name])
     test_matmul.test_matmul_multiplies_gguf_weights_exactly(GGMLType[name])
 test_matmul.test_dequantize_is_bit_identical_to_gguf_and_decode(GGMLType.MXFP4)  # unpacked as its GEMV does
+import test_int8dot  # the K-quants' int8 sums, whose VNNI forms AVX2 lacks
+for name in ("Q4_K", "Q5_K", "Q6_K"):
+    test_int8dot.test_int8_matmul_matches_f64_product_of_its_operands(GGMLType[name])
 print("checked")
 """
 

@@ -6,7 +6,7 @@ import pytest
 
 from pagelm.errors import UnsupportedError
 from pagelm.quant import BLOCK_LAYOUT, GGMLType
-from pagelm.quant.int8dot import GROUP, INT8_TYPES, Int8Row, available, bound_rows_matmul_int8, bound_table_matmul_int8
+from pagelm.quant.int8dot import GROUP, INT8_TYPES, K_GROUP, K_TYPES, Int8Row, available, bound_rows_matmul_int8, bound_table_matmul_int8
 from pagelm.quant.matmul import check_rows
 
 from test_head import random_table
@@ -33,7 +33,7 @@ def test_int8_matmul_matches_f64_product_of_its_operands(t):
             seed = 10 * rows + width
             x = np.random.default_rng(seed).standard_normal(width).astype(np.float32)
             got, w, row = product(t, rows, width, seed, x)
-            xq = row.dequantized().astype(np.float64)
+            xq = row.dequantized(t).astype(np.float64)
             ref = w @ xq
             bound = 1e-5 * (np.abs(w) @ np.abs(xq))
             err = np.abs(got - ref)
@@ -46,8 +46,9 @@ def test_int8_matmul_is_within_the_rounding_of_its_activations(t):
     x = (np.random.default_rng(4).standard_normal(width) * np.linspace(0.01, 10, width)).astype(np.float32)
     got, w, row = product(t, 33, width, 4, x)
     exact = w @ x.astype(np.float64)
-    # each activation moved by at most half its group's step
-    half_step = np.repeat(row.xd.astype(np.float64), GROUP) / 2
+    # each activation moved by at most half its group's step (256 values a group under the K-quants)
+    steps, group = (row.kd, K_GROUP) if t in K_TYPES else (row.xd, GROUP)
+    half_step = np.repeat(steps.astype(np.float64), group) / 2
     bound = np.abs(w) @ half_step * (1 + 1e-5) + 1e-5 * (np.abs(w) @ np.abs(x.astype(np.float64)))
     assert (np.abs(got - exact) <= bound).all()
 
@@ -68,6 +69,21 @@ def test_activation_rows_quantize_to_the_nearest_step():
     assert np.allclose(row.xm, row.xd * q.sum(axis=1), rtol=1e-6)
 
 
+def test_k_quant_activations_quantize_to_the_nearest_step_of_their_256():
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(3 * K_GROUP) * rng.uniform(0.001, 100, 3 * K_GROUP)).astype(np.float32)
+    x[K_GROUP : 2 * K_GROUP] = 0  # a group of zeros: scale 0, values 0
+    x[2 * K_GROUP + 7] = -1e4  # a group whose maximum is negative
+    row = Int8Row(x)
+    groups = x.reshape(-1, K_GROUP).astype(np.float64)
+    assert np.allclose(row.kd, np.abs(groups).max(axis=1) / 127, rtol=1e-6) and row.kd[1] == 0
+    q = row.kq.reshape(-1, K_GROUP).astype(np.int64)
+    assert np.abs(q).max() <= 127 and (q[1] == 0).all() and q[2, 7] == -127
+    assert (np.abs(q * row.kd[:, None] - groups) <= row.kd[:, None] * (0.5 + 1e-4)).all()
+    assert np.array_equal(row.k16, q.reshape(-1, 16).sum(axis=1)) and np.array_equal(row.k32, q.reshape(-1, 32).sum(axis=1))
+    assert len(Int8Row(np.ones(96, np.float32)).kq) == 0  # no K-quant row is 96 wide
+
+
 def test_int8_rows_are_whole_groups_and_types_quantized():
     with pytest.raises(ValueError, match="whole number of 32-value groups"):
         Int8Row(np.zeros(48, np.float32))
@@ -84,5 +100,5 @@ def test_int8_table_matmul_covers_every_row(t):
     out = np.full((1, rows), np.nan, np.float32)
     bound_table_matmul_int8(table, t)(row, out, 0)
     w = oracle(table, t).astype(np.float64)
-    xq = row.dequantized().astype(np.float64)
+    xq = row.dequantized(t).astype(np.float64)
     assert (np.abs(out[0] - w @ xq) <= 1e-5 * (np.abs(w) @ np.abs(xq))).all()

@@ -20,19 +20,19 @@ from pagelm.quant.types import GGMLType
 LAYER_TYPES = ["conv", "full_attention", "conv", "conv", "full_attention", "conv"]
 
 
-def hf_config(heads: int = 4) -> Lfm2Config:
+def hf_config(heads: int = 4, vocab: int = 256) -> Lfm2Config:
     # intermediate_size 100 becomes int(2·100/3) = 66, rounded up to a multiple of 32: 96
-    return Lfm2Config(vocab_size=256, hidden_size=64, intermediate_size=100, block_multiple_of=32,
+    return Lfm2Config(vocab_size=vocab, hidden_size=64, intermediate_size=100, block_multiple_of=32,
                       num_hidden_layers=len(LAYER_TYPES), layer_types=LAYER_TYPES, num_attention_heads=heads,
                       num_key_value_heads=2, norm_eps=1e-5, conv_L_cache=3, tie_word_embeddings=True,
                       rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
 
 
 @torch.no_grad()
-def build_hf_model(seed: int = 0, heads: int = 4) -> Lfm2ForCausalLM:
+def build_hf_model(seed: int = 0, heads: int = 4, vocab: int = 256) -> Lfm2ForCausalLM:
     """A random float32 model whose norms are not all ones (a +1 or a missing norm would show)."""
     torch.manual_seed(seed)
-    model = Lfm2ForCausalLM(hf_config(heads)).float().eval()
+    model = Lfm2ForCausalLM(hf_config(heads, vocab)).float().eval()
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=gen)
