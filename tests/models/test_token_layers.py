@@ -32,7 +32,7 @@ def _first_step_compiles(path: str) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("fixture", ["smollm2_gguf", "gemma3_gguf"])
+@pytest.mark.parametrize("fixture", ["smollm2_gguf", "gemma3_gguf", "lfm2_tiny_gguf"])
 def test_a_new_process_with_a_warm_cache_compiles_nothing_for_its_first_step(request, fixture):
     """The first process fills numba's cache where it lacks something; the second takes everything
     from it: TokenLayers' typed lists (its kernels as first-class functions, file maps, row offsets,
