@@ -4,10 +4,14 @@ damaged or foreign entry is compiled again, never a crash. Imports numba only to
 numba's own index already keys each entry by numba's version, the source file's content, the
 signature and the CPU (name and features); the directory adds what it does not hold: pagelm's,
 llvmlite's and Python's versions, so an upgrade starts a directory of its own beside the old one.
+Inside it each pagelm module's kernels go under the module's path in the package (`PackageLocator`),
+where numba would name a folder after the absolute path of the source: a second virtualenv, a
+reinstall or a copy of the same sources finds them.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import os
@@ -41,10 +45,47 @@ def directory(pagelm_version: str) -> Path:
 
 
 def configure(pagelm_version: str) -> None:
-    """Point numba's cache at directory(pagelm_version), unless the user set NUMBA_CACHE_DIR; numba reads it once,
-    at its import, so this runs when pagelm is imported."""
-    if "NUMBA_CACHE_DIR" not in os.environ and "numba" not in sys.modules:
-        os.environ["NUMBA_CACHE_DIR"] = str(directory(pagelm_version))
+    """Point numba's cache at directory(pagelm_version), unless the user set NUMBA_CACHE_DIR, and have pagelm's
+    modules located there by PackageLocator (numba's own locators after it, for everything else, unless the
+    user chose locators); numba reads both once, at its import, so this runs when pagelm is imported."""
+    if "numba" in sys.modules:
+        return
+    os.environ.setdefault("NUMBA_CACHE_DIR", str(directory(pagelm_version)))
+    os.environ.setdefault("NUMBA_CACHE_LOCATOR_CLASSES", f"{__name__}.PackageLocator," + ",".join(_NUMBA_LOCATORS))
+
+
+# numba's locators in its own order (numba.core.caching._CacheImpl._locator_classes)
+_NUMBA_LOCATORS = ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator", "IPythonCacheLocator",
+                   "ZipCacheLocator")
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # pagelm/
+
+
+def __getattr__(name: str):
+    if name == "PackageLocator":  # made when numba first asks for it, so that importing this module imports no numba
+        return _package_locator()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def _package_locator() -> type:
+    from numba.core import caching, config
+
+    class PackageLocator(caching.UserProvidedCacheLocator):
+        """The kernels of a pagelm module under NUMBA_CACHE_DIR/pagelm/<its folder in the package>; numba's
+        stamp of an entry is already the hash of the source's content, not its path or time."""
+
+        def __init__(self, py_func, py_file):
+            super().__init__(py_func, py_file)
+            inside = os.path.relpath(os.path.dirname(os.path.abspath(py_file)), os.path.dirname(_PACKAGE))
+            self._cache_path = os.path.join(config.CACHE_DIR, inside)
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            if os.path.commonpath([_PACKAGE, os.path.abspath(py_file)]) != _PACKAGE:
+                return None
+            return super().from_function(py_func, py_file)
+
+    return PackageLocator
 
 
 def tolerate_damaged_entries() -> None:

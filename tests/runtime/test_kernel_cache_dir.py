@@ -21,10 +21,11 @@ print(out.tobytes().hex())
 """
 
 
-def _run(code: str, **env) -> subprocess.CompletedProcess:
+def _run(code: str, cwd=None, **env) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     environ.update(env)
-    done = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=600,
+                          cwd=cwd)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -62,3 +63,24 @@ def test_a_cold_cache_says_it_compiles_a_warm_one_says_nothing_a_damaged_one_is_
         rebuilt = _run(ONE_KERNEL, PAGELM_CACHE=str(tmp_path))
         assert "compiled 1 kernels for Q8_0" in rebuilt.stderr and rebuilt.stdout == cold.stdout
     assert _run(ONE_KERNEL, PAGELM_CACHE=str(tmp_path)).stderr == ""
+
+
+def test_a_copy_of_pagelm_elsewhere_finds_the_kernels_another_copy_compiled(tmp_path):
+    """A second virtualenv, a reinstall or any copy of the same sources at another path: numba names a cache
+    folder after the absolute path of the source, pagelm's locator after its place in the package."""
+    import shutil
+
+    source = os.path.dirname(os.path.dirname(os.path.abspath(kernel_cache.__file__)))
+    copies = []
+    for name in ("venv-a", "venv-b"):
+        shutil.copytree(source, tmp_path / name / "pagelm", ignore=shutil.ignore_patterns("__pycache__"))
+        copies.append(str(tmp_path / name))
+    cache = str(tmp_path / "cache")
+    locate = "import pagelm.quant.matmul as m; print(m.__file__, m._block(8)[0][0]._cache._cache_path)"
+    for copy in copies:  # each process imports its own copy (cwd: not the checkout's)
+        where, folder = _run(locate, cwd=tmp_path, PAGELM_CACHE=cache, PYTHONPATH=copy).stdout.split()
+        assert where.startswith(copy) and folder.startswith(cache) and folder.endswith(os.path.join("pagelm", "quant"))
+    first = _run(ONE_KERNEL, cwd=tmp_path, PAGELM_CACHE=cache, PYTHONPATH=copies[0])
+    assert "compiled 1 kernels for Q8_0" in first.stderr
+    second = _run(ONE_KERNEL, cwd=tmp_path, PAGELM_CACHE=cache, PYTHONPATH=copies[1])
+    assert second.stderr == "" and second.stdout == first.stdout
