@@ -20,7 +20,7 @@ def warm_model(path: str, weights: str, mmproj: str | None) -> None:
 def _warm(args: argparse.Namespace) -> int:
     """Compile kernels into the per-user cache ahead of time, so that the first run or server of this
     install loads them instead of compiling (for images and containers). Without MODEL: every kernel of
-    every block type; with MODEL: those its tensor types and architecture need (with --weights, its
+    every block type, and every architecture's layer kernels (a first step of a tiny model of each); with MODEL: those its tensor types and architecture need (with --weights, its
     weights mode's). The cache is $PAGELM_CACHE, else $XDG_CACHE_HOME/pagelm/kernels or
     ~/.cache/pagelm/kernels, one directory per pagelm, numba, llvmlite and Python version (numba keys
     each entry by the CPU too); NUMBA_CACHE_DIR, when set, is used instead. A kernel already cached
@@ -34,11 +34,39 @@ def _warm(args: argparse.Namespace) -> int:
     return 0
 
 
+def tiny_shapes() -> dict[str, str]:
+    """Architecture -> the `pagelm synth` shape warm runs for it: the first tiny one of each (name ending in -tiny)."""
+    from pagelm.tools.synth_shapes import SHAPES
+
+    shapes: dict[str, str] = {}
+    for name, shape in SHAPES.items():
+        if name.endswith("-tiny"):
+            shapes.setdefault(shape.arch, name)
+    return shapes
+
+
+def warm_architectures(weights: str) -> None:
+    """Every architecture's one-token kernels (norms, rope, attention, recurrent and conv steps, the compiled
+    layers): a first step of each tiny synthetic shape (tiny_shapes), written to a temporary folder."""
+    import tempfile
+
+    from pagelm.tools.synth import write_model
+    from pagelm.tools.synth_shapes import SHAPES
+
+    with tempfile.TemporaryDirectory(prefix="pagelm-warm-") as folder:
+        for name in tiny_shapes().values():
+            path = os.path.join(folder, f"{name}.gguf")
+            write_model(path, SHAPES[name], name=f"synthetic {name}")
+            warm_model(path, weights, None)
+            os.remove(path)
+
+
 def _compile(args: argparse.Namespace) -> None:
     if args.model is None:
         from pagelm.quant.precompile import precompile
 
         precompile()
+        warm_architectures(args.weights)
     else:
         from pagelm.sources.cli import locate
 
@@ -51,7 +79,8 @@ def register(commands) -> None:
                                description=_warm.__doc__)
     warm.add_argument("model", nargs="?", metavar="MODEL",
                       help="a known model name, a Hub model (hf.co/USER/REPO[:QUANT][@REVISION]), a .gguf file or a "
-                           "model directory; pulled if needed (default: every kernel, no model)")
+                           "model directory; pulled if needed (default: every kernel, and a tiny model of every "
+                           "architecture)")
     warm.add_argument("--weights", choices=("mapped", "mapped-int8", "dense"), default="mapped",
                       help="the weights mode whose kernels to compile (default mapped)")
     warm.set_defaults(run=_warm)
