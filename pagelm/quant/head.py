@@ -205,13 +205,19 @@ def gather_rows_bf16(
     return out
 
 
-def warmup() -> None:
-    """Compiles the kernels, or loads them from numba's cache, so that no request waits for it."""
+def warmup(types=TABLE_TYPES, parts=("logits", "gather")) -> None:
+    """Compiles the kernels of the table types among `types` (default: both), or loads them from numba's
+    cache, so that no request waits for it: of `parts`, the logits' (matmul's GEMVs of the type) and the
+    rows' gather."""
     ids = np.zeros(1, np.int64)
     for t in (_T.Q8_0, _T.Q6_K):
+        if t not in types:
+            continue
         values, nbytes = BLOCK_LAYOUT[t]
         table = np.zeros((1, nbytes), np.uint8)
-        head_logits(table, t, np.zeros(values, np.float32))
-        head_logits(table, t, np.zeros((2, values), np.float32))
-        gather_rows_bf16(table, t, ids)
+        if "logits" in parts:
+            head_logits(table, t, np.zeros(values, np.float32))
+            head_logits(table, t, np.zeros((2, values), np.float32))
+        if "gather" in parts:
+            gather_rows_bf16(table, t, ids)
     _first_bad_id(ids, 1)  # as called by the numpy gather path

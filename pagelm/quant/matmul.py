@@ -822,11 +822,11 @@ def check_rows(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width: int)
 KERNEL_PARTS = ("one-row", "few-row", "dequantize")
 
 
-def warmup(types=None, parts=KERNEL_PARTS) -> None:
+def warmup(types=None, parts=KERNEL_PARTS, dequantize_to=(np.float32, np.uint16)) -> None:
     """Compiles the kernels of `types` (default: every type), or loads them from numba's cache, on
     tiny inputs: of `parts`, the one-row GEMVs, the few-row GEMVs and the dequantizers (each part is
-    one compiled function per type, with one numba cache index). Each type's compiled code costs
-    ~1 MiB of anonymous memory once loaded."""
+    one compiled function per type, with one numba cache index), these to the dtypes `dequantize_to`
+    (float32, uint16: bf16 bits). Each type's compiled code costs ~1 MiB of anonymous memory once loaded."""
     for t, (_, _, vb) in _KERNELS.items():
         if types is not None and t not in types:
             continue
@@ -837,5 +837,5 @@ def warmup(types=None, parts=KERNEL_PARTS) -> None:
             if part in parts:
                 rows_matmul(data, t, offs, width, np.zeros((n, width), np.float32), np.empty((n, 1), np.float32))
         if "dequantize" in parts:
-            for dtype in (np.float32, np.uint16):
+            for dtype in dequantize_to:
                 rows_dequantize(data, t, offs, width, np.empty((1, width), dtype))

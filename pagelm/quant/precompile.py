@@ -1,4 +1,6 @@
-"""Every kernel of pagelm.quant compiled into numba's on-disk cache ahead of use, on two processes.
+"""Kernels compiled into numba's on-disk cache ahead of use, in worker processes: every kernel of
+pagelm.quant (`precompile`, on two), or the ones a model needs that the cache lacks (`compile_missing`,
+on up to the kernel threads).
 
 Without it, a fresh install (or CI's fresh clone) compiles each kernel inside the first call that
 needs it, one at a time, in each process that needs it first (a server, a subprocess). numba keeps
@@ -12,6 +14,8 @@ kernel was built for one pass shape).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import importlib
 import multiprocessing
 
 
@@ -43,3 +47,66 @@ def precompile() -> None:
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
         for done in [pool.submit(_reporting, job) for job in (_one_row, _the_rest)]:
             done.result()
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One warmup call (`module.function(*args)`) that compiles or loads whole kernel functions, `kernels` (their
+    dispatchers, to tell whether the cache holds them); `label`: the block type or tile kind they are for. Two
+    jobs never fill one kernel function: two processes adding to one numba index at once lose an entry."""
+
+    module: str
+    function: str
+    args: tuple
+    kernels: tuple
+    label: str
+
+
+def model_jobs(types, tables, tile_kinds, int8_types, dequantize_to) -> list[Job]:
+    """The jobs of a model's kernels: matmul's GEMVs of `types` and of its head and embedding `tables` (and
+    the dequantizers of `types` to `dequantize_to`), the tables' row gathers, its tiles', its int8 GEMVs."""
+    from pagelm.quant import head, int8dot, matmul, tiles
+
+    jobs = []
+    for t in sorted(set(types) | (set(tables) & matmul.TABLE_TYPES)):
+        (mv, mm), dequant, _ = matmul._block(t)
+        parts = [("one-row", mv), ("few-row", mm)] + ([("dequantize", dequant)] if t in types else [])
+        jobs += [Job("pagelm.quant.matmul", "warmup", ({t}, (part,), dequantize_to), (kernel,), t.name)
+                 for part, kernel in parts]
+    jobs += [Job("pagelm.quant.head", "warmup", ({t}, ("gather",)), (head._GATHER[t],), t.name)
+             for t in sorted(set(tables) & set(head._GATHER))]
+    jobs += [Job("pagelm.quant.tiles", "warmup", ({k}, dequantize_to), tiles._KERNELS[k], k.name) for k in sorted(tile_kinds)]
+    jobs += [Job("pagelm.quant.int8dot", "warmup", ({t},), (int8dot._KERNELS[t],), t.name)
+             for t in sorted(set(int8_types) & set(int8dot._KERNELS))]
+    return jobs
+
+
+def _cached(dispatcher) -> bool:
+    """Whether numba's cache holds `dispatcher` compiled for this CPU (any signature: pagelm's kernels have one)."""
+    try:
+        magic = dispatcher.targetctx.codegen().magic_tuple()
+        return any(key[1] == magic for key in dispatcher._cache._cache_file._load_index())
+    except Exception:  # noqa: BLE001 - no cache, an unreadable index: a miss
+        return False
+
+
+def _run(job: tuple) -> None:
+    module, function, args = job
+    getattr(importlib.import_module(module), function)(*args)
+
+
+def compile_missing(jobs: list[Job], workers: int) -> None:
+    """Runs the jobs whose kernels the cache lacks in up to `workers` fresh processes at once, so that the caller's
+    own warmups then load them; nothing where fewer than two such jobs or workers (the caller compiles in process).
+    An active CompileProgress counts them."""
+    from pagelm.quant.compile_progress import announce
+
+    missing = [job for job in jobs if not all(_cached(k) for k in job.kernels)]
+    workers = min(workers, len(missing))
+    if workers < 2:
+        return
+    progress = announce([job.label for job in missing], len(missing))
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for done in concurrent.futures.as_completed([pool.submit(_run, (j.module, j.function, j.args)) for j in missing]):
+            done.result()
+            progress()

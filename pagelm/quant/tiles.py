@@ -323,11 +323,12 @@ def tile_dequantize(data: np.ndarray, kind: TileKind, base: int, groups: int, co
     kernel(readonly(data), base, col_tiles, TILE_BYTES[kind], readonly(row_ids), out)
 
 
-def warmup(kinds) -> None:
-    """Compiles (or loads from numba's cache) the kernels of `kinds` on one tile."""
+def warmup(kinds, dequantize_to=(np.float32, np.uint16)) -> None:
+    """Compiles (or loads from numba's cache) the kernels of `kinds` on one tile, its dequantizer to the
+    dtypes `dequantize_to` (float32, uint16: bf16 bits)."""
     for kind in kinds:
         data = np.zeros(TILE_BYTES[kind], np.uint8)
         tile_matmul(data, kind, 0, 1, 1, np.zeros((1, COLUMNS), np.float32), np.empty((1, ROWS), np.float32))
-        for dtype in (np.float32, np.uint16):
+        for dtype in dequantize_to:
             tile_dequantize(data, kind, 0, 1, 1, np.zeros(1, np.int64), np.empty((1, COLUMNS), dtype))
 

@@ -26,6 +26,8 @@ from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.formats.gguf import GGUFArray, GGUFFile, GGUFValueType, TensorInfo
 from pagelm.quant import DECODABLE, decode_f32
 from pagelm.quant import head, int8dot, matmul, tiles
+from pagelm.quant.precompile import compile_missing, model_jobs
+from pagelm.runtime.threads import kernel_threads
 from pagelm.weights.embedding import EmbeddingMode, OutputHead, RowFormat, TokenEmbedding, load_output_head, load_token_embedding
 from pagelm.weights.flm import FLMCheckpoint, TiledMatrix, is_flm_directory
 from pagelm.weights.hf import HFCheckpoint, HFLayouts, is_hf_directory
@@ -282,16 +284,24 @@ class WeightLoader:
         return self._head
 
     def warmup(self) -> None:
-        """Load the compiled kernels this model uses now rather than inside the first request."""
-        head.warmup()
-        if self.weights != "dense":
-            types = {p.ggml_type for op in self._operators if isinstance(op, MappedLinear)
-                     for p in op.parts if isinstance(p, RowGroup)}
-            matmul.warmup(types)
-            if self.weights == "mapped-int8":
-                head_table = getattr(self._head, "tensor", None)
-                int8dot.warmup(types | {getattr(head_table, "ggml_type", None)})  # a tiled head has none
-        tiles.warmup({m.kind for m in self.tiles.values()})
+        """Load the compiled kernels this model uses now rather than inside the first request: those of its
+        block types (the head's and token_embd's too), tiles and weights mode, the dequantizers to its dtype."""
+        tables = {self.file.tensors[name].ggml_type for name in ("token_embd.weight", "output.weight")
+                  if name in self.file.tensors}
+        dequantize_to = (np.uint16,) if self.dtype == torch.bfloat16 else (np.float32,)
+        types = set() if self.weights == "dense" else {p.ggml_type for op in self._operators if isinstance(op, MappedLinear)
+                                                        for p in op.parts if isinstance(p, RowGroup)}
+        head_table = getattr(self._head, "tensor", None)
+        int8_types = types | {getattr(head_table, "ggml_type", None)} if self.weights == "mapped-int8" else set()
+        kinds = {m.kind for m in self.tiles.values()}
+        # what the cache lacks compiled in processes of their own at once, then loaded here
+        compile_missing(model_jobs(types, tables, kinds, int8_types - {None}, dequantize_to), kernel_threads())
+        head.warmup(tables)
+        if types:
+            matmul.warmup(types, dequantize_to=dequantize_to)
+        if int8_types:
+            int8dot.warmup(int8_types)  # a tiled head has no type
+        tiles.warmup(kinds, dequantize_to)
 
     @property
     def operators(self) -> tuple[Linear, ...]:

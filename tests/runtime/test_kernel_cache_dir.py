@@ -84,3 +84,35 @@ def test_a_copy_of_pagelm_elsewhere_finds_the_kernels_another_copy_compiled(tmp_
     assert "compiled 1 kernels for Q8_0" in first.stderr
     second = _run(ONE_KERNEL, cwd=tmp_path, PAGELM_CACHE=cache, PYTHONPATH=copies[1])
     assert second.stderr == "" and second.stdout == first.stdout
+
+
+WORKERS = """
+import io, json
+from pagelm.quant import GGMLType, head  # first: pagelm points numba at the cache before numba's import
+from numba.core import event
+from pagelm.quant.compile_progress import CompileProgress
+from pagelm.quant.precompile import Job, _cached, compile_missing
+
+jobs = [Job("pagelm.quant.head", "warmup", ({t}, ("gather",)), (head._GATHER[t],), t.name)
+        for t in (GGMLType.Q8_0, GGMLType.Q6_K)]
+before = [_cached(j.kernels[0]) for j in jobs]
+line = io.StringIO()
+with CompileProgress(stream=line, live=True):
+    compile_missing(jobs, workers=2)
+here = event.RecordingListener()
+with event.install_listener("numba:compile", here):
+    head.warmup(parts=("gather",))
+print(json.dumps({"before": before, "after": [_cached(j.kernels[0]) for j in jobs], "line": line.getvalue(),
+                  "compiled_here": len(here.buffer)}))
+"""
+
+
+def test_kernels_the_cache_lacks_compile_in_worker_processes_and_then_load(tmp_path):
+    import json
+
+    first = json.loads(_run(WORKERS, PAGELM_CACHE=str(tmp_path)).stdout.splitlines()[-1])
+    assert first["before"] == [False, False] and first["after"] == [True, True]
+    assert "compiling kernels for Q8_0, Q6_K (first run only): 2 of 2 compiled" in first["line"]
+    assert first["compiled_here"] == 0  # loaded from what the workers cached
+    again = json.loads(_run(WORKERS, PAGELM_CACHE=str(tmp_path)).stdout.splitlines()[-1])
+    assert again["before"] == [True, True] and again["line"] == ""  # nothing to compile: no workers, no line
