@@ -28,7 +28,7 @@ from pagelm.quant import DECODABLE, decode_f32
 from pagelm.quant import head, int8dot, matmul, tiles
 from pagelm.weights.embedding import EmbeddingMode, OutputHead, RowFormat, TokenEmbedding, load_output_head, load_token_embedding
 from pagelm.weights.flm import FLMCheckpoint, TiledMatrix, is_flm_directory
-from pagelm.weights.hf import HFCheckpoint, HFLayouts, is_hf_directory
+from pagelm.weights.hf import HFCheckpoint, HFLayouts, expert_tensor, is_hf_directory
 from pagelm.weights.linear import ColumnOrder, DenseLinear, Linear, MappedLinear, RowGroup, Scratch, TiledPart
 from pagelm.weights.mapped import MappedTensor, tiled_matrices
 
@@ -80,25 +80,31 @@ def dequantize_tensor(
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
     shape: Sequence[int] | None = None,
+    rows: np.ndarray | None = None,
 ) -> torch.Tensor:
-    """Tensor `name` decoded to `dtype`, in numpy order (`info.shape`).
+    """Tensor `name` decoded to `dtype`, in numpy order (`info.shape`), or only its rows `rows`
+    (indices into its rows of ne0 values, in that order; e.g. one expert's of a 3-D tensor).
 
     Decodes `DECODE_CHUNK_VALUES`-sized runs of rows, straight into the result when it is a
-    float32 CPU tensor, else through one float32 scratch. `out` (contiguous, of the tensor's
-    element count; e.g. a row slice of a fused weight) receives the values instead of a new
-    tensor. `shape`, when given, is checked against the file's.
+    float32 CPU tensor, else through one float32 scratch. `out` (contiguous, of the element count
+    decoded; e.g. a row slice of a fused weight) receives the values instead of a new tensor.
+    `shape`, when given, is checked against the file's.
     """
     info = tensor_info(model, name, shape)
     ne0 = info.dims[0]
-    rows = info.n_elements // ne0
+    raw = model.tensor_data(name).reshape(info.n_elements // ne0, info.row_nbytes)
+    n_values = info.n_elements if rows is None else len(rows) * ne0
     if out is None:
-        out = torch.empty(info.shape, dtype=dtype)
-    elif out.numel() != info.n_elements or not out.is_contiguous():
+        out = torch.empty(info.shape if rows is None else (len(rows), ne0), dtype=dtype)
+    elif out.numel() != n_values or not out.is_contiguous():
         raise ValueError(
-            f"{model.name}: tensor '{name}': out must be contiguous with {info.n_elements} elements, "
+            f"{model.name}: tensor '{name}': out must be contiguous with {n_values} elements, "
             f"got shape {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}"
         )
-    raw = model.tensor_data(name).reshape(rows, info.row_nbytes)
+    if rows is not None:  # a view where the rows are a run of the tensor's, else a gather of their bytes
+        run = len(rows) > 0 and np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows)))
+        raw = raw[rows[0] : rows[0] + len(rows)] if run else raw[rows]
+    rows = raw.shape[0]
     flat = out.view(rows, ne0)
     step = max(1, DECODE_CHUNK_VALUES // ne0)
     direct = flat.dtype == torch.float32 and flat.device.type == "cpu"
@@ -223,6 +229,19 @@ class WeightLoader:
             raise UnsupportedError(f"{self.name}: the parts of one operator reorder their columns differently")
         return op if first is None else ColumnOrder(op, first)
 
+    def experts(self, in_features: int, n_experts: int, *parts: tuple[str, int]) -> list[Linear]:
+        """One operator per expert of a mixture: expert e's rows are, for each part (name, rows), its
+        `rows` rows of the expert tensor `name` ((n_experts, rows, in_features) in numpy order, GGUF's
+        3-D ffn_*_exps), stacked in order; in mapped mode row ranges of the tensor read in place. A
+        checkpoint that stores each expert's matrix apart (Hugging Face's) holds them as
+        `expert_tensor(name, e)`."""
+        for name, rows in parts:
+            if name in self.file.tensors:
+                tensor_info(self.file, name, (n_experts, rows, in_features))
+        return [self.linear(in_features, *(
+            (name, n_experts * rows, np.arange(e * rows, (e + 1) * rows)) if name in self.file.tensors
+            else (expert_tensor(name, e), rows) for name, rows in parts)) for e in range(n_experts)]
+
     def _matrix(self, name: str, rows: int, in_features: int) -> TensorInfo | TiledMatrix:
         """Matrix `name` of (rows, in_features) values: a tiled one, or the info of a GGML one."""
         matrix = self.tiles.get(name)
@@ -231,7 +250,12 @@ class WeightLoader:
                 raise ModelFormatError(f"{self.name}: tensor '{matrix.name}' holds {matrix.rows} × {matrix.columns} "
                                        f"values, expected {rows} × {in_features}")
             return matrix
-        info = tensor_info(self.file, name, (rows, in_features))
+        info = tensor_info(self.file, name)
+        # a 3-D tensor (n_experts, rows, columns), one matrix per expert, is n_experts · rows rows
+        shape = info.shape if len(info.shape) != 3 else (info.shape[0] * info.shape[1], info.shape[2])
+        if tuple(shape) != (rows, in_features):
+            raise ModelFormatError(f"{self.name}: tensor '{name}' has shape {tuple(info.shape)} (numpy order), "
+                                   f"expected {(rows, in_features)}")
         if info.ggml_type not in DECODABLE:
             raise UnsupportedError(f"{self.name}: tensor '{name}' has type {info.ggml_type.name}, which pagelm "
                                    f"cannot compute with (supported: {', '.join(sorted(t.name for t in DECODABLE))})")
@@ -245,9 +269,7 @@ class WeightLoader:
             if isinstance(source, TiledMatrix):
                 part.copy_(torch.from_numpy(source.values()[order]))
             else:
-                dequantize_tensor(self.file, source.name, self.dtype, out=part)
-                if not np.array_equal(order, np.arange(len(order))):
-                    part.copy_(part[torch.from_numpy(order)])
+                dequantize_tensor(self.file, source.name, self.dtype, out=part, rows=order)
             lo += len(order)
         return DenseLinear(fused.to(self.device))
 
