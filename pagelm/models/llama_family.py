@@ -194,11 +194,11 @@ def load_layer(c: FamilyConfig, model: WeightLoader, i: int) -> FamilyLayer:
 
 
 def load_experts(c: FamilyConfig, model: WeightLoader, p: str) -> Experts:
-    return Experts(
-        router=model.linear(c.hidden, (p + "ffn_gate_inp.weight", c.n_experts)),
+    return Experts(  # the experts first: an expert count unlike their tensors' is named by the 3-D tensor
         gate_up=model.experts(c.hidden, c.n_experts, (p + "ffn_gate_exps.weight", c.expert_ffn),
                               (p + "ffn_up_exps.weight", c.expert_ffn)),
         down=model.experts(c.expert_ffn, c.n_experts, (p + "ffn_down_exps.weight", c.hidden)),
+        router=model.linear(c.hidden, (p + "ffn_gate_inp.weight", c.n_experts)),
         top_k=c.n_experts_used, normalize=c.expert_norm,
     )
 

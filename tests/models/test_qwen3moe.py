@@ -1,0 +1,132 @@
+"""qwen3moe against transformers' own tiny random Qwen3MoeForCausalLM: its save_pretrained directory
+read in place and its GGUF (tests/hf_gguf.py; test_llama_family_vs_transformers.py runs the logits,
+greedy tokens and batched bits of the GGUFs) route every token to the experts transformers routes it
+to; a batched decode whose sequences share experts and part ways is each one's own bits; the experts
+stay in the file; a file whose expert count disagrees with its tensors is refused by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import pagelm
+from pagelm.errors import ModelFormatError
+from pagelm.quant.types import GGMLType
+from pagelm.weights.linear import MappedLinear
+
+from hf_gguf import tiny_decoder, write_decoder_gguf
+from hf_oracle import F32_REL_TOL, PROMPT, check_greedy, greedy, rel
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/models/conftest.py
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (path, transformers model computing what it holds): a save_pretrained directory of a
+    model that does not renormalize its top-k (transformers' default) and an F32 GGUF of one that
+    does (as llama.cpp's qwen3moe always does)."""
+    root = tmp_path_factory.mktemp("qwen3moe")
+    directory = tiny_decoder("qwen3moe-untied", norm_topk_prob=False)
+    directory.save_pretrained(root / "hf")
+    gguf = tiny_decoder("qwen3moe-untied")
+    write_decoder_gguf(gguf, str(root / "f32.gguf"), "qwen3moe")
+    return {"hf": (str(root / "hf"), directory), "gguf": (str(root / "f32.gguf"), gguf)}
+
+
+def _routes(model) -> list[list]:
+    """Each layer's list of the expert choices its calls make, recorded from now on."""
+    for w in model.network.layers:
+        w.experts.routes = []
+    return [w.experts.routes for w in model.network.layers]
+
+
+@pytest.mark.parametrize("weights", ["mapped", "dense"])
+def test_the_directory_in_place_matches_transformers(checkpoints, weights):
+    path, reference = checkpoints["hf"]
+    model = pagelm.load(path, weights=weights, dtype="float32")
+    tokens, logits = greedy(model, PROMPT)
+    check_greedy(reference, PROMPT, tokens, logits, F32_REL_TOL)
+    with torch.inference_mode():
+        ref = reference(torch.tensor([PROMPT])).logits[0].numpy()
+    session = model.session(len(PROMPT))
+    rows = [session.prefill(PROMPT[:3])] + [session.decode(t) for t in PROMPT[3:]]
+    assert max(rel(row, r) for row, r in zip(rows, ref[2:])) <= F32_REL_TOL
+
+
+@pytest.mark.parametrize("name", ["hf", "gguf"])
+def test_every_token_is_routed_as_transformers_routes_it(checkpoints, name):
+    """The prefill's tokens and each decoded one go to transformers' top-k experts, in its order."""
+    path, reference = checkpoints[name]
+    model = pagelm.load(path, dtype="float32")
+    routes = _routes(model)
+    tokens, _ = greedy(model, PROMPT, steps=8)
+    ids = PROMPT + tokens  # greedy decodes each token it picks
+    with torch.inference_mode():
+        logits = reference(torch.tensor([ids]), output_router_logits=True).router_logits
+    k = reference.config.num_experts_per_tok
+    for layer, (ours, theirs) in enumerate(zip(routes, logits)):
+        want = torch.topk(torch.softmax(theirs.float(), -1), k, -1).indices
+        got = torch.cat(ours)
+        assert got.shape == want.shape == (len(ids), k)
+        assert torch.equal(got, want), f"layer {layer}"
+    assert len({tuple(r) for r in torch.cat(routes[0]).tolist()}) > 3  # the tokens do not all go one way
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("weights, dtype", [("mapped", "float32"), ("dense", "float32")])
+def test_sequences_sharing_and_parting_experts_decode_their_own_bits(checkpoints, weights, dtype):
+    model = pagelm.load(checkpoints["gguf"][0], weights=weights, dtype=dtype)
+    prompts = [PROMPT, PROMPT[:4], [9, 200], [77]]
+    batched, alone = ([model.session(32) for _ in prompts] for _ in range(2))
+    for b, a, p in zip(batched, alone, prompts):
+        b.prefill(p)
+        a.prefill(p)
+    routes = _routes(model)
+    shared = parted = False
+    for _ in range(5):
+        tokens = [int(np.argmax(s.logits)) for s in alone]
+        before = len(routes[0])
+        rows = model.decode_batch(batched, tokens)
+        for calls in routes:  # the batched call's choices per layer: is an expert shared, a pair disjoint?
+            sets = [set(r) for r in calls[before].tolist()]
+            pairs = [(a, b) for i, a in enumerate(sets) for b in sets[i + 1 :]]
+            shared |= any(a & b for a, b in pairs)
+            parted |= any(not a & b for a, b in pairs)
+        for row, session, token in zip(rows, alone, tokens):
+            assert _same_bits(row, session.decode(token))
+    assert shared and parted
+
+
+def test_the_experts_are_read_in_place(checkpoints):
+    """In mapped mode each expert's operator reads its rows from the file map, and the weights'
+    anonymous memory holds no expert."""
+    path = checkpoints["gguf"][0]
+    model = pagelm.load(path, dtype="float32")
+    file = model.loader.file
+    buffer = file.tensor_buffer("blk.0.ffn_gate_exps.weight")[0]
+    experts = model.network.layers[0].experts
+    info = file.tensors["blk.0.ffn_down_exps.weight"]
+    per_expert = info.nbytes // info.shape[0]
+    for e, op in enumerate(experts.down):
+        assert isinstance(op, MappedLinear)
+        (part,) = op.parts
+        assert np.shares_memory(part.data, buffer)
+        assert part.offsets[0] == info.offset + e * per_expert and np.all(np.diff(part.offsets) == info.row_nbytes)
+    expert_bytes = sum(t.nbytes for name, t in file.tensors.items() if "_exps." in name)
+    assert model.loader.nbytes < expert_bytes / 4
+    dense = pagelm.load(path, weights="dense", dtype="float32")
+    assert dense.loader.nbytes > expert_bytes  # what mapped mode does not copy
+
+
+def test_an_expert_count_unlike_the_tensors_is_named(tmp_path):
+    model = tiny_decoder("qwen3moe-untied")
+    model.config.num_experts = 6  # the metadata says 6; the tensors hold 8
+    path = str(tmp_path / "bad.gguf")
+    write_decoder_gguf(model, path, "qwen3moe", GGMLType.F32)
+    with pytest.raises(ModelFormatError, match=r"blk\.0\.ffn_gate_exps\.weight.*\(8, 32, 64\).*\(6, 32, 64\)"):
+        pagelm.load(path)
