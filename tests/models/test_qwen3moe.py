@@ -103,8 +103,8 @@ def test_sequences_sharing_and_parting_experts_decode_their_own_bits(checkpoints
 
 
 def test_the_experts_are_read_in_place(checkpoints):
-    """In mapped mode each expert's operator reads its rows from the file map, and the weights'
-    anonymous memory holds no expert."""
+    """In mapped mode each expert's operator reads its rows where the file map holds them, the row
+    offsets one array for all, and the weights' anonymous memory holds no expert."""
     path = checkpoints["gguf"][0]
     model = pagelm.load(path, dtype="float32")
     file = model.loader.file
@@ -115,8 +115,10 @@ def test_the_experts_are_read_in_place(checkpoints):
     for e, op in enumerate(experts.down):
         assert isinstance(op, MappedLinear)
         (part,) = op.parts
-        assert np.shares_memory(part.data, buffer)
-        assert part.offsets[0] == info.offset + e * per_expert and np.all(np.diff(part.offsets) == info.row_nbytes)
+        assert np.shares_memory(part.data, buffer) and part.data.size == per_expert
+        assert part.data.ctypes.data == buffer.ctypes.data + info.offset + e * per_expert
+        assert part.offsets is experts.down[0].parts[0].offsets
+    assert list(experts.down[0].parts[0].offsets) == [r * info.row_nbytes for r in range(info.shape[1])]
     expert_bytes = sum(t.nbytes for name, t in file.tensors.items() if "_exps." in name)
     assert model.loader.nbytes < expert_bytes / 4
     dense = pagelm.load(path, weights="dense", dtype="float32")
