@@ -13,6 +13,7 @@ import torch
 import pagelm
 from pagelm.errors import ModelFormatError
 from pagelm.quant.types import GGMLType
+from pagelm.tools.convert import write_directory
 from pagelm.weights.linear import MappedLinear
 
 from hf_gguf import tiny_decoder, write_decoder_gguf
@@ -123,6 +124,22 @@ def test_the_experts_are_read_in_place(checkpoints):
     assert model.loader.nbytes < expert_bytes / 4
     dense = pagelm.load(path, weights="dense", dtype="float32")
     assert dense.loader.nbytes > expert_bytes  # what mapped mode does not copy
+
+
+def test_the_ggufs_hugging_face_twin_is_read_by_transformers_the_same_way(checkpoints, tmp_path):
+    """pagelm's GGUF → Hugging Face writer splits each 3-D expert tensor into transformers' per-expert
+    tensors and writes the experts' config keys (top-k renormalized, as the GGUF's)."""
+    import transformers
+
+    path, reference = checkpoints["gguf"]
+    twin = str(tmp_path / "twin")
+    write_directory(path, twin, "hf", quantized="f32")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    assert loaded.config.norm_topk_prob is True and loaded.config.num_experts == 8
+    with torch.inference_mode():
+        want = reference(torch.tensor([PROMPT])).logits[0].numpy()
+        assert rel(loaded(torch.tensor([PROMPT])).logits[0].numpy(), want) <= F32_REL_TOL
+    assert rel(pagelm.load(twin, dtype="float32").session(32).prefill(PROMPT), want[-1]) <= F32_REL_TOL
 
 
 def test_an_expert_count_unlike_the_tensors_is_named(tmp_path):
