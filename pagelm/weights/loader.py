@@ -211,9 +211,10 @@ class WeightLoader:
         self._small_nbytes += t.numel() * t.element_size()
         return t
 
-    def linear(self, in_features: int, *parts: Part) -> Linear:
+    def linear(self, in_features: int, *parts: Part, prefetch: bool = True) -> Linear:
         """The operator whose rows are the given tensors' rows, stacked in order (each tensor
-        (rows, in_features) in numpy order, optionally reordered)."""
+        (rows, in_features) in numpy order, optionally reordered). `prefetch`: in mapped mode, ask
+        the OS for the tensors' pages now, in the background."""
         sources, columns = [], []
         for name, rows, *order in parts:
             source = self._matrix(name, rows, in_features)
@@ -223,7 +224,7 @@ class WeightLoader:
                 rows_of = np.asarray(conversion.rows, np.int64)[rows_of]
             columns.append(None if conversion is None else conversion.columns)
             sources.append((source, rows_of))
-        op = self._dense(sources, in_features) if self.weights == "dense" else self._mapped(sources, in_features)
+        op = self._dense(sources, in_features) if self.weights == "dense" else self._mapped(sources, in_features, prefetch)
         self._operators.append(op)
         first = columns[0]
         if any((c is None) != (first is None) or (c is not None and not np.array_equal(c, first)) for c in columns):
@@ -235,13 +236,13 @@ class WeightLoader:
         `rows` rows of the expert tensor `name` ((n_experts, rows, in_features) in numpy order, GGUF's
         3-D ffn_*_exps), stacked in order; in mapped mode row ranges of the tensor read in place. A
         checkpoint that stores each expert's matrix apart (Hugging Face's) holds them as
-        `expert_tensor(name, e)`."""
+        `expert_tensor(name, e)`. Nothing is prefetched: a token reads only its experts' pages."""
         for name, rows in parts:
             if name in self.file.tensors:
                 tensor_info(self.file, name, (n_experts, rows, in_features))
         return [self.linear(in_features, *(
             (name, n_experts * rows, np.arange(e * rows, (e + 1) * rows)) if name in self.file.tensors
-            else (expert_tensor(name, e), rows) for name, rows in parts)) for e in range(n_experts)]
+            else (expert_tensor(name, e), rows) for name, rows in parts), prefetch=False) for e in range(n_experts)]
 
     def _matrix(self, name: str, rows: int, in_features: int) -> TensorInfo | TiledMatrix:
         """Matrix `name` of (rows, in_features) values: a tiled one, or the info of a GGML one."""
@@ -274,14 +275,15 @@ class WeightLoader:
             lo += len(order)
         return DenseLinear(fused.to(self.device))
 
-    def _mapped(self, sources, in_features: int) -> MappedLinear:
+    def _mapped(self, sources, in_features: int, prefetch: bool) -> MappedLinear:
         parts: list[RowGroup | TiledPart] = []
         lo, int8 = 0, self.weights == "mapped-int8"
         for source, order in sources:
             if isinstance(source, TiledMatrix):
                 tiles.check_tiles(source.data, source.kind, source.offset, source.groups, source.col_tiles)
                 parts.append(TiledPart(source, order, lo))
-                source.advise(mmap.MADV_WILLNEED)  # bring the matrix into the page cache in the background
+                if prefetch:
+                    source.advise(mmap.MADV_WILLNEED)  # bring the matrix into the page cache in the background
             else:
                 data, offsets = self._rows(source, order)
                 matmul.check_rows(data, source.ggml_type, offsets, in_features)
@@ -292,7 +294,8 @@ class WeightLoader:
                                          in_features, int8)
                 else:
                     parts.append(RowGroup(source.ggml_type, offsets, lo, data, in_features, int8))
-                MappedTensor(self.file, source.name).advise(mmap.MADV_WILLNEED)
+                if prefetch:
+                    MappedTensor(self.file, source.name).advise(mmap.MADV_WILLNEED)
             lo += len(order)
         return MappedLinear(parts, in_features, self.dtype, self.scratch)
 

@@ -15,6 +15,7 @@ from pagelm.errors import ModelFormatError
 from pagelm.quant.types import GGMLType
 from pagelm.tools.convert import write_directory
 from pagelm.weights.linear import MappedLinear
+from pagelm.weights.mapped import MappedTensor
 
 from hf_gguf import tiny_decoder, write_decoder_gguf
 from hf_oracle import F32_REL_TOL, PROMPT, check_greedy, greedy, rel
@@ -103,11 +104,16 @@ def test_sequences_sharing_and_parting_experts_decode_their_own_bits(checkpoints
     assert shared and parted
 
 
-def test_the_experts_are_read_in_place(checkpoints):
+def test_the_experts_are_read_in_place(checkpoints, monkeypatch):
     """In mapped mode each expert's operator reads its rows where the file map holds them, the row
-    offsets one array for all, and the weights' anonymous memory holds no expert."""
+    offsets one array for all, and the weights' anonymous memory holds no expert; the load asks the
+    OS for the other matrices' pages, not for the experts' (a token reads only its own experts')."""
     path = checkpoints["gguf"][0]
+    advised = []
+    advise = MappedTensor.advise
+    monkeypatch.setattr(MappedTensor, "advise", lambda self, *a: advised.append(self.name) or advise(self, *a))
     model = pagelm.load(path, dtype="float32")
+    assert "blk.0.attn_q.weight" in advised and not [name for name in advised if "_exps." in name]
     file = model.loader.file
     buffer = file.tensor_buffer("blk.0.ffn_gate_exps.weight")[0]
     experts = model.network.layers[0].experts
