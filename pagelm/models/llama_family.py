@@ -11,7 +11,9 @@ GGUF conventions handled here:
   back in Hugging Face's order (no copy in mapped mode) and rope is NeoX / rotate-half (pairs
   (i, i + D/2)) like transformers.
 - Optional per family: a bias on q, k and v (attn_{q,k,v}.bias); an RMSNorm of q and k per head
-  before rope (attn_{q,k}_norm.weight, head_dim values each).
+  before rope (attn_{q,k}_norm.weight, head_dim values each); a mixture of experts as every layer's
+  feed-forward (`models.moe`: ffn_gate_inp and the 3-D ffn_{gate,up,down}_exps), whose decode steps
+  take `_token_layers` in numpy, not TokenLayers' compiled layers.
 - RMSNorm weights are used as stored (no +1); no embedding scale.
 - rope scaling: `<arch>.rope.scaling.type` none or linear, and the llama3-style per-pair
   frequency factors: GGUF's `rope_freqs.weight`, or computed from a Hugging Face config's llama3
