@@ -40,8 +40,8 @@ from pagelm.models.layers import (KVState, apply_rope_, check_config, attend_spa
 from pagelm.models.rope_scaling import Llama3Scaling
 from pagelm.models.token_layers import K_NORM, TokenLayers
 from pagelm.models.token_ops import RopeRows, TokenStep, token_ropes
-from pagelm.weights.hf import (LLAMA3_KEYS, HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope,
-                               rope_scaling, tensor_maps)
+from pagelm.weights.hf import (LLAMA3_KEYS, HFConfig, HFLayout, decoder_hf_config, decoder_metadata, expert_tensor,
+                               hf_rope, rope_scaling, tensor_maps)
 from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
@@ -335,7 +335,7 @@ def family_layout(f: Family, config: HFConfig, hf_names: set[str] | None) -> HFL
         metadata.update(moe_metadata(f.arch, config, hf_names))
         for x in ("gate", "up", "down"):
             del per_layer[f"ffn_{x}.weight"]
-            per_layer.update({f"ffn_{x}_exps.weight.{e}": f"mlp.experts.{e}.{x}_proj.weight"
+            per_layer.update({expert_tensor(f"ffn_{x}_exps.weight", e): f"mlp.experts.{e}.{x}_proj.weight"
                               for e in range(metadata[f"{f.arch}.expert_count"])})
         per_layer["ffn_gate_inp.weight"] = "mlp.gate.weight"
     maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, per_layer)

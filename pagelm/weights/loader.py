@@ -102,8 +102,8 @@ def dequantize_tensor(
             f"got shape {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}"
         )
     if rows is not None:  # a view where the rows are a run of the tensor's, else a gather of their bytes
-        run = len(rows) > 0 and np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows)))
-        raw = raw[rows[0] : rows[0] + len(rows)] if run else raw[rows]
+        first = run_start(rows)
+        raw = raw[rows] if first is None else raw[first : first + len(rows)]
     rows = raw.shape[0]
     flat = out.view(rows, ne0)
     step = max(1, DECODE_CHUNK_VALUES // ne0)
@@ -118,6 +118,12 @@ def dequantize_tensor(
             decode_f32(raw[lo:hi], info.ggml_type, out=part)
             flat[lo:hi].copy_(torch.from_numpy(part))
     return out
+
+
+def run_start(rows: np.ndarray) -> int | None:
+    """The first of `rows` where they are consecutive ascending indices (a run), else None."""
+    first = int(rows[0]) if len(rows) else 0
+    return first if np.array_equal(rows, np.arange(first, first + len(rows))) else None
 
 
 # A part of a fused operator: (tensor name, rows) or (tensor name, rows, row order), where
@@ -304,8 +310,8 @@ class WeightLoader:
         3-D tensor is a view of its bytes whose offsets every such run of that many rows shares: one
         offset array per expert would be 8 bytes of anonymous memory a row (~170 MiB for Qwen3-30B-A3B)."""
         data, stride = self.file.tensor_buffer(info.name)[0], info.row_nbytes
-        first = int(order[0]) if len(order) else 0
-        if len(info.shape) != 3 or not np.array_equal(order, np.arange(first, first + len(order))):
+        first = run_start(order)
+        if len(info.shape) != 3 or first is None:
             return data, info.offset + order * stride
         offsets = self._runs.get((len(order), stride))
         if offsets is None:
