@@ -6,6 +6,8 @@ stay in the file; a file whose expert count disagrees with its tensors is refuse
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -26,15 +28,19 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/models/conftest.py
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """name -> (path, transformers model computing what it holds): a save_pretrained directory of a
-    model that does not renormalize its top-k (transformers' default) and an F32 GGUF of one that
-    does (as llama.cpp's qwen3moe always does)."""
+    """name -> (path, transformers float32 model computing what it holds): save_pretrained directories
+    of a model that does not renormalize its top-k (transformers' default), in float32 and in bf16 (as
+    the real checkpoints are), and an F32 GGUF of one that does (as llama.cpp's qwen3moe always does)."""
     root = tmp_path_factory.mktemp("qwen3moe")
     directory = tiny_decoder("qwen3moe-untied", norm_topk_prob=False)
     directory.save_pretrained(root / "hf")
+    copy.deepcopy(directory).to(torch.bfloat16).save_pretrained(root / "hf-bf16")
+    bf16 = copy.deepcopy(directory)  # float32, with the bf16 values (its rope tables stay float32's)
+    bf16.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in bf16.state_dict().items()})
     gguf = tiny_decoder("qwen3moe-untied")
     write_decoder_gguf(gguf, str(root / "f32.gguf"), "qwen3moe")
-    return {"hf": (str(root / "hf"), directory), "gguf": (str(root / "f32.gguf"), gguf)}
+    return {"hf": (str(root / "hf"), directory), "hf-bf16": (str(root / "hf-bf16"), bf16),
+            "gguf": (str(root / "f32.gguf"), gguf)}
 
 
 def _routes(model) -> list[list]:
@@ -44,9 +50,9 @@ def _routes(model) -> list[list]:
     return [w.experts.routes for w in model.network.layers]
 
 
-@pytest.mark.parametrize("weights", ["mapped", "dense"])
-def test_the_directory_in_place_matches_transformers(checkpoints, weights):
-    path, reference = checkpoints["hf"]
+@pytest.mark.parametrize("name, weights", [("hf", "mapped"), ("hf", "dense"), ("hf-bf16", "mapped")])
+def test_the_directory_in_place_matches_transformers(checkpoints, name, weights):
+    path, reference = checkpoints[name]
     model = pagelm.load(path, weights=weights, dtype="float32")
     tokens, logits = greedy(model, PROMPT)
     check_greedy(reference, PROMPT, tokens, logits, F32_REL_TOL)
