@@ -40,16 +40,20 @@ class Experts:
 
     def __call__(self, y: torch.Tensor, alone: bool) -> torch.Tensor:
         """The float32 sum over each row's top-k experts e of weight · down_e(silu(gate_e) · up_e) of
-        rows y (n, hidden): each expert once over the rows routed to it (index_select, a product,
-        a scatter back), then each row's experts added in its top-k order."""
+        rows y (n, hidden): each expert once over the rows routed to it (the rows gathered by expert,
+        a product per expert, put back in row order), then each row's experts added in its top-k order."""
         weights, chosen = self.route(y, alone)
         n, k = chosen.shape
-        outs = torch.empty(n * k, y.shape[1], dtype=torch.float32, device=y.device)  # row t·k + j: t's j-th
-        flat = chosen.reshape(-1)
-        for e in torch.unique(flat).tolist():
-            slots = torch.nonzero(flat == e).squeeze(1)
-            outs[slots] = self._expert(e, y.index_select(0, slots // k), alone).float()
-        outs = outs.view(n, k, -1).mul_(weights[:, :, None])
+        flat = chosen.reshape(-1)  # slot t·k + j: row t's j-th expert
+        slots = torch.argsort(flat, stable=True)  # the slots grouped by expert
+        experts, counts = torch.unique_consecutive(flat[slots], return_counts=True)
+        rows = y.index_select(0, slots // k)
+        done = torch.empty(n * k, y.shape[1], dtype=torch.float32, device=y.device)
+        lo = 0
+        for e, count in zip(experts.tolist(), counts.tolist()):
+            done[lo : lo + count] = self._expert(e, rows[lo : lo + count], alone)
+            lo += count
+        outs = done[torch.argsort(slots)].view(n, k, -1).mul_(weights[:, :, None])
         total = outs[:, 0].clone()
         for j in range(1, k):
             total += outs[:, j]
