@@ -15,6 +15,7 @@ import torch
 import pagelm
 from pagelm.errors import ModelFormatError
 from pagelm.quant.types import GGMLType
+from pagelm.serve.prefix_cache import PrefixCache
 from pagelm.tools.convert import write_directory
 from pagelm.weights.linear import MappedLinear
 from pagelm.weights.mapped import MappedTensor
@@ -108,6 +109,27 @@ def test_sequences_sharing_and_parting_experts_decode_their_own_bits(checkpoints
         for row, session, token in zip(rows, alone, tokens):
             assert _same_bits(row, session.decode(token))
     assert shared and parted
+
+
+def test_a_restored_checkpoint_and_the_prefix_cache_are_recomputing(checkpoints):
+    """A session brought back from a detour, and one the prefix cache restores a prompt into, decode
+    the bits of a session that computed the prompt itself."""
+    model = pagelm.load(checkpoints["gguf"][0], dtype="float32")
+    session, fresh = model.session(64), model.session(64)
+    session.prefill(PROMPT)
+    checkpoint = session.checkpoint()
+    cache = PrefixCache(slots=2, max_bytes=1 << 24)
+    entry = cache.store(session, whole=True)
+    session.prefill([1, 2, 3, 4, 5])  # a detour through other experts
+    session.decode(6)
+    session.restore(checkpoint)
+    restored = model.session(64)
+    restored.prefill([11, 12, 13])
+    cache.restore(entry, restored)
+    assert _same_bits(session.logits, fresh.prefill(PROMPT))
+    for token in (9, 99, 199):
+        want = fresh.decode(token)
+        assert _same_bits(session.decode(token), want) and _same_bits(restored.decode(token), want)
 
 
 def test_the_experts_are_read_in_place(checkpoints, monkeypatch):
