@@ -19,6 +19,8 @@ from pagelm.weights.linear import Linear
 
 @dataclass
 class Experts:
+    """One layer's mixture: its router and each expert's two operators, as the loader made them."""
+
     router: Linear  # (n_experts, hidden): ffn_gate_inp
     gate_up: list[Linear]  # per expert (2·ffn, hidden): its ffn_gate_exps rows, then its ffn_up_exps rows
     down: list[Linear]  # per expert (hidden, ffn)
