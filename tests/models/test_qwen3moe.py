@@ -1,19 +1,22 @@
-"""qwen3moe against transformers' own tiny random Qwen3MoeForCausalLM: its save_pretrained directory
-read in place and its GGUF (tests/hf_gguf.py; test_llama_family_vs_transformers.py runs the logits,
-greedy tokens and batched bits of the GGUFs) route every token to the experts transformers routes it
-to; a batched decode whose sequences share experts and part ways is each one's own bits; the experts
-stay in the file; a file whose expert count disagrees with its tensors is refused by name."""
+"""qwen3moe against transformers' own tiny random Qwen3MoeForCausalLM: its save_pretrained directories
+(float32, bf16) read in place match it; they and its GGUF (tests/hf_gguf.py; test_llama_family_vs_transformers.py
+runs the GGUFs' logits, greedy tokens and batched bits in F32, Q8_0 and MXFP4) route every token to the
+experts transformers routes it to; a batched decode whose sequences share experts and part ways is each
+one's own bits; checkpoints and the prefix cache are recomputing; the experts stay in the file; the
+GGUF's Hugging Face twin is transformers'; files that disagree with themselves are refused by name."""
 
 from __future__ import annotations
 
 import copy
+import json
+import shutil
 
 import numpy as np
 import pytest
 import torch
 
 import pagelm
-from pagelm.errors import ModelFormatError
+from pagelm.errors import ModelFormatError, PagelmError
 from pagelm.quant.types import GGMLType
 from pagelm.serve.prefix_cache import PrefixCache
 from pagelm.tools.convert import write_directory
@@ -176,10 +179,27 @@ def test_the_ggufs_hugging_face_twin_is_read_by_transformers_the_same_way(checkp
     assert rel(pagelm.load(twin, dtype="float32").session(32).prefill(PROMPT), want[-1]) <= F32_REL_TOL
 
 
-def test_an_expert_count_unlike_the_tensors_is_named(tmp_path):
+@pytest.mark.parametrize("key, value, words", [
+    ("num_experts", 6, r"tensor 'blk\.0\.ffn_gate_exps\.weight' has shape \(8, 32, 64\).*expected \(6, 32, 64\)"),
+    ("num_experts_per_tok", 9, r"expert_used_count 9 exceeds expert_count 8"),
+])
+def test_expert_counts_unlike_the_file_are_named(tmp_path, key, value, words):
     model = tiny_decoder("qwen3moe-untied")
-    model.config.num_experts = 6  # the metadata says 6; the tensors hold 8
+    setattr(model.config, key, value)  # the metadata says so; the tensors hold 8 experts
     path = str(tmp_path / "bad.gguf")
     write_decoder_gguf(model, path, "qwen3moe", GGMLType.F32)
-    with pytest.raises(ModelFormatError, match=r"blk\.0\.ffn_gate_exps\.weight.*\(8, 32, 64\).*\(6, 32, 64\)"):
+    with pytest.raises(ModelFormatError, match=words):
         pagelm.load(path)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"mlp_only_layers": [1]}, "dense feed-forward layers among the expert ones"),
+    ({"norm_topk_prob": "yes"}, "key 'norm_topk_prob' is 'yes', expected true or false"),
+])
+def test_a_directory_pagelm_cannot_read_as_it_says_is_refused_by_name(checkpoints, tmp_path, change, words):
+    directory = tmp_path / "changed"
+    shutil.copytree(checkpoints["hf"][0], directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(PagelmError, match=words):
+        pagelm.load(str(directory))
