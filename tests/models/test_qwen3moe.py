@@ -10,6 +10,9 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from dataclasses import replace
+
+import gguf
 
 import numpy as np
 import pytest
@@ -20,6 +23,7 @@ from pagelm.errors import ModelFormatError, PagelmError
 from pagelm.quant.types import GGMLType
 from pagelm.serve.prefix_cache import PrefixCache
 from pagelm.tools.convert import write_directory
+from pagelm.tools.synth import SHAPES, write_model
 from pagelm.weights.linear import MappedLinear
 from pagelm.weights.mapped import MappedTensor
 
@@ -161,6 +165,47 @@ def test_the_experts_are_read_in_place(checkpoints, monkeypatch):
     assert model.loader.nbytes < expert_bytes / 4
     dense = pagelm.load(path, weights="dense", dtype="float32")
     assert dense.loader.nbytes > expert_bytes  # what mapped mode does not copy
+
+
+def _transformers_of_gguf(path: str, shape):
+    """A transformers Qwen3MoeForCausalLM holding a synthetic qwen3moe GGUF's values, as gguf-py decodes them."""
+    import transformers
+
+    values = {t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), np.float32))
+              for t in gguf.GGUFReader(path).tensors}
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn, num_hidden_layers=shape.n_layers,
+        num_attention_heads=shape.n_head, num_key_value_heads=shape.n_head_kv, head_dim=shape.head_dim,
+        num_experts=shape.n_experts, num_experts_per_tok=shape.n_experts_used, moe_intermediate_size=shape.expert_ffn,
+        norm_topk_prob=True, rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_eps, tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    held = {"model.embed_tokens.weight": values["token_embd.weight"], "lm_head.weight": values["output.weight"],
+            "model.norm.weight": values["output_norm.weight"]}
+    names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "mlp.gate"}
+    for i in range(shape.n_layers):
+        b, p = f"blk.{i}.", f"model.layers.{i}."
+        held.update({p + hf + ".weight": values[b + name + ".weight"] for name, hf in names.items()})
+        held[p + "mlp.experts.gate_up_proj"] = torch.cat([values[b + "ffn_gate_exps.weight"],
+                                                         values[b + "ffn_up_exps.weight"]], 1)
+        held[p + "mlp.experts.down_proj"] = values[b + "ffn_down_exps.weight"]
+    model.load_state_dict(held)
+    return model
+
+
+def test_k_quant_experts_match_transformers_on_their_values(tmp_path):
+    """A synthetic Q4_K_M qwen3moe (Q4_K experts, Q6_K ffn_down_exps in a bumped layer, as the real
+    files are) in every weights mode against transformers on the values gguf-py decodes."""
+    shape = replace(SHAPES["qwen3-30b-a3b-tiny"], hidden=256, expert_ffn=256)
+    path = str(tmp_path / "q4_k_m.gguf")
+    plan = {t.name: t.ggml_type for t in write_model(path, shape, seed=1, mix="q4_k_m")}
+    assert {plan["blk.0.ffn_gate_exps.weight"], plan["blk.0.ffn_down_exps.weight"]} == {GGMLType.Q4_K}
+    assert plan["blk.1.ffn_down_exps.weight"] == GGMLType.Q6_K
+    reference = _transformers_of_gguf(path, shape)
+    for weights in ("mapped", "dense"):
+        tokens, logits = greedy(pagelm.load(path, weights=weights, dtype="float32"), PROMPT, steps=8)
+        check_greedy(reference, PROMPT, tokens, logits, F32_REL_TOL)
 
 
 def test_the_ggufs_hugging_face_twin_is_read_by_transformers_the_same_way(checkpoints, tmp_path):
