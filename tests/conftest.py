@@ -73,6 +73,11 @@ def lfm2_tiny_gguf(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def qwen3moe_tiny_gguf(tmp_path_factory) -> str:
+    return _tiny_q8_gguf(tmp_path_factory, "qwen3moe")
+
+
+@pytest.fixture(scope="session")
 def qwen35_chat_gguf(tmp_path_factory) -> str:
     """A synthetic Qwen3.5 with tiny layers and the real vocabulary, tokenizer and chat template."""
     from pagelm.tools.synth import SHAPES, write_model

@@ -10,9 +10,9 @@ architecture; adding one is adding its file. Importing this package loads no tor
 
 Shared pieces, each in one module: `layers` (norms, rope, attention over a KV cache, the gated
 MLP, KV state), `decoder` (the stack every architecture's `Model` is: segments, batches, pauses
-between layers), `llama_family` (the decoder llama, qwen2 and qwen3 share; each of their modules
-is its `Family`), `norms`, `token_ops` and `token_layers` (one decode token's kernels), `delta_rule`
-(Qwen3.5's Gated DeltaNet kernels).
+between layers), `llama_family` (the decoder llama, qwen2, qwen3 and qwen3moe share; each of their
+modules is its `Family`), `moe` (a mixture of experts' feed-forward), `norms`, `token_ops` and
+`token_layers` (one decode token's kernels), `delta_rule` (Qwen3.5's Gated DeltaNet kernels).
 
 Every architecture's forward has three paths, one arithmetic:
 - prefill (T > 1 tokens, or a token the kernels do not take): `Model._layers` in torch over the

@@ -11,7 +11,9 @@ GGUF conventions handled here:
   back in Hugging Face's order (no copy in mapped mode) and rope is NeoX / rotate-half (pairs
   (i, i + D/2)) like transformers.
 - Optional per family: a bias on q, k and v (attn_{q,k,v}.bias); an RMSNorm of q and k per head
-  before rope (attn_{q,k}_norm.weight, head_dim values each).
+  before rope (attn_{q,k}_norm.weight, head_dim values each); a mixture of experts as every layer's
+  feed-forward (`models.moe`: ffn_gate_inp and the 3-D ffn_{gate,up,down}_exps), whose decode steps
+  take `_token_layers` in numpy, not TokenLayers' compiled layers.
 - RMSNorm weights are used as stored (no +1); no embedding scale.
 - rope scaling: `<arch>.rope.scaling.type` none or linear, and the llama3-style per-pair
   frequency factors: GGUF's `rope_freqs.weight`, or computed from a Hugging Face config's llama3
@@ -32,13 +34,14 @@ import numpy as np
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.decoder import Decoder, Span, advance, per_sequence
+from pagelm.models.moe import Experts
 from pagelm.models.layers import (KVState, apply_rope_, check_config, attend_spans, attention, gated_mlp, inv_freq, rms_norm,
                                   rope_tables)
 from pagelm.models.rope_scaling import Llama3Scaling
 from pagelm.models.token_layers import K_NORM, TokenLayers
 from pagelm.models.token_ops import RopeRows, TokenStep, token_ropes
-from pagelm.weights.hf import (LLAMA3_KEYS, HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope,
-                               rope_scaling, tensor_maps)
+from pagelm.weights.hf import (LLAMA3_KEYS, HFConfig, HFLayout, decoder_hf_config, decoder_metadata, expert_tensor,
+                               hf_rope, rope_scaling, tensor_maps)
 from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
@@ -47,13 +50,19 @@ from pagelm.weights.loader import WeightLoader
 class Family:
     """What sets a llama-like architecture apart: its GGUF and Hugging Face names and switches."""
 
-    arch: str  # general.architecture, the metadata keys' prefix and config.json's model_type
+    arch: str  # general.architecture, the metadata keys' prefix and (unless hf_type) config.json's model_type
     hf_class: str  # config.json's architectures entry
     # qk_rows(rows, heads): the GGUF row of each Hugging Face row of attn_q / attn_k, where the
     # converter reorders them; None: as stored
     qk_rows: Callable[[int, int], np.ndarray] | None = None
     qkv_bias: bool = False  # attn_q/k/v have biases
     qk_norm: bool = False  # q and k are RMS-normed per head before rope
+    moe: bool = False  # the feed-forward is a mixture of experts (models.moe): ffn_gate_inp, ffn_{gate,up,down}_exps
+    hf_type: str | None = None  # config.json's model_type where it is not `arch`
+
+    @property
+    def model_type(self) -> str:
+        return self.hf_type or self.arch
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,13 @@ class FamilyConfig:
     rms_eps: float
     vocab: int  # rows of token_embd
     llama3: Llama3Scaling | None = None  # Llama 3.1's rope scaling from a config's numbers (else rope_freqs.weight)
+    # a mixture of experts (family.moe): expert_count, expert_used_count, expert_feed_forward_length,
+    # and whether the chosen experts' weights are renormalized (expert_weights_norm, llama.cpp's
+    # qwen3moe always does)
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn: int = 0
+    expert_norm: bool = True
 
     @classmethod
     def from_loader(cls, model: WeightLoader) -> FamilyConfig:
@@ -117,19 +133,27 @@ class FamilyConfig:
             vocab=embd[1],
             llama3=llama3,
         )
+        if cls.family.moe:
+            norm = opt("expert_weights_norm")
+            config = replace(config, n_experts=i("expert_count"), n_experts_used=i("expert_used_count"),
+                             expert_ffn=i("expert_feed_forward_length"), expert_norm=True if norm is None else bool(norm))
         config.validate(model.name)
         return config
 
     def validate(self, where: str | None = None) -> None:
         where = where or f"{self.family.arch} config"
+        moe = ("n_experts", "n_experts_used", "expert_ffn")
         counts = {name: value for name, value in vars(self).items()
-                  if name not in ("rope_base", "rope_scale", "rms_eps", "llama3")}
+                  if name not in ("rope_base", "rope_scale", "rms_eps", "llama3", "expert_norm")
+                  and (self.family.moe or name not in moe)}
         check_config(where, counts, (
             (self.n_heads % self.n_kv_heads == 0, f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}"),
             (self.head_dim % 2 == 0, f"head dim {self.head_dim} must be even"),
             (self.rope_base > 0, f"rope.freq_base {self.rope_base} must be > 0"),
             (self.rope_scale > 0, f"rope.scaling.factor {self.rope_scale} must be > 0"),
             (self.rms_eps > 0, f"attention.layer_norm_rms_epsilon {self.rms_eps} must be > 0"),
+            (self.n_experts_used <= self.n_experts,
+             f"expert_used_count {self.n_experts_used} exceeds expert_count {self.n_experts}"),
         ))
 
 
@@ -139,8 +163,9 @@ class FamilyLayer:
     qkv: Linear  # (H·D + 2·G·D, hidden): attn_q, attn_k (both in HF row order), attn_v
     out: Linear  # (hidden, H·D)
     ffn_norm: torch.Tensor
-    gate_up: Linear  # (2·ffn, hidden): ffn_gate then ffn_up
-    down: Linear  # (hidden, ffn)
+    gate_up: Linear | None  # (2·ffn, hidden): ffn_gate then ffn_up; None where the layer has experts
+    down: Linear | None  # (hidden, ffn)
+    experts: Experts | None = None  # the feed-forward of a family.moe layer
     qkv_bias: torch.Tensor | None = None  # (H·D + 2·G·D,) fp32, qkv's rows' order
     q_norm: torch.Tensor | None = None  # (D,) fp32
     k_norm: torch.Tensor | None = None
@@ -161,11 +186,22 @@ def load_layer(c: FamilyConfig, model: WeightLoader, i: int) -> FamilyLayer:
         qkv=model.linear(c.hidden, *qkv),
         out=model.linear(hd, (p + "attn_output.weight", c.hidden)),
         ffn_norm=model.tensor(p + "ffn_norm.weight", (c.hidden,)),
-        gate_up=model.linear(c.hidden, (p + "ffn_gate.weight", c.ffn), (p + "ffn_up.weight", c.ffn)),
-        down=model.linear(c.ffn, (p + "ffn_down.weight", c.hidden)),
+        gate_up=None if f.moe else model.linear(c.hidden, (p + "ffn_gate.weight", c.ffn), (p + "ffn_up.weight", c.ffn)),
+        down=None if f.moe else model.linear(c.ffn, (p + "ffn_down.weight", c.hidden)),
+        experts=load_experts(c, model, p) if f.moe else None,
         qkv_bias=bias,
         q_norm=model.tensor(p + "attn_q_norm.weight", (c.head_dim,)) if f.qk_norm else None,
         k_norm=model.tensor(p + "attn_k_norm.weight", (c.head_dim,)) if f.qk_norm else None,
+    )
+
+
+def load_experts(c: FamilyConfig, model: WeightLoader, p: str) -> Experts:
+    return Experts(  # the experts first: an expert count unlike their tensors' is named by the 3-D tensor
+        gate_up=model.experts(c.hidden, c.n_experts, (p + "ffn_gate_exps.weight", c.expert_ffn),
+                              (p + "ffn_up_exps.weight", c.expert_ffn)),
+        down=model.experts(c.expert_ffn, c.n_experts, (p + "ffn_down_exps.weight", c.hidden)),
+        router=model.linear(c.hidden, (p + "ffn_gate_inp.weight", c.n_experts)),
+        top_k=c.n_experts_used, normalize=c.expert_norm,
     )
 
 
@@ -230,7 +266,8 @@ class FamilyModel(Decoder):
 
             o = None if tokens is None else attend_spans(q, k, v, spans, i, tokens, scale)
             h += w.out(per_sequence(attend, spans, ropes) if o is None else o, alone)
-            h += gated_mlp(w.gate_up, w.down, rms_norm(h, w.ffn_norm, c.rms_eps), F.silu, alone, spans)
+            y = rms_norm(h, w.ffn_norm, c.rms_eps)
+            h += gated_mlp(w.gate_up, w.down, y, F.silu, alone, spans) if w.experts is None else w.experts(y, alone)
             yield
         advance(spans)
         return rms_norm(h, self.output_norm, c.rms_eps)
@@ -243,7 +280,7 @@ class FamilyModel(Decoder):
         n = h.shape[0]
         if self._compiled is None:
             per = K_NORM + 1 if c.family.qk_norm else 2  # the layers' norms: attn, ffn (and q, k)
-            self._compiled = TokenLayers.of(self.layers, per) or False
+            self._compiled = (not c.family.moe and TokenLayers.of(self.layers, per)) or False
         if self._compiled:
             h = yield from self._compiled.run(step, H, G, D, c.rms_eps, F.silu)
             advance(spans)
@@ -258,7 +295,9 @@ class FamilyModel(Decoder):
                 q = step.norm(q.reshape(n * H, D), w.q_norm, c.rms_eps, "q").reshape(n, H, D)
                 k = step.norm(k.reshape(n * G, D), w.k_norm, c.rms_eps, "k").reshape(n, G, D)
             h += step.product(w.out, step.attend(q, k, v, i), alone)
-            h += step.gated(w.gate_up, w.down, step.norm(h, w.ffn_norm, c.rms_eps, "norm"), F.silu, alone)
+            y = step.norm(h, w.ffn_norm, c.rms_eps, "norm")
+            h += step.gated(w.gate_up, w.down, y, F.silu, alone) if w.experts is None \
+                else w.experts(torch.from_numpy(y), alone).numpy()
             yield
         advance(spans)
         return torch.from_numpy(step.norm(h, self.output_norm, c.rms_eps))
@@ -292,6 +331,13 @@ def family_layout(f: Family, config: HFConfig, hf_names: set[str] | None) -> HFL
         per_layer.update({f"attn_{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"})
     if f.qk_norm:
         per_layer.update({f"attn_{x}_norm.weight": f"self_attn.{x}_norm.weight" for x in "qk"})
+    if f.moe:
+        metadata.update(moe_metadata(f.arch, config, hf_names))
+        for x in ("gate", "up", "down"):
+            del per_layer[f"ffn_{x}.weight"]
+            per_layer.update({expert_tensor(f"ffn_{x}_exps.weight", e): f"mlp.experts.{e}.{x}_proj.weight"
+                              for e in range(metadata[f"{f.arch}.expert_count"])})
+        per_layer["ffn_gate_inp.weight"] = "mlp.gate.weight"
     maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, per_layer)
     for i in range(0 if f.qk_rows is None else n_layers):
         for name, heads in (("attn_q.weight", n_heads), ("attn_k.weight", n_kv)):
@@ -301,15 +347,39 @@ def family_layout(f: Family, config: HFConfig, hf_names: set[str] | None) -> HFL
     return HFLayout(metadata, maps)
 
 
+def moe_metadata(arch: str, config: HFConfig, hf_names: set[str] | None) -> dict:
+    """A mixture of experts' GGUF keys from config.json (Qwen3-MoE's names); a checkpoint with dense
+    layers among the expert ones, or with each layer's experts fused into 3-D tensors, is refused."""
+    if config.int("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+        raise UnsupportedError(f"{config.name}: dense feed-forward layers among the expert ones (decoder_sparse_step, "
+                               f"mlp_only_layers) are not supported for {arch}")
+    fused = next((n for n in hf_names or () if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))), None)
+    if fused is not None:
+        raise UnsupportedError(f"{config.name}: tensor '{fused}' holds every expert of a layer; pagelm reads "
+                               f"Hugging Face experts one tensor each (mlp.experts.E.gate_proj.weight)")
+    norm = config.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise ModelFormatError(f"{config.name}: key 'norm_topk_prob' is {norm!r:.40}, expected true or false")
+    return {f"{arch}.expert_count": config.int("num_experts", config.get("num_local_experts")),
+            f"{arch}.expert_used_count": config.int("num_experts_per_tok"),
+            f"{arch}.expert_feed_forward_length": config.int("moe_intermediate_size"),
+            f"{arch}.expert_weights_norm": norm}
+
+
 def family_hf_config(f: Family, c: FamilyConfig, tied: bool) -> dict:
     """config.json for a Hugging Face twin of a checkpoint of family `f` with this config."""
-    return {"architectures": [f.hf_class], "model_type": f.arch, "hidden_act": "silu", "attention_bias": f.qkv_bias,
-            "rope_parameters": hf_rope(c.rope_base, c.rope_scale), **decoder_hf_config(c, tied)}
+    config = {"architectures": [f.hf_class], "model_type": f.model_type, "hidden_act": "silu",
+              "attention_bias": f.qkv_bias, "rope_parameters": hf_rope(c.rope_base, c.rope_scale),
+              **decoder_hf_config(c, tied)}
+    if f.moe:
+        config.update(num_experts=c.n_experts, num_experts_per_tok=c.n_experts_used,
+                      moe_intermediate_size=c.expert_ffn, norm_topk_prob=c.expert_norm)
+    return config
 
 
 def family_module(f: Family) -> tuple:
     """What the registry (pagelm.models) reads of a family's module: (GGUF_ARCHITECTURES,
     HF_MODEL_TYPES, Config, Model, hf_layout, hf_config)."""
     config = type(f.hf_class.removesuffix("ForCausalLM") + "Config", (FamilyConfig,), {"family": f})
-    return ((f.arch,), (f.arch,), config, FamilyModel, functools.partial(family_layout, f),
+    return ((f.arch,), (f.model_type,), config, FamilyModel, functools.partial(family_layout, f),
             functools.partial(family_hf_config, f))

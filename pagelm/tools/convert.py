@@ -27,7 +27,7 @@ from pagelm.models import architecture_module
 from pagelm.quant import GGMLType, f32_to_bf16
 from pagelm.quant.tiles import COLUMNS, ROWS, TILE_BYTES, TileKind, pack_groups
 from pagelm.weights.flm import MODEL_FILE, VERSION_KEY, copy_name, flm_layout
-from pagelm.weights.hf import CONFIG_NAME, HFConfig, TensorMap
+from pagelm.weights.hf import CONFIG_NAME, HFConfig, TensorMap, expert_tensor
 from pagelm.weights.loader import WeightLoader, dequantize_tensor
 
 Quantized = Literal["f32", "bf16"]
@@ -50,13 +50,19 @@ def _to_hf(gguf: np.ndarray, tmap: TensorMap) -> np.ndarray:
     return values if tmap.hf_shape is None else values.reshape(tmap.hf_shape)
 
 
-def _producer(file: GGUFFile, name: str, tmap: TensorMap, dtype: str) -> Callable[[], np.ndarray]:
+def _producer(file: GGUFFile, name: str, tmap: TensorMap, dtype: str,
+              rows: np.ndarray | None = None) -> Callable[[], np.ndarray]:
+    """The values of tensor `name`, or of its rows `rows` (one expert's of a 3-D tensor), as `tmap` says
+    the directory holds them."""
     def produce() -> np.ndarray:
+        info = file.tensors[name]
         if dtype != "F32" and tmap.to_hf is None and tmap.rows is None and tmap.columns is None \
-                and file.tensors[name].ggml_type == GGMLType[dtype]:
+                and info.ggml_type == GGMLType[dtype]:
             raw = file.tensor_data(name).view(np.uint16 if dtype == "BF16" else np.float16)
-            return raw.reshape(tmap.hf_shape or file.tensors[name].shape)  # the stored bits, untouched
-        values = _to_hf(dequantize_tensor(file, name).numpy(), tmap)
+            if rows is not None:
+                return raw.reshape(-1, info.dims[0])[rows]
+            return raw.reshape(tmap.hf_shape or info.shape)  # the stored bits, untouched
+        values = _to_hf(dequantize_tensor(file, name, rows=rows).numpy(), tmap)
         return f32_to_bf16(values) if dtype == "BF16" else values.astype(np.float16 if dtype == "F16" else np.float32)
     return produce
 
@@ -120,6 +126,13 @@ def write_directory(gguf_path: str, out_dir: str, container: Container = "hf", q
         tensors, tiled = [], []
         for name, info in file.tensors.items():
             tmap = maps.get(name)
+            if tmap is None and expert_tensor(name, 0) in maps:  # a 3-D expert tensor: one tensor per expert
+                dtype = _KEEP.get(info.ggml_type, "BF16" if quantized == "bf16" else "F32")
+                n = info.shape[1]
+                tensors += [TensorToWrite(maps[expert_tensor(name, e)].hf, dtype, info.shape[1:],
+                                          _producer(file, name, maps[expert_tensor(name, e)], dtype,
+                                                    np.arange(e * n, (e + 1) * n))) for e in range(info.shape[0])]
+                continue
             if tmap is None:
                 raise PagelmError(f"{gguf_path}: tensor '{name}' has no Hugging Face counterpart in pagelm's {arch} mapping")
             kind = _tile_kind(file, name, tmap, flm_version) if container == "flm" else None

@@ -13,7 +13,7 @@ Gemma fold their +1 in; the others use them as they are).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from pagelm.formats.gguf import GGUFValueType, Typed
@@ -108,6 +108,11 @@ class Shape:
     sliding_window: int = 0
     sliding_window_pattern: int = 6
     dense: tuple[int, ...] = ()
+    # qwen3moe: each layer's feed-forward a mixture of n_experts SiLU-gated MLPs of expert_ffn rows,
+    # n_experts_used of them per token
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn: int = 0
 
     @property
     def dim(self) -> int:
@@ -202,6 +207,22 @@ def _decoder_layer(qk_norms: bool = False, biases: bool = False):
     return layer
 
 
+def _moe_layer(s: Shape, i: int, matrix: Matrix, residual: float) -> list[PlannedTensor]:
+    """qwen3moe: qwen3's attention, then the router (ffn_gate_inp, kept F32 as llama.cpp's quantizer
+    keeps it) and the experts' 3-D tensors, ne = [n_in, n_out, n_experts], drawn as one matrix each."""
+    b, d, f, n = f"blk.{i}.", s.hidden, s.expert_ffn, s.n_experts
+
+    def experts(name: str, n_in: int, n_out: int, gain: float = 1.0) -> PlannedTensor:
+        return replace(matrix(b + name, n_in, n_out, gain), dims=(n_in, n_out, n))
+
+    return ([_vector(b + "attn_norm.weight", d, norm())]
+            + _attention(s, b, matrix, residual / _ATTN_BRANCH_RMS, qk_norms=True)
+            + [_vector(b + "ffn_norm.weight", d, norm()),
+               PlannedTensor(b + "ffn_gate_inp.weight", (d, n), F32, normal(1 / math.sqrt(d))),
+               experts("ffn_gate_exps.weight", d, f), experts("ffn_up_exps.weight", d, f),
+               experts("ffn_down_exps.weight", f, d, residual / _BRANCH_RMS)])
+
+
 def _lfm2_layer(s: Shape, i: int, matrix: Matrix, residual: float) -> list[PlannedTensor]:
     """Attention (q/k norms) or a gated short convolution: in_proj's rows are B, C and x; the
     depthwise taps ne = [l_cache, hidden]."""
@@ -280,6 +301,11 @@ def _rope_keys(s: Shape) -> dict:
     return {"rope.dimension_count": u32(s.head_dim)}
 
 
+def _moe_keys(s: Shape) -> dict:
+    return {**_rope_keys(s), "expert_count": u32(s.n_experts), "expert_used_count": u32(s.n_experts_used),
+            "expert_feed_forward_length": u32(s.expert_ffn)}
+
+
 def _lfm2_keys(s: Shape) -> dict:
     return {"attention.head_count_kv": i32_array([s.n_head_kv if i in s.attention_layers else 0
                                                  for i in range(s.n_layers)]),
@@ -314,6 +340,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen2": Architecture(_decoder_layer(biases=True), _rope_keys),
     "qwen3": Architecture(_decoder_layer(qk_norms=True), _rope_keys),
     "llama": Architecture(_decoder_layer(), _rope_keys, _llama_extra),
+    "qwen3moe": Architecture(_moe_layer, _moe_keys),
     "lfm2": Architecture(_lfm2_layer, _lfm2_keys, output_norm="token_embd_norm.weight"),
     "gemma-embedding": Architecture(_gemma_layer, _gemma_embedding_keys, _gemma_embedding_extra),
 }

@@ -20,9 +20,11 @@ def _qwen35(vocab: int, hidden: int, n_layers: int, ffn: int, n_head: int, n_hea
 
 
 def _decoder(arch: str, vocab: int, hidden: int, n_layers: int, ffn: int, n_head: int, n_head_kv: int,
-             head_dim: int, context_length: int, rope_theta: float, rms_eps: float = 1e-6, **fields) -> Shape:
-    """A tied-head model (every new family's real model ties its head: the Q8_0 token_embd is the only copy)."""
-    return Shape(vocab, hidden, Q8_0, None, n_layers=n_layers, ffn=ffn, n_head=n_head, n_head_kv=n_head_kv,
+             head_dim: int, context_length: int, rope_theta: float, rms_eps: float = 1e-6,
+             output_type: GGMLType | None = None, **fields) -> Shape:
+    """A tied-head model unless `output_type` (most new families' real models tie their head: the Q8_0
+    token_embd is the only copy)."""
+    return Shape(vocab, hidden, Q8_0, output_type, n_layers=n_layers, ffn=ffn, n_head=n_head, n_head_kv=n_head_kv,
                  head_dim=head_dim, context_length=context_length, rms_eps=rms_eps, rope_theta=rope_theta,
                  arch=arch, **fields)
 
@@ -71,12 +73,19 @@ SHAPES: dict[str, Shape] = {
     # Dense 768 → 3072, Dense 3072 → 768
     "embeddinggemma-300m": _decoder("gemma-embedding", 262_144, 768, 24, 1152, 3, 1, 256, 2048, 1e6,
                                     sliding_window=512, dense=(3072, 768)),
+    # huggingface.co/Qwen/Qwen3-30B-A3B config.json: 32 heads of 128, 4 kv heads, 48 layers, 128 experts
+    # of moe_intermediate_size 768, 8 per token (norm_topk_prob true), intermediate_size 6144, rope_theta 1e6,
+    # max_position_embeddings 40960, tie_word_embeddings false
+    "qwen3-30b-a3b": _decoder("qwen3moe", 151_936, 2048, 48, 6144, 32, 4, 128, 40_960, 1e6, output_type=Q8_0,
+                              n_experts=128, n_experts_used=8, expert_ffn=768),
     # tiny shapes of the same structure, for tests
     "qwen3-tiny": _decoder("qwen3", 4096, 128, 2, 256, 4, 2, 64, 4096, 1e6),
     "qwen2.5-tiny": _decoder("qwen2", 4096, 128, 2, 256, 4, 2, 32, 4096, 1e6),
     "llama3.2-tiny": _decoder("llama", 4096, 128, 2, 256, 4, 2, 32, 4096, 5e5, 1e-5, llama3_rope=_LLAMA3_ROPE),
     "lfm2-tiny": _decoder("lfm2", 4096, 128, 4, 256, 4, 2, 32, 4096, 1e6, 1e-5, attention_layers=(1, 3),
                           conv_kernel=3),
+    "qwen3-30b-a3b-tiny": _decoder("qwen3moe", 4096, 128, 2, 256, 4, 2, 32, 4096, 1e6, output_type=Q8_0,
+                                   n_experts=8, n_experts_used=2, expert_ffn=64),
     "embeddinggemma-tiny": _decoder("gemma-embedding", 4096, 128, 6, 192, 2, 1, 64, 2048, 1e6,
                                     sliding_window=8, dense=(256, 128)),
 }

@@ -228,6 +228,12 @@ def _tokenizer_metadata(path: str, config: HFConfig) -> dict[str, Any]:
     return out
 
 
+def expert_tensor(name: str, expert: int) -> str:
+    """The GGUF-side name of expert `expert`'s matrix of the 3-D expert tensor `name` (GGUF's
+    ffn_*_exps) in a checkpoint that stores each expert's matrix apart, as Hugging Face's do."""
+    return f"{name}.{expert}"
+
+
 def heads_tiled(n_key_heads: int, n_value_heads: int, head_dim: int) -> np.ndarray:
     """Rows of nv value heads of `head_dim` rows each, GGUF's tiled order from HF's grouped one:
     GGUF head j (serving key head j mod nk) is HF head (j mod nk)·r + j div nk, r = nv / nk."""

@@ -30,7 +30,7 @@ from pagelm.quant.precompile import compile_missing, model_jobs
 from pagelm.runtime.threads import kernel_threads
 from pagelm.weights.embedding import EmbeddingMode, OutputHead, RowFormat, TokenEmbedding, load_output_head, load_token_embedding
 from pagelm.weights.flm import FLMCheckpoint, TiledMatrix, is_flm_directory
-from pagelm.weights.hf import HFCheckpoint, HFLayouts, is_hf_directory
+from pagelm.weights.hf import HFCheckpoint, HFLayouts, expert_tensor, is_hf_directory
 from pagelm.weights.linear import ColumnOrder, DenseLinear, Linear, MappedLinear, RowGroup, Scratch, TiledPart
 from pagelm.weights.mapped import MappedTensor, tiled_matrices
 
@@ -82,25 +82,31 @@ def dequantize_tensor(
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
     shape: Sequence[int] | None = None,
+    rows: np.ndarray | None = None,
 ) -> torch.Tensor:
-    """Tensor `name` decoded to `dtype`, in numpy order (`info.shape`).
+    """Tensor `name` decoded to `dtype`, in numpy order (`info.shape`), or only its rows `rows`
+    (indices into its rows of ne0 values, in that order; e.g. one expert's of a 3-D tensor).
 
     Decodes `DECODE_CHUNK_VALUES`-sized runs of rows, straight into the result when it is a
-    float32 CPU tensor, else through one float32 scratch. `out` (contiguous, of the tensor's
-    element count; e.g. a row slice of a fused weight) receives the values instead of a new
-    tensor. `shape`, when given, is checked against the file's.
+    float32 CPU tensor, else through one float32 scratch. `out` (contiguous, of the element count
+    decoded; e.g. a row slice of a fused weight) receives the values instead of a new tensor.
+    `shape`, when given, is checked against the file's.
     """
     info = tensor_info(model, name, shape)
     ne0 = info.dims[0]
-    rows = info.n_elements // ne0
+    raw = model.tensor_data(name).reshape(info.n_elements // ne0, info.row_nbytes)
+    n_values = info.n_elements if rows is None else len(rows) * ne0
     if out is None:
-        out = torch.empty(info.shape, dtype=dtype)
-    elif out.numel() != info.n_elements or not out.is_contiguous():
+        out = torch.empty(info.shape if rows is None else (len(rows), ne0), dtype=dtype)
+    elif out.numel() != n_values or not out.is_contiguous():
         raise ValueError(
-            f"{model.name}: tensor '{name}': out must be contiguous with {info.n_elements} elements, "
+            f"{model.name}: tensor '{name}': out must be contiguous with {n_values} elements, "
             f"got shape {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}"
         )
-    raw = model.tensor_data(name).reshape(rows, info.row_nbytes)
+    if rows is not None:  # a view where the rows are a run of the tensor's, else a gather of their bytes
+        first = run_start(rows)
+        raw = raw[rows] if first is None else raw[first : first + len(rows)]
+    rows = raw.shape[0]
     flat = out.view(rows, ne0)
     step = max(1, DECODE_CHUNK_VALUES // ne0)
     direct = flat.dtype == torch.float32 and flat.device.type == "cpu"
@@ -114,6 +120,12 @@ def dequantize_tensor(
             decode_f32(raw[lo:hi], info.ggml_type, out=part)
             flat[lo:hi].copy_(torch.from_numpy(part))
     return out
+
+
+def run_start(rows: np.ndarray) -> int | None:
+    """The first of `rows` where they are consecutive ascending indices (a run), else None."""
+    first = int(rows[0]) if len(rows) else 0
+    return first if np.array_equal(rows, np.arange(first, first + len(rows))) else None
 
 
 # A part of a fused operator: (tensor name, rows) or (tensor name, rows, row order), where
@@ -140,6 +152,7 @@ class WeightLoader:
         self._operators: list[Linear] = []
         self._head: OutputHead | None = None
         self._small_nbytes = 0
+        self._runs: dict[tuple[int, int], np.ndarray] = {}  # _rows' shared offsets, by (rows, row bytes)
 
     @classmethod
     def open(cls, path: str, weights: WeightsMode = "mapped", dtype: torch.dtype = torch.float32,
@@ -206,9 +219,10 @@ class WeightLoader:
         self._small_nbytes += t.numel() * t.element_size()
         return t
 
-    def linear(self, in_features: int, *parts: Part) -> Linear:
+    def linear(self, in_features: int, *parts: Part, prefetch: bool = True) -> Linear:
         """The operator whose rows are the given tensors' rows, stacked in order (each tensor
-        (rows, in_features) in numpy order, optionally reordered)."""
+        (rows, in_features) in numpy order, optionally reordered). `prefetch`: in mapped mode, ask
+        the OS for the tensors' pages now, in the background."""
         sources, columns = [], []
         for name, rows, *order in parts:
             source = self._matrix(name, rows, in_features)
@@ -218,12 +232,25 @@ class WeightLoader:
                 rows_of = np.asarray(conversion.rows, np.int64)[rows_of]
             columns.append(None if conversion is None else conversion.columns)
             sources.append((source, rows_of))
-        op = self._dense(sources, in_features) if self.weights == "dense" else self._mapped(sources, in_features)
+        op = self._dense(sources, in_features) if self.weights == "dense" else self._mapped(sources, in_features, prefetch)
         self._operators.append(op)
         first = columns[0]
         if any((c is None) != (first is None) or (c is not None and not np.array_equal(c, first)) for c in columns):
             raise UnsupportedError(f"{self.name}: the parts of one operator reorder their columns differently")
         return op if first is None else ColumnOrder(op, first)
+
+    def experts(self, in_features: int, n_experts: int, *parts: tuple[str, int]) -> list[Linear]:
+        """One operator per expert of a mixture: expert e's rows are, for each part (name, rows), its
+        `rows` rows of the expert tensor `name` ((n_experts, rows, in_features) in numpy order, GGUF's
+        3-D ffn_*_exps), stacked in order; in mapped mode row ranges of the tensor read in place. A
+        checkpoint that stores each expert's matrix apart (Hugging Face's) holds them as
+        `expert_tensor(name, e)`. Nothing is prefetched: a token reads only its experts' pages."""
+        for name, rows in parts:
+            if name in self.file.tensors:
+                tensor_info(self.file, name, (n_experts, rows, in_features))
+        return [self.linear(in_features, *(
+            (name, n_experts * rows, np.arange(e * rows, (e + 1) * rows)) if name in self.file.tensors
+            else (expert_tensor(name, e), rows) for name, rows in parts), prefetch=False) for e in range(n_experts)]
 
     def _matrix(self, name: str, rows: int, in_features: int) -> TensorInfo | TiledMatrix:
         """Matrix `name` of (rows, in_features) values: a tiled one, or the info of a GGML one."""
@@ -233,7 +260,12 @@ class WeightLoader:
                 raise ModelFormatError(f"{self.name}: tensor '{matrix.name}' holds {matrix.rows} × {matrix.columns} "
                                        f"values, expected {rows} × {in_features}")
             return matrix
-        info = tensor_info(self.file, name, (rows, in_features))
+        info = tensor_info(self.file, name)
+        # a 3-D tensor (n_experts, rows, columns), one matrix per expert, is n_experts · rows rows
+        shape = info.shape if len(info.shape) != 3 else (info.shape[0] * info.shape[1], info.shape[2])
+        if tuple(shape) != (rows, in_features):
+            raise ModelFormatError(f"{self.name}: tensor '{name}' has shape {tuple(info.shape)} (numpy order), "
+                                   f"expected {(rows, in_features)}")
         if info.ggml_type not in DECODABLE:
             raise UnsupportedError(f"{self.name}: tensor '{name}' has type {info.ggml_type.name}, which pagelm "
                                    f"cannot compute with (supported: {', '.join(sorted(t.name for t in DECODABLE))})")
@@ -247,23 +279,21 @@ class WeightLoader:
             if isinstance(source, TiledMatrix):
                 part.copy_(torch.from_numpy(source.values()[order]))
             else:
-                dequantize_tensor(self.file, source.name, self.dtype, out=part)
-                if not np.array_equal(order, np.arange(len(order))):
-                    part.copy_(part[torch.from_numpy(order)])
+                dequantize_tensor(self.file, source.name, self.dtype, out=part, rows=order)
             lo += len(order)
         return DenseLinear(fused.to(self.device))
 
-    def _mapped(self, sources, in_features: int) -> MappedLinear:
+    def _mapped(self, sources, in_features: int, prefetch: bool) -> MappedLinear:
         parts: list[RowGroup | TiledPart] = []
         lo, int8 = 0, self.weights == "mapped-int8"
         for source, order in sources:
             if isinstance(source, TiledMatrix):
                 tiles.check_tiles(source.data, source.kind, source.offset, source.groups, source.col_tiles)
                 parts.append(TiledPart(source, order, lo))
-                source.advise(mmap.MADV_WILLNEED)  # bring the matrix into the page cache in the background
+                if prefetch:
+                    source.advise(mmap.MADV_WILLNEED)  # bring the matrix into the page cache in the background
             else:
-                data = self.file.tensor_buffer(source.name)[0]
-                offsets = source.offset + order * source.row_nbytes
+                data, offsets = self._rows(source, order)
                 matmul.check_rows(data, source.ggml_type, offsets, in_features)
                 last = parts[-1] if parts else None
                 if isinstance(last, RowGroup) and last.ggml_type == source.ggml_type \
@@ -272,9 +302,25 @@ class WeightLoader:
                                          in_features, int8)
                 else:
                     parts.append(RowGroup(source.ggml_type, offsets, lo, data, in_features, int8))
-                MappedTensor(self.file, source.name).advise(mmap.MADV_WILLNEED)
+                if prefetch:
+                    MappedTensor(self.file, source.name).advise(mmap.MADV_WILLNEED)
             lo += len(order)
         return MappedLinear(parts, in_features, self.dtype, self.scratch)
+
+    def _rows(self, info: TensorInfo, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(data, byte offsets in it) of rows `order` of a GGML tensor. An expert's run of rows of a
+        3-D tensor is a view of its bytes whose offsets every such run of that many rows shares: one
+        offset array per expert would be 8 bytes of anonymous memory a row (~170 MiB for Qwen3-30B-A3B)."""
+        data, stride = self.file.tensor_buffer(info.name)[0], info.row_nbytes
+        first = run_start(order)
+        if len(info.shape) != 3 or first is None:
+            return data, info.offset + order * stride
+        offsets = self._runs.get((len(order), stride))
+        if offsets is None:
+            offsets = self._runs[len(order), stride] = np.arange(len(order), dtype=np.int64) * stride
+            offsets.flags.writeable = False
+        at = info.offset + first * stride
+        return data[at : at + len(order) * stride], offsets
 
     def token_embedding(self, mode: EmbeddingMode, rows: RowFormat) -> TokenEmbedding:
         return load_token_embedding(self.file, mode, rows)

@@ -95,14 +95,16 @@ def test_qwen35_k_quant_mix_batched_steps_are_each_sessions_own_bits(qwen_tiny_k
 
 @pytest.mark.parametrize("weights", ["mapped", "dense"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("fixture", ["smollm2_gguf", "gemma3_gguf", "qwen2_tiny_gguf", "qwen3_tiny_gguf"])
+@pytest.mark.parametrize("fixture", ["smollm2_gguf", "gemma3_gguf", "qwen2_tiny_gguf", "qwen3_tiny_gguf",
+                                     "qwen3moe_tiny_gguf"])
 def test_llama_and_gemma3_batched_steps_are_each_sessions_own_bits(request, fixture, weights, dtype):
     joining_and_leaving(pagelm.load(request.getfixturevalue(fixture), weights=weights, dtype=dtype),
                         offset_rope=False)
 
 
-def test_a_full_batch_of_sessions_at_different_lengths(qwen_tiny):
-    model = pagelm.load(qwen_tiny, dtype="float32")
+@pytest.mark.parametrize("fixture", ["qwen_tiny", "qwen3moe_tiny_gguf"])  # qwen3moe: up to MAX_BATCH rows an expert
+def test_a_full_batch_of_sessions_at_different_lengths(request, fixture):
+    model = pagelm.load(request.getfixturevalue(fixture), dtype="float32")
     pairs = [Pair(model, PROMPTS[i % 4][: 1 + i % 5] + [i]) for i in range(MAX_BATCH)]
     step(model, pairs)
     step(model, pairs[::-1])
@@ -208,7 +210,7 @@ def test_a_prefill_dropped_half_way_leaves_nothing_behind_a_reset_or_restore(qwe
 @pytest.mark.parametrize("weights, dtype", [("mapped", "bfloat16"), ("dense", "float32")])
 @pytest.mark.parametrize("fixture, module", [("smollm2_gguf", "llama_family"), ("gemma3_gguf", "gemma3"),
                                              ("qwen2_tiny_gguf", "llama_family"), ("qwen3_tiny_gguf", "llama_family"),
-                                             ("lfm2_tiny_gguf", "lfm2")])
+                                             ("lfm2_tiny_gguf", "lfm2"), ("qwen3moe_tiny_gguf", "llama_family")])
 def test_the_token_step_in_numpy_gives_the_torch_layers_bits(request, monkeypatch, fixture, module, weights, dtype):
     """The one-token step in numpy between the kernels (token_ops.TokenStep) against the torch
     layers it stands in for, which take every step where TokenStep.of refuses it; the layers as
@@ -233,7 +235,8 @@ def test_the_token_step_in_numpy_gives_the_torch_layers_bits(request, monkeypatc
     monkeypatch.setattr(arch.TokenStep, "of", lambda *a: made.append(of(*a)) or made[-1])
     numpy_steps = run()
     assert len(made) >= 6 and all(step is not None for step in made)  # every decode step took it
-    assert bool(model.network._compiled) == (weights == "mapped")
+    moe = fixture == "qwen3moe_tiny_gguf"  # its experts are not compiled layers
+    assert bool(model.network._compiled) == (weights == "mapped" and not moe)
     model.network._compiled = False  # the numpy step's own layers
     assert all(same_bits(a, b) for a, b in zip(run(), numpy_steps))
     monkeypatch.setattr(arch.TokenStep, "of", lambda *a: None)

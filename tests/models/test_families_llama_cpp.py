@@ -1,7 +1,9 @@
 """Greedy generations of the new families' synthetic files against llama.cpp (optional: skipped
 when llama-cpp-python is not installed, as in CI). F32 weights, so that llama.cpp's products are
-float32 as pagelm's are (its quantized ones multiply 8-bit activations): Qwen3, Qwen2.5 and Llama 3.2
-(its rope scaled by rope_freqs) give the same 32 tokens."""
+float32 as pagelm's are (its quantized ones multiply 8-bit activations): Qwen3, Qwen3-MoE, Qwen2.5 and
+Llama 3.2 (its rope scaled by rope_freqs) give the same 32 tokens."""
+
+from dataclasses import replace
 
 import pytest
 from llama_cpp_oracle import import_llama_cpp, llama_cpp_greedy
@@ -17,9 +19,11 @@ NEW_TOKENS = 32
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
 
 
-@pytest.mark.parametrize("shape", ["qwen3-tiny", "qwen2.5-tiny", "llama3.2-tiny"])
+@pytest.mark.parametrize("shape", ["qwen3-tiny", "qwen3-30b-a3b-tiny", "qwen2.5-tiny", "llama3.2-tiny"])
 def test_greedy_tokens_match_llama_cpp(tmp_path, shape):
     path = str(tmp_path / f"{shape}.gguf")
-    write_model(path, SHAPES[shape], layer_type=GGMLType.F32, embedding_type=GGMLType.F32, seed=3, name=shape)
+    untied = SHAPES[shape].output_type is not None  # an F32 head too (qwen3moe's is untied)
+    write_model(path, replace(SHAPES[shape], output_type=GGMLType.F32 if untied else None), layer_type=GGMLType.F32,
+                embedding_type=GGMLType.F32, seed=3, name=shape)
     got = list(pagelm.load(path, dtype="float32").session(256).generate(PROMPT, SamplingParams(max_tokens=NEW_TOKENS)))
     assert got == llama_cpp_greedy(path, PROMPT, NEW_TOKENS)

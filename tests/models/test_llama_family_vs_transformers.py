@@ -1,4 +1,4 @@
-"""qwen2 and qwen3 GGUF files (written from transformers' own tiny random models the way llama.cpp's
+"""qwen2, qwen3 and qwen3moe GGUF files (written from transformers' own tiny random models the way llama.cpp's
 converter writes them, F32, Q8_0 and MXFP4, gpt-oss's expert codec) against transformers on the values
 the file holds: prefill, decode and greedy tokens in every weights mode; batched decode and checkpoints
 bit for bit."""

@@ -14,7 +14,8 @@ from pagelm.errors import UnsupportedError
 from pagelm.models import VISION_ARCHITECTURES, architecture_module, hf_layouts
 
 MODELS = pathlib.Path(pagelm.models.__file__).parent
-ARCHITECTURES = {"llama": ("llama",), "qwen2": ("qwen2",), "qwen3": ("qwen3",), "gemma3": ("gemma3", "gemma3_text"),
+ARCHITECTURES = {"llama": ("llama",), "qwen2": ("qwen2",), "qwen3": ("qwen3",), "qwen3moe": ("qwen3_moe",),
+                 "gemma3": ("gemma3", "gemma3_text"),
                  "qwen35": ("qwen3_5", "qwen3_5_text"), "lfm2": ("lfm2",)}
 
 
@@ -38,7 +39,7 @@ def test_each_architecture_is_found_by_its_names(arch):
 
 def test_unknown_names_are_refused_with_the_supported_ones():
     with pytest.raises(UnsupportedError, match=r"x.gguf: architecture 'mamba' is not supported \(supported: "
-                       r"gemma-embedding, gemma3, lfm2, llama, qwen2, qwen3, qwen35\)"):
+                       r"gemma-embedding, gemma3, lfm2, llama, qwen2, qwen3, qwen35, qwen3moe\)"):
         architecture_module("mamba", "x.gguf")
     with pytest.raises(UnsupportedError, match="config.json: model_type 7 is not supported"):
         hf_layouts(7, "config.json")

@@ -1,4 +1,4 @@
-"""Synthetic models of the other families (qwen3, qwen2, llama, lfm2, gemma-embedding): the plans
+"""Synthetic models of the other families (qwen3, qwen3moe, qwen2, llama, lfm2, gemma-embedding): the plans
 at the real geometries, the tiny files read back by gguf-py and pagelm, and the ones pagelm runs."""
 
 import math
@@ -15,20 +15,29 @@ from pagelm.tools.synth import SHAPES, model_metadata, plan_model, plan_nbytes, 
 from pagelm.tools.synth_arch import llama3_rope_factors
 
 F32, Q8_0, Q4_K, Q6_K = GGMLType.F32, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K
-TINY = ["qwen3-tiny", "qwen2.5-tiny", "llama3.2-tiny", "lfm2-tiny", "embeddinggemma-tiny"]
+TINY = ["qwen3-tiny", "qwen3-30b-a3b-tiny", "qwen2.5-tiny", "llama3.2-tiny", "lfm2-tiny", "embeddinggemma-tiny"]
 
 
-def _expected(arch, hidden, layers, ffn, heads, kv, head_dim, vocab, attention=None, dense=()):
-    """llama.cpp's tensor table of each architecture, written out by hand: name -> (ne dims, type)."""
+def _expected(arch, hidden, layers, ffn, heads, kv, head_dim, vocab, attention=None, dense=(), experts=None):
+    """llama.cpp's tensor table of each architecture, written out by hand: name -> (ne dims, type).
+    `experts`: (count, rows of each) of a mixture of experts, whose model has an untied head."""
     q, k = heads * head_dim, kv * head_dim
     final = "token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight"
     out = {"token_embd.weight": ((hidden, vocab), Q8_0), final: ((hidden,), F32)}
+    if experts is not None:
+        out["output.weight"] = ((hidden, vocab), Q8_0)
     for i in range(layers):
         b = f"blk.{i}."
         out[b + "attn_norm.weight"] = ((hidden,), F32)
         out[b + "ffn_norm.weight"] = ((hidden,), F32)
-        out[b + "ffn_gate.weight"] = out[b + "ffn_up.weight"] = ((hidden, ffn), Q8_0)
-        out[b + "ffn_down.weight"] = ((ffn, hidden), Q8_0)
+        if experts is not None:
+            n, rows = experts
+            out[b + "ffn_gate_inp.weight"] = ((hidden, n), F32)
+            out[b + "ffn_gate_exps.weight"] = out[b + "ffn_up_exps.weight"] = ((hidden, rows, n), Q8_0)
+            out[b + "ffn_down_exps.weight"] = ((rows, hidden, n), Q8_0)
+        else:
+            out[b + "ffn_gate.weight"] = out[b + "ffn_up.weight"] = ((hidden, ffn), Q8_0)
+            out[b + "ffn_down.weight"] = ((ffn, hidden), Q8_0)
         if attention is not None and i not in attention:  # lfm2's convolution layers
             out[b + "shortconv.in_proj.weight"] = ((hidden, 3 * hidden), Q8_0)
             out[b + "shortconv.conv.weight"] = ((3, hidden), F32)
@@ -39,7 +48,7 @@ def _expected(arch, hidden, layers, ffn, heads, kv, head_dim, vocab, attention=N
         out[b + "attn_output.weight"] = ((q, hidden), Q8_0)
         if arch == "qwen2":
             out[b + "attn_q.bias"], out[b + "attn_k.bias"], out[b + "attn_v.bias"] = ((q,), F32), ((k,), F32), ((k,), F32)
-        if arch in ("qwen3", "lfm2", "gemma-embedding"):
+        if arch in ("qwen3", "qwen3moe", "lfm2", "gemma-embedding"):
             out[b + "attn_q_norm.weight"] = out[b + "attn_k_norm.weight"] = ((head_dim,), F32)
         if arch == "gemma-embedding":
             out[b + "post_attention_norm.weight"] = out[b + "post_ffw_norm.weight"] = ((hidden,), F32)
@@ -60,7 +69,11 @@ GEOMETRIES = {
                       attention=(2, 5, 8, 10, 12, 14)),
     "embeddinggemma-300m": dict(arch="gemma-embedding", hidden=768, layers=24, ffn=1152, heads=3, kv=1, head_dim=256,
                                 vocab=262144, dense=(3072, 768)),
+    "qwen3-30b-a3b": dict(arch="qwen3moe", hidden=2048, layers=48, ffn=6144, heads=32, kv=4, head_dim=128,
+                          vocab=151936, experts=(128, 768)),
     "qwen3-tiny": dict(arch="qwen3", hidden=128, layers=2, ffn=256, heads=4, kv=2, head_dim=64, vocab=4096),
+    "qwen3-30b-a3b-tiny": dict(arch="qwen3moe", hidden=128, layers=2, ffn=256, heads=4, kv=2, head_dim=32, vocab=4096,
+                               experts=(8, 64)),
     "qwen2.5-tiny": dict(arch="qwen2", hidden=128, layers=2, ffn=256, heads=4, kv=2, head_dim=32, vocab=4096),
     "llama3.2-tiny": dict(arch="llama", hidden=128, layers=2, ffn=256, heads=4, kv=2, head_dim=32, vocab=4096),
     "lfm2-tiny": dict(arch="lfm2", hidden=128, layers=4, ffn=256, heads=4, kv=2, head_dim=32, vocab=4096,
@@ -127,6 +140,23 @@ def test_q4_k_m_counts_attn_v_over_the_attention_layers():
     gemma = _table(plan_model(SHAPES["embeddinggemma-300m"], mix="q4_k_m"))
     assert gemma["blk.0.ffn_down.weight"][1] == Q8_0  # 1152 is not whole 256-value blocks
     assert gemma["dense_2.weight"][1] == Q4_K
+
+
+def test_q4_k_m_of_the_experts_is_llama_cpps():
+    """qwen3-30b-a3b at Q4_K_M: Q4_K experts but ffn_down_exps Q6_K where use_more_bits bumps ffn_down,
+    the router F32 (llama.cpp never quantizes ffn_gate_inp), token_embd Q4_K beside a Q6_K output;
+    ~17.3 GiB, as the real file (18.6 GB); the experts' keys in the metadata."""
+    plan = _table(plan_model(SHAPES["qwen3-30b-a3b"], mix="q4_k_m"))
+    bumped = [i for i in range(48) if plan[f"blk.{i}.ffn_down_exps.weight"][1] == Q6_K]
+    assert bumped == [i for i in range(48) if i < 6 or i >= 42 or (i - 6) % 3 == 2]
+    assert all(plan[f"blk.{i}.ffn_down_exps.weight"][1] == Q4_K for i in range(48) if i not in bumped)
+    assert plan["blk.0.ffn_gate_exps.weight"] == ((2048, 768, 128), Q4_K)
+    assert plan["blk.0.ffn_gate_inp.weight"] == ((2048, 128), F32)
+    assert plan["token_embd.weight"][1] == Q4_K and plan["output.weight"][1] == Q6_K
+    assert round(plan_nbytes(plan_model(SHAPES["qwen3-30b-a3b"], mix="q4_k_m")) / 2**30, 1) == 17.3
+    md = model_metadata(SHAPES["qwen3-30b-a3b"], mix="q4_k_m")
+    assert [md[f"qwen3moe.{k}"].value for k in ("expert_count", "expert_used_count", "expert_feed_forward_length")] \
+        == [128, 8, 768]
 
 
 def test_llama3_rope_freqs_are_llama_cpps():
@@ -215,7 +245,7 @@ def test_same_seed_same_bytes(tmp_path, files):
     assert open(again, "rb").read() == original and open(other, "rb").read() != original
 
 
-@pytest.mark.parametrize("shape", ["qwen3-tiny", "qwen2.5-tiny", "llama3.2-tiny", "lfm2-tiny"])
+@pytest.mark.parametrize("shape", ["qwen3-tiny", "qwen3-30b-a3b-tiny", "qwen2.5-tiny", "llama3.2-tiny", "lfm2-tiny"])
 def test_pagelm_runs_the_decoders(files, shape):
     pytest.importorskip("torch")
     import pagelm
