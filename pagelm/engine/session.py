@@ -16,7 +16,7 @@ import torch
 
 from pagelm.engine.sampling import Constraint, Sampler, SamplingParams
 from pagelm.errors import PagelmError
-from pagelm.models.decoder import finish
+from pagelm.models.decoder import Trail, finish
 from pagelm.runtime import heap
 from pagelm.runtime import threads as threads_module
 from pagelm.vision.inputs import IMAGE_PAD
@@ -52,6 +52,8 @@ class Session:
         self.images: list[str] = []
         self.position_delta = 0
         self.logits: np.ndarray | None = None
+        self._trail = Trail()  # the last verify pass's per-row recurrent states, for rewind
+        self._pass: np.ndarray | None = None  # that pass's logits; None: no pass to rewind
 
     def reset(self) -> None:
         """Forget everything fed so far; the state's buffers are reused, not reallocated."""
@@ -63,6 +65,7 @@ class Session:
         self.images = []
         self.position_delta = 0
         self.logits = None
+        self._pass = None
 
     def check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -113,6 +116,7 @@ class Session:
             first = len(self.tokens) + self.position_delta
             positions, after = self.model.network.image_positions(first, ids.size, [(offset, *image.merged)
                                                                                     for offset, image in runs])
+        self._pass = None
         hidden = yield from self.model.network.forward_layers(x, self.state, positions)
         self.tokens.extend(ids.tolist())
         self.images.extend(image.key for image in images)
@@ -127,17 +131,49 @@ class Session:
         """Feed one token (normally the one just sampled); returns the next logits."""
         return self.prefill([token])
 
+    @torch.inference_mode()
+    def verify(self, tokens: Sequence[int]) -> np.ndarray:
+        """Feed 1 to MAX_GEMV_ROWS tokens (the last one chosen and drafts after it) in one pass;
+        returns the logits (n, vocab) after each, row r bit for bit what `decode(tokens[r])` returns
+        after tokens[:r] were decoded one at a time. The session then holds them all, as decoding
+        them would leave it; `rewind(rows)` keeps only the first rows, exactly."""
+        ids = self.check_tokens(tokens)
+        threads_module.use()
+        x = self.model.embed(ids)
+        positions = None
+        if self.position_delta:  # after an image: its own rope positions (text steps one by one)
+            positions, _ = self.model.network.image_positions(len(self.tokens) + self.position_delta, ids.size, [])
+        self._pass = None
+        hidden = self.model.network.decode_rows(x, self.state, self._trail, positions)
+        self._pass = self.model.head.logits(hidden.float().cpu().numpy())
+        self.tokens.extend(ids.tolist())
+        self.logits = self._pass[-1].copy()
+        return self._pass
+
+    def rewind(self, rows: int) -> None:
+        """Keep the first `rows` tokens of the last `verify` pass (1 to its length), dropping the
+        rest: the state (KV caches truncated, recurrent states from the pass's own copies), tokens
+        and logits exactly as after decoding those tokens alone. Again with fewer rows as long as
+        nothing else was fed."""
+        if self._pass is None:
+            raise PagelmError("rewind: no verify pass to rewind (something else was fed since)")
+        self._trail.rewind(self.state, rows)
+        del self.tokens[self.state.pos :]  # a token a position, the pass's from the trail's base
+        self.logits = self._pass[rows - 1].copy()
+
     @property
     def nbytes(self) -> int:
         """Anonymous bytes this session holds: its state (the resident pages of KV caches reserved
-        for max_len, the DeltaNet and conv states) and its last logits."""
-        return self.state.nbytes + (0 if self.logits is None else self.logits.nbytes)
+        for max_len, the DeltaNet and conv states), its last logits and the recurrent states a
+        verify pass kept for rewinding."""
+        return self.state.nbytes + (0 if self.logits is None else self.logits.nbytes) + self._trail.nbytes
 
     def checkpoint(self) -> Checkpoint:
         logits = None if self.logits is None else self.logits.copy()
         return Checkpoint(tuple(self.tokens), tuple(self.images), self.position_delta, self.state.checkpoint(), logits)
 
     def restore(self, checkpoint: Checkpoint) -> None:
+        self._pass = None
         self.state.restore(checkpoint.state)
         self.tokens = list(checkpoint.tokens)
         self.images = list(checkpoint.images)

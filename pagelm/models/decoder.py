@@ -1,6 +1,8 @@
 """What every decoder stack shares: input checks, inference mode, long prompts cut into segments,
-a forward pass that can pause between layers, and a decode step of several sequences. Owns no model
-math: each architecture implements `_layers(x, spans, alone)` over the rows of one or more sequences."""
+a forward pass that can pause between layers, a decode step of several sequences, and a pass of
+several consecutive tokens of one sequence computed as one-token steps (speculative decoding's
+verification) with the recurrent state each row leaves (`Trail`). Owns no model math: each
+architecture implements `_layers(x, spans, alone)` over the rows of one or more sequences."""
 
 from __future__ import annotations
 
@@ -58,6 +60,93 @@ def advance(spans: list) -> None:
     """Each span's state now holds its rows' tokens."""
     for s in spans:
         s.state.pos += s.hi - s.lo
+
+
+class Trail:
+    """The recurrent state (conv windows, DeltaNet states) a pass of one sequence's rows
+    (`Decoder.decode_rows`) leaves after each row but its last, in copies reused from pass to pass
+    (at most MAX_GEMV_ROWS - 1 of each tensor): what `rewind` puts back, no token decoded again.
+    Position-indexed KV needs none: rewinding moves `pos` back, and the positions after it are
+    written over before any query reads them."""
+
+    def __init__(self):
+        self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (row, id) -> (live, copy)
+        self.base, self.rows = 0, 0  # the state's pos before the last pass, the pass's rows
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(copy for _, copy in self._copies.values())
+
+    def keep(self, row: int, tensors) -> None:
+        """The state after `row`: a copy of each of `tensors` (live, advanced in place)."""
+        if row == self.rows - 1:  # the last row's state is the live one
+            return
+        for t in tensors:
+            entry = self._copies.get((row, id(t)))
+            if entry is None or entry[0] is not t:
+                entry = self._copies[(row, id(t))] = (t, torch.empty_like(t))
+            entry[1].copy_(t)
+
+    def rewind(self, state, rows: int) -> None:
+        """`state` (the one the last pass advanced) exactly as after the pass's first `rows` rows."""
+        if not 1 <= rows <= self.rows:
+            raise PagelmError(f"rewind to {rows} rows of a pass of {self.rows}")
+        if rows < self.rows:
+            with torch.inference_mode():
+                for (row, _), (live, copy) in self._copies.items():
+                    if row == rows - 1:
+                        live.copy_(copy)
+        state.pos = self.base + rows
+        self.rows = rows
+
+
+class RowState:
+    """Row `row` of a pass of consecutive tokens of one sequence through `_layers`: the sequence's
+    state as that row's one-token step sees it, at position state.pos + row; every other attribute
+    (caches, recurrent states) is the sequence's own. A model that advances a recurrent state in
+    place does it row after row (`waves`) and `keep`s it after each."""
+
+    def __init__(self, state, row: int, trail: Trail):
+        self.state, self.row, self.trail = state, row, trail
+        self.pos = state.pos + row
+
+    def __getattr__(self, name: str):
+        return getattr(self.state, name)
+
+
+def waves(spans: list) -> list[list[int]]:
+    """The spans' indices in groups that hold at most one row of each sequence, in row order: what
+    one call of a kernel that advances each sequence's recurrent state in place may take. A step of
+    distinct sequences is one group; a pass of one sequence's rows (RowState) a group per row."""
+    groups: dict[int, list[int]] = {}
+    for j, s in enumerate(spans):
+        groups.setdefault(s.state.row if isinstance(s.state, RowState) else 0, []).append(j)
+    return [groups[r] for r in sorted(groups)]
+
+
+def per_wave(fn, spans: list) -> torch.Tensor | None:
+    """fn(indices) — the rows of those spans, or None where a kernel does not take them — for each
+    of the spans' `waves` in order, the rows stacked in span order; None where fn refuses the first
+    (every wave is of the same tensors, so then nothing was touched)."""
+    groups = waves(spans)
+    if len(groups) == 1:
+        return fn(groups[0])
+    out = None
+    for g in groups:
+        part = fn(g)
+        if part is None:
+            return None
+        if out is None:
+            out = part.new_empty((len(spans), *part.shape[1:]))
+        out[g] = part
+    return out
+
+
+def keep(span: Span, *tensors: torch.Tensor) -> None:
+    """After a span's recurrent `tensors` advanced by its row: kept for rewinding where the row is
+    one of a pass (RowState); nothing otherwise."""
+    if isinstance(span.state, RowState):
+        span.state.trail.keep(span.state.row, tensors)
 
 
 class Decoder:
@@ -156,3 +245,27 @@ class Decoder:
         with torch.inference_mode():
             return finish(self._layers(x, [Span(s, i, i + 1, p) for i, (s, p) in enumerate(zip(states, positions))],
                                        alone=True))
+
+    def decode_rows(self, x: torch.Tensor, state, trail: Trail, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states (n, hidden) of n consecutive tokens of one sequence in one pass
+        (speculative decoding's verification): row r is bit for bit what `forward(x[r:r+1], state)`
+        gives after rows < r were fed one at a time. The products read each matrix once for all
+        rows (each row as alone, as decode_batch's); attention and every recurrent state step row
+        by row as one-token decode steps them, over the sequence's own caches. The state ends
+        after all n rows; `trail` keeps what each row left, for `trail.rewind(state, rows)`.
+        `positions` (3, n): multimodal rope positions, or None."""
+        self._check_input(x)
+        n = x.shape[0]
+        if not 1 <= n <= MAX_GEMV_ROWS:
+            raise PagelmError(f"decode_rows: {n} rows, expected 1 to {MAX_GEMV_ROWS}")
+        if state.pos + n > state.max_len:
+            raise PagelmError(f"decode_rows: pos {state.pos} + {n} tokens exceeds the state's max_len {state.max_len}")
+        if positions is not None and tuple(positions.shape) != (3, n):
+            raise PagelmError(f"decode_rows: positions of shape {tuple(positions.shape)}, expected (3, {n})")
+        trail.base, trail.rows = state.pos, n
+        spans = [Span(RowState(state, r, trail), r, r + 1, None if positions is None else positions[:, r : r + 1])
+                 for r in range(n)]
+        with torch.inference_mode():
+            hidden = finish(self._layers(x, spans, alone=True))
+        state.pos = trail.base + n
+        return hidden

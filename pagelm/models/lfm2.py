@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
-from pagelm.models.decoder import Decoder, Span, advance, nbytes, per_sequence
+from pagelm.models.decoder import Decoder, Span, advance, keep, nbytes, per_sequence
 from pagelm.models.layers import (KVCheckpoint, KVState, apply_rope_, attend_spans, attention, causal_conv1d,
                                   check_config, gated_mlp, inv_freq, rms_norm, rope_tables)
 from pagelm.models.token_ops import RopeRows, TokenStep, token_ropes
@@ -260,7 +260,7 @@ class Lfm2Model(Decoder):
         ropes = [self.token_rope(s.state.pos) if s.hi - s.lo == 1 else rope_tables(self.inv_freq, s.state.pos, s.hi - s.lo)
                  for s in spans]
         tokens = token_ropes(ropes) if x.shape[0] == len(spans) else None  # one token each: the batched kernels
-        step = None if tokens is None else TokenStep.of(x, [s.state.kv for s in spans], [tokens], c.head_dim**-0.5,
+        step = None if tokens is None else TokenStep.of(x, [s.state for s in spans], [tokens], c.head_dim**-0.5,
                                                         c.n_heads, c.n_kv_heads, c.head_dim)
         if step is not None:
             return (yield from self._token_layers(step, spans, alone))
@@ -295,8 +295,8 @@ class Lfm2Model(Decoder):
             qs, ks = q[s.lo : s.hi], k[s.lo : s.hi]
             apply_rope_(qs, *rope)
             apply_rope_(ks, *rope)
-            kv = s.state.kv
-            return attention(qs, ks, v[s.lo : s.hi], kv.layers[slot], kv.pos, scale, views=kv.views[slot])
+            kv = s.state  # its pos is the span's own (decoder.RowState), not always the KV state's
+            return attention(qs, ks, v[s.lo : s.hi], kv.kv.layers[slot], kv.pos, scale, views=kv.views[slot])
 
         o = None if tokens is None else attend_spans(q, k, v, spans, slot, tokens, scale)
         return w.out(per_sequence(attend, spans, ropes) if o is None else o, alone)
@@ -307,7 +307,9 @@ class Lfm2Model(Decoder):
         bx = proj[:, :n] * proj[:, 2 * n :]
 
         def shift(s: Span, _) -> torch.Tensor:
-            return causal_conv1d(bx[s.lo : s.hi], s.state.conv[slot], w.taps)
+            out = causal_conv1d(bx[s.lo : s.hi], s.state.conv[slot], w.taps)
+            keep(s, s.state.conv[slot])
+            return out
 
         return w.out(proj[:, n : 2 * n] * per_sequence(shift, spans, [None] * len(spans)), alone)
 
@@ -346,6 +348,7 @@ class Lfm2Model(Decoder):
                 out[i] += window[j] * taps[j]
             window[:-1] = window[1:]
             window[-1] = bx[i]
+            keep(s, s.state.conv[slot])
         return proj[:, n : 2 * n] * out
 
 
