@@ -3,20 +3,15 @@ position the bits decoding it alone gives, on every architecture, weights mode a
 a pass leaves exactly the state decoding only the kept tokens leaves; and answers, greedy and
 seeded, are the same with speculation on and off."""
 
-import dataclasses
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-import torch
 
 import pagelm
 from pagelm.errors import PagelmError
 from pagelm.quant import int8dot
-
-PROMPT = [11, 400, 7, 3000, 12, 5, 9, 33]
-PASSES = [[2, 1000, 17, 250, 8], [44, 61], [90, 3, 77, 300, 301, 302, 4]]  # tokens fed by each verify pass
+from rows_check import PROMPT, verify_and_rewind
 
 
 def _synth(path, shape, *extra):
@@ -28,41 +23,6 @@ def _synth(path, shape, *extra):
 @pytest.fixture(scope="module")
 def qwen_tiny(tmp_path_factory):
     return _synth(tmp_path_factory.mktemp("m") / "qwen3.5-tiny-gqa.gguf", "qwen3.5-tiny-gqa", "--layer-type", "Q8_0")
-
-
-def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
-
-
-def same_state(a, b) -> bool:
-    """The sessions hold the same tokens, logits, and recurrent state (the KV caches' positions are
-    checked by what decoding after them gives)."""
-    return (a.tokens == b.tokens and a.state.pos == b.state.pos and same_bits(a.logits, b.logits)
-            and all(torch.equal(x, y) for x, y in zip(a.state.fixed_tensors(), b.state.fixed_tensors())))
-
-
-def verify_and_rewind(model, position_delta: int = 0) -> None:
-    """Each pass's rows against decoding alone; then rewinds to fewer rows against a session that
-    decoded only those, and decoding and verifying on from there."""
-    spec, alone = model.session(max_len=64), model.session(max_len=64)
-    for s in (spec, alone):
-        s.prefill(PROMPT)
-        s.position_delta = position_delta  # as after an image: rope positions behind the token count
-    for tokens, keep in zip(PASSES, (3, 2, 1)):
-        rows = spec.verify(tokens)
-        assert rows.shape == (len(tokens), model.head.vocab_size)
-        reference = model.session(max_len=64)
-        reference.restore(alone.checkpoint())
-        for r, token in enumerate(tokens):
-            assert same_bits(rows[r], reference.decode(token)), f"row {r} of {tokens}"
-        assert same_state(spec, reference)
-        for token in tokens[:keep]:
-            alone.decode(token)
-        spec.rewind(len(tokens))  # all of them: nothing changes
-        spec.rewind(keep + 1) if keep + 1 < len(tokens) else None
-        spec.rewind(keep)  # again with fewer rows, nothing fed between
-        assert same_state(spec, alone), f"after keeping {keep} of {tokens}"
-    assert same_bits(spec.decode(9), alone.decode(9))
 
 
 WEIGHTS = [(w, d) for w in ("mapped", "dense") for d in ("float32", "bfloat16")] + [("mapped-int8", "bfloat16")]
