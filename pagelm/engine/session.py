@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pagelm.engine.sampling import Constraint, Sampler, SamplingParams
+from pagelm.engine.speculate import Speculator, speculative_tokens
 from pagelm.errors import PagelmError
 from pagelm.models.decoder import Trail, finish
 from pagelm.runtime import heap
@@ -182,17 +183,23 @@ class Session:
 
     def generate(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
                  cancel: threading.Event | None = None, constraint: Constraint | None = None,
-                 images: Sequence[ImageInput] = ()) -> Iterator[int]:
+                 images: Sequence[ImageInput] = (), speculate: str | Speculator = "off") -> Iterator[int]:
         """Prefill `prompt` (may be empty to continue from the current state) with the `images`
         among its tokens, then yield sampled tokens until a stop token, max_tokens, the context
         end, or `cancel` is set (checked before every step). A stop token is yielded, then
         generation ends. `constraint` (a grammar's matcher) forbids the tokens its grammar does
-        not allow at each step."""
+        not allow at each step. `speculate`: "off", "auto" or "lookup" (speculate.MODES), or a
+        Speculator (whose `stats` count the drafts): drafts checked in verify passes, the same
+        tokens and the same session state after them as without."""
+        speculator = Speculator.of(speculate) if isinstance(speculate, str) else speculate
         logits = self.prefill(prompt, images) if len(prompt) else self.logits
         if logits is None:
             raise PagelmError("generate needs a prompt or a prefilled session")
         chooser = Chooser(self, params, constraint)
         try:
+            if speculator is not None:
+                yield from speculative_tokens(self, chooser, logits, params.max_tokens, cancel, speculator)
+                return
             for _ in range(params.max_tokens):
                 if cancel is not None and cancel.is_set():
                     return
@@ -215,15 +222,18 @@ class Chooser:
         self.stops = set(params.stop_tokens) | set(session.model.eos_tokens)
         self.seen = Counter(session.tokens)
 
-    def choose(self, logits: np.ndarray) -> tuple[int, bool]:
-        """(the next token, whether generation ends with it: a stop token or the context's end)."""
+    def choose(self, logits: np.ndarray, held: int | None = None) -> tuple[int, bool]:
+        """(the next token, whether generation ends with it: a stop token or the context's end).
+        `held`: the tokens the sequence holds before it (default: the session's; a verify pass's
+        row r has its first tokens and r + 1 of the pass's)."""
+        held = len(self.session.tokens) if held is None else held
         if self.constraint is not None:
             # a copy: the session's logits stay the model's own (checkpoints keep them)
             logits = self.constraint.mask(logits.copy())
-        token = self.sampler.sample(logits, len(self.session.tokens), self.seen)
+        token = self.sampler.sample(logits, held, self.seen)
         if self.constraint is not None:
             self.constraint.accept(token)
-        done = token in self.stops or len(self.session.tokens) >= self.session.max_len
+        done = token in self.stops or held >= self.session.max_len
         if not done:
             self.seen[token] += 1
         return token, done

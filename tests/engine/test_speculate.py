@@ -3,15 +3,19 @@ position the bits decoding it alone gives, on every architecture, weights mode a
 a pass leaves exactly the state decoding only the kept tokens leaves; and answers, greedy and
 seeded, are the same with speculation on and off."""
 
+import dataclasses
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import pagelm
+from pagelm.engine.sampling import SamplingParams
+from pagelm.engine.speculate import PromptLookup, Speculator
 from pagelm.errors import PagelmError
 from pagelm.quant import int8dot
-from rows_check import PROMPT, verify_and_rewind
+from rows_check import PROMPT, same_state, verify_and_rewind
 
 
 def _synth(path, shape, *extra):
@@ -72,3 +76,124 @@ def test_a_verify_pass_at_the_context_end_and_bad_rewinds_are_refused(qwen_tiny)
     with pytest.raises(PagelmError, match="no verify pass"):
         session.rewind(1)
     assert session.tokens == PROMPT + [1, 2, 4]
+
+
+class Oracle:
+    """Drafts the answer a plain run gave (known in advance), every `wrong`-th of its tokens changed:
+    verify passes that keep every draft, some and none, on any model, whatever it generates."""
+
+    def __init__(self, prompt: list[int], answer: list[int], vocab: int, wrong: int = 4):
+        self.start, self.vocab, self.wrong = len(prompt), vocab, wrong
+        self.answer = answer
+
+    def draft(self, context, limit: int) -> list[int]:
+        at = len(context) - self.start
+        return [(t + 1) % self.vocab if (at + i) % self.wrong == self.wrong - 1 else t
+                for i, t in enumerate(self.answer[at : at + limit])]
+
+
+class NoMultiplesOf3:
+    """A constraint (as a grammar's matcher is one): forbids token ids divisible by 3, records the
+    tokens it is told were chosen."""
+
+    def __init__(self):
+        self.accepted = []
+
+    def mask(self, logits):
+        logits[::3] = -np.inf
+        return logits
+
+    def accept(self, token):
+        self.accepted.append(token)
+
+
+def _plain_and_speculative(model, prompt, params, source=None, constraints=(None, None), stop_after=None):
+    """(plain tokens, plain session, speculative tokens, its session, its speculator); with
+    `stop_after`, each generation is closed after that many tokens (a caller that stops reading)."""
+    runs = []
+    for speculate, constraint in zip(("off", "spec"), constraints):
+        session = model.session(max_len=96)
+        speculator = Speculator(source(session) if source else None) if speculate == "spec" else None
+        tokens = session.generate(prompt, params, constraint=constraint, speculate=speculator or "off")
+        got = list(tokens) if stop_after is None else [t for _, t in zip(range(stop_after), tokens)]
+        tokens.close()
+        runs += [got, session]
+    return (*runs, speculator)
+
+
+SAMPLINGS = [SamplingParams(max_tokens=40),
+             SamplingParams(temperature=0.8, top_p=0.9, seed=5, repetition_penalty=1.3, max_tokens=40),
+             SamplingParams(temperature=1.2, top_k=50, presence_penalty=0.5, seed=11, max_tokens=40)]
+
+
+@pytest.mark.parametrize("params", SAMPLINGS)
+def test_drafts_right_and_wrong_give_the_plain_answer_and_state(qwen_tiny, params):
+    model = pagelm.load(qwen_tiny, dtype="bfloat16")
+    prompt = [t % model.head.vocab_size for t in PROMPT]
+    plain = list(model.session(max_len=96).generate(prompt, params))
+    oracle = lambda _: Oracle(prompt, plain, model.head.vocab_size)  # noqa: E731
+    want, alone, got, spec, speculator = _plain_and_speculative(model, prompt, params, oracle)
+    assert got == want == plain and len(got) == 40
+    assert same_state(spec, alone)
+    s = speculator.stats
+    assert s.accepted > 0 and s.drafted > s.accepted and s.passes > 1
+    # a caller that stops reading anywhere leaves the session where plain decoding leaves it
+    for stop_after in (1, 2, 3, 5, 8, 13, 21):
+        want, alone, got, spec, _ = _plain_and_speculative(model, prompt, params, oracle, stop_after=stop_after)
+        assert got == want == plain[:stop_after] and same_state(spec, alone), f"stopped after {stop_after}"
+
+
+def test_stop_tokens_max_tokens_and_constraints_apply_per_position(qwen_tiny):
+    model = pagelm.load(qwen_tiny, dtype="float32")
+    prompt = [t % model.head.vocab_size for t in PROMPT]
+    params = SamplingParams(temperature=0.9, seed=2, max_tokens=30)
+    plain = list(model.session(max_len=96).generate(prompt, params))
+    oracle = lambda _: Oracle(prompt, plain, model.head.vocab_size, wrong=6)  # noqa: E731
+    stop = plain[17]
+    stopped = dataclasses.replace(params, stop_tokens=(stop,))
+    want, alone, got, spec, _ = _plain_and_speculative(model, prompt, stopped, oracle)
+    assert got == want == plain[: plain.index(stop) + 1] and same_state(spec, alone)
+    for max_tokens in (0, 1, 2, 9):
+        short = dataclasses.replace(params, max_tokens=max_tokens)
+        want, alone, got, spec, _ = _plain_and_speculative(model, prompt, short, oracle)
+        assert got == want == plain[:max_tokens] and same_state(spec, alone)
+    constraints = NoMultiplesOf3(), NoMultiplesOf3()
+    masked = list(model.session(max_len=96).generate(prompt, params, constraint=NoMultiplesOf3()))
+    oracle = lambda _: Oracle(prompt, masked, model.head.vocab_size, wrong=5)  # noqa: E731
+    want, alone, got, spec, speculator = _plain_and_speculative(model, prompt, params, oracle, constraints)
+    assert got == want == masked and all(t % 3 for t in got) and same_state(spec, alone)
+    assert constraints[0].accepted == constraints[1].accepted == got and speculator.stats.accepted > 0
+
+
+def test_the_context_end_ends_a_speculative_answer_where_it_ends_a_plain_one(qwen_tiny):
+    model = pagelm.load(qwen_tiny, dtype="float32")
+    prompt = [t % model.head.vocab_size for t in PROMPT]
+    params = SamplingParams(max_tokens=100)
+    answers = []
+    for speculate in ("off", Speculator(Oracle(prompt, [7] * 100, model.head.vocab_size, wrong=1000))):
+        session = model.session(max_len=len(prompt) + 11)
+        answers.append((list(session.generate(prompt, params, speculate=speculate)), session.tokens))
+    assert answers[0] == answers[1] and len(answers[0][0]) == 12
+
+
+@pytest.mark.parametrize("params, accepted", [(SamplingParams(max_tokens=24), 12),
+                                               (SamplingParams(temperature=0.7, seed=3, max_tokens=24), 1)])
+def test_prompt_lookup_on_a_text_that_repeats_gives_the_plain_answer(smollm2_chat, params, accepted):
+    model, text = smollm2_chat.model, "Roses are red, violets are blue, sugar is sweet, and so are you.\n"
+    prompt = smollm2_chat.tokenizer.encode(text * 3 + "Roses are")
+    want, alone, got, spec, speculator = _plain_and_speculative(model, prompt, params, lambda _: PromptLookup())
+    assert got == want and (len(got) == 24 or got[-1] in model.eos_tokens) and same_state(spec, alone)
+    assert speculator.stats.accepted >= accepted, speculator.stats
+
+
+def test_prompt_lookup_drafts_what_followed_the_longest_latest_n_gram():
+    lookup = PromptLookup(longest=3, shortest=2)
+    assert lookup.draft([1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 2, 3, 4], 3) == [6, 7, 2]  # 3-gram, latest
+    assert lookup.draft([1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 2, 3, 4], 1) == [6]
+    assert lookup.draft([5, 6, 7, 8, 1, 2, 3, 5, 6], 4) == [7, 8, 1, 2]  # only a 2-gram
+    assert lookup.draft([5, 6, 7, 8, 1, 2, 3, 6], 4) == []  # a 1-gram is too short
+    assert PromptLookup(shortest=1).draft([5, 6, 7, 8, 1, 2, 3, 6], 2) == [7, 8]
+    assert lookup.draft([4, 4, 4], 5) == [4]  # the context's own tail continues itself
+    assert lookup.draft([], 3) == lookup.draft([1], 3) == []
+    with pytest.raises(PagelmError):
+        PromptLookup(longest=1, shortest=2)

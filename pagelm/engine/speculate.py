@@ -1,0 +1,139 @@
+"""Speculative decoding of one session: where drafts come from (`PromptLookup`), how many to try
+(`Speculator`), and the generation loop that checks them in one verify pass and keeps what the
+sequence's own choice makes (`speculative_tokens`).
+
+Owns only which tokens to try and which to keep. Every logit comes from `Session.verify`, bit for bit
+decode's, and every token from the sequence's `Chooser` at its own position (a seeded draw depends
+on (seed, position) alone), so an answer is the same with speculation on or off.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+import numpy as np
+
+from pagelm.errors import PagelmError
+from pagelm.weights.linear import MAX_GEMV_ROWS
+
+if TYPE_CHECKING:
+    from pagelm.engine.session import Chooser, Session
+
+MODES = ("auto", "off", "lookup")  # `--speculate`; auto is lookup for now (the only source)
+MAX_DRAFTS = MAX_GEMV_ROWS - 1  # a verify pass is the last token chosen and the drafts after it
+
+
+class PromptLookup:
+    """Drafts from the context itself: the n-gram that ends it (at most `longest` tokens, at least
+    `shortest`; the longest found wins) found earlier in it, latest first, proposes the tokens
+    that followed it there."""
+
+    def __init__(self, longest: int = 3, shortest: int = 2):
+        if not 1 <= shortest <= longest:
+            raise PagelmError(f"prompt lookup n-grams of {shortest} to {longest} tokens")
+        self.longest, self.shortest = longest, shortest
+
+    def draft(self, context: Sequence[int], limit: int) -> list[int]:
+        ctx = np.asarray(context, dtype=np.int64)
+        end = ctx.size
+        for n in range(min(self.longest, end - 1), self.shortest - 1, -1):
+            # windows starting before end - n, so that a token follows each
+            windows = np.lib.stride_tricks.sliding_window_view(ctx[: end - 1], n)
+            hits = np.flatnonzero((windows == ctx[end - n :]).all(axis=1))
+            if hits.size:
+                at = int(hits[-1]) + n
+                return ctx[at : at + limit].tolist()
+        return []
+
+
+@dataclass
+class SpeculationStats:
+    """Drafted tokens, those the sequence's own choice kept, and the verify passes that checked them."""
+
+    drafted: int = 0
+    accepted: int = 0
+    passes: int = 0
+
+
+class Speculator:
+    """One generation's drafting: its source, how many tokens to draft next, and its counts. The
+    count grows while every draft is kept, falls to one past the kept ones when not; after passes
+    that kept nothing, drafting pauses for a while (doubling up to `MAX_PAUSE` steps), so that a
+    text that does not repeat costs few passes."""
+
+    MAX_PAUSE = 8
+
+    def __init__(self, source=None, most: int = MAX_DRAFTS, first: int = 4):
+        if not 1 <= most <= MAX_DRAFTS:
+            raise PagelmError(f"at most 1 to {MAX_DRAFTS} drafts a pass, got {most}")
+        self.source = source or PromptLookup()
+        self.most, self.next = most, min(first, most)
+        self.stats = SpeculationStats()
+        self._misses, self._pause = 0, 0
+
+    @classmethod
+    def of(cls, mode: str) -> Speculator | None:
+        """The speculator a `--speculate` mode asks for; None for off."""
+        if mode not in MODES:
+            raise PagelmError(f"speculate {mode!r}: expected one of {', '.join(MODES)}")
+        return None if mode == "off" else cls()
+
+    def draft(self, context: Sequence[int], room: int) -> list[int]:
+        """Up to `room` tokens to try after `context`."""
+        if self._pause:
+            self._pause -= 1
+            return []
+        return self.source.draft(context, min(self.next, room)) if room > 0 else []
+
+    def record(self, drafted: int, accepted: int) -> None:
+        s = self.stats
+        s.drafted, s.accepted, s.passes = s.drafted + drafted, s.accepted + accepted, s.passes + 1
+        self.next = min(self.next + 2, self.most) if accepted == drafted else accepted + 1
+        self._misses = self._misses + 1 if accepted == 0 else 0
+        self._pause = min(2 ** self._misses // 2, self.MAX_PAUSE)
+
+
+def speculative_tokens(session: Session, chooser: Chooser, logits: np.ndarray, max_tokens: int,
+                       cancel: threading.Event | None, speculator: Speculator) -> Iterator[int]:
+    """What `Session.generate` yields from `logits` on, token for token, with drafts checked in
+    verify passes: a pass feeds the last token chosen and the drafts after it; the chooser picks
+    each row's token (at that row's position) while it is the draft the next row fed; the session
+    is rewound to the row of the last token chosen. Whenever the caller stops taking tokens, the
+    session holds what generate's one-token steps leave it holding."""
+    if max_tokens < 1 or (cancel is not None and cancel.is_set()):
+        return
+    token, done = chooser.choose(logits)
+    produced = 0
+    while True:
+        yield token
+        produced += 1
+        if done:
+            return
+        if produced == max_tokens:  # as generate's last step, which feeds its last token
+            session.decode(token)
+            return
+        room = min(max_tokens - produced, session.max_len - len(session.tokens)) - 1
+        drafts = speculator.draft([*session.tokens, token], min(room, MAX_DRAFTS))
+        rows = session.verify([token, *drafts]) if drafts else session.decode(token)[None]
+        base, kept, matched = len(session.tokens) - len(rows), 0, 0
+        try:
+            for r in range(len(rows)):
+                kept = r + 1  # the rows decoding one token at a time holds when it chooses from row r
+                if cancel is not None and cancel.is_set():
+                    return
+                token, done = chooser.choose(rows[r], held=base + kept)
+                if r == len(drafts) or token != drafts[r] or done:
+                    break
+                matched += 1
+                yield token
+                produced += 1
+                if produced == max_tokens:
+                    kept = r + 2  # generate feeds its last token too: the pass's next row did
+                    return
+        finally:
+            if drafts:
+                speculator.record(len(drafts), matched)
+                if kept < len(rows):
+                    session.rewind(kept)
