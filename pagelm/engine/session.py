@@ -1,5 +1,6 @@
-"""One conversation over a model: its tokens, state and last logits; prefill, decode, generate,
-checkpoint and restore (`Session`), and a sequence's choice of its next tokens (`Chooser`).
+"""One conversation over a model: its tokens, state and last logits; prefill, decode, verify and
+rewind (several tokens checked at once, then the unkept ones dropped), generate, checkpoint and
+restore (`Session`), and a sequence's choice of its next tokens (`Chooser`).
 
 Owns the token bookkeeping of one sequence; the arithmetic is the network's and the kernels'.
 """
