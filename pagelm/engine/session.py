@@ -67,7 +67,7 @@ class Session:
         self.images = []
         self.position_delta = 0
         self.logits = None
-        self._pass = None
+        self.forget_pass()
 
     def check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -118,7 +118,7 @@ class Session:
             first = len(self.tokens) + self.position_delta
             positions, after = self.model.network.image_positions(first, ids.size, [(offset, *image.merged)
                                                                                     for offset, image in runs])
-        self._pass = None
+        self.forget_pass()
         hidden = yield from self.model.network.forward_layers(x, self.state, positions)
         self.tokens.extend(ids.tolist())
         self.images.extend(image.key for image in images)
@@ -145,12 +145,16 @@ class Session:
         positions = None
         if self.position_delta:  # after an image: its own rope positions (text steps one by one)
             positions, _ = self.model.network.image_positions(len(self.tokens) + self.position_delta, ids.size, [])
-        self._pass = None
+        self.forget_pass()
         hidden = self.model.network.decode_rows(x, self.state, self._trail, positions)
         self._pass = self.model.head.logits(hidden.float().cpu().numpy())
         self.tokens.extend(ids.tolist())
         self.logits = self._pass[-1].copy()
         return self._pass
+
+    def forget_pass(self) -> None:
+        """The last verify pass can no longer be rewound (something else is fed)."""
+        self._pass = None
 
     def rewind(self, rows: int) -> None:
         """Keep the first `rows` tokens of the last `verify` pass (1 to its length), dropping the
@@ -175,7 +179,7 @@ class Session:
         return Checkpoint(tuple(self.tokens), tuple(self.images), self.position_delta, self.state.checkpoint(), logits)
 
     def restore(self, checkpoint: Checkpoint) -> None:
-        self._pass = None
+        self.forget_pass()
         self.state.restore(checkpoint.state)
         self.tokens = list(checkpoint.tokens)
         self.images = list(checkpoint.images)

@@ -60,10 +60,10 @@ def test_real_models_verify_pass_rows_and_rewinds_are_one_token_decodes(request,
 
 def test_a_verify_pass_at_the_context_end_and_bad_rewinds_are_refused(qwen_tiny):
     model = pagelm.load(qwen_tiny, dtype="float32")
-    session = model.session(max_len=12)
+    session = model.session(max_len=14)
     session.prefill(PROMPT)
     with pytest.raises(PagelmError, match="context overflow"):
-        session.verify([1, 2, 3, 4, 5])
+        session.verify([1, 2, 3, 4, 5, 6, 7])
     with pytest.raises(PagelmError, match="no verify pass"):
         session.rewind(1)
     session.verify([1, 2, 3])
@@ -75,7 +75,11 @@ def test_a_verify_pass_at_the_context_end_and_bad_rewinds_are_refused(qwen_tiny)
     session.decode(4)
     with pytest.raises(PagelmError, match="no verify pass"):
         session.rewind(1)
-    assert session.tokens == PROMPT + [1, 2, 4]
+    session.verify([5])
+    model.decode_batch([session], [6])
+    with pytest.raises(PagelmError, match="no verify pass"):
+        session.rewind(1)
+    assert session.tokens == PROMPT + [1, 2, 4, 5, 6]
 
 
 class Oracle:
