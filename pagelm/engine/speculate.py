@@ -1,4 +1,4 @@
-"""Speculative decoding of one session: where drafts come from (`PromptLookup`), how many to try
+"""Speculative decoding of one session: where drafts come from (`PromptLookup`, `Prediction`), how many to try
 (`Speculator`), and the generation loop that checks them in one verify pass and keeps what the
 sequence's own choice makes (`speculative_tokens`).
 
@@ -25,27 +25,56 @@ MODES = ("auto", "off", "lookup")  # `--speculate`; auto is lookup for now (the 
 MAX_DRAFTS = MAX_GEMV_ROWS - 1  # a verify pass is the last token chosen and the drafts after it
 
 
+def _followers(text: np.ndarray, tail: np.ndarray) -> np.ndarray:
+    """Where in `text` a token follows an occurrence of `tail`: each occurrence's end."""
+    n = tail.size
+    if text.size <= n:
+        return np.empty(0, np.int64)
+    windows = np.lib.stride_tricks.sliding_window_view(text[:-1], n)  # each with a token after it
+    return np.flatnonzero((windows == tail).all(axis=1)) + n
+
+
 class PromptLookup:
     """Drafts from the context itself: the n-gram that ends it (at most `longest` tokens, at least
     `shortest`; the longest found wins) found earlier in it, latest first, proposes the tokens
-    that followed it there."""
+    that followed it there. (A draft source: `draft(context, start, limit)`, `start` where the
+    answer begins in the context.)"""
 
     def __init__(self, longest: int = 3, shortest: int = 2):
         if not 1 <= shortest <= longest:
             raise PagelmError(f"prompt lookup n-grams of {shortest} to {longest} tokens")
         self.longest, self.shortest = longest, shortest
 
-    def draft(self, context: Sequence[int], limit: int) -> list[int]:
+    def draft(self, context: Sequence[int], start: int, limit: int) -> list[int]:
         ctx = np.asarray(context, dtype=np.int64)
-        end = ctx.size
-        for n in range(min(self.longest, end - 1), self.shortest - 1, -1):
-            # windows starting before end - n, so that a token follows each
-            windows = np.lib.stride_tricks.sliding_window_view(ctx[: end - 1], n)
-            hits = np.flatnonzero((windows == ctx[end - n :]).all(axis=1))
+        for n in range(min(self.longest, ctx.size - 1), self.shortest - 1, -1):
+            hits = _followers(ctx, ctx[ctx.size - n :])
             if hits.size:
-                at = int(hits[-1]) + n
-                return ctx[at : at + limit].tolist()
+                return ctx[hits[-1] : hits[-1] + limit].tolist()
         return []
+
+
+class Prediction:
+    """Drafts from a text the answer is expected to mostly repeat (OpenAI's `prediction`, such as a
+    file being edited), as tokens: its start before the answer has any; then what follows, in the
+    prediction, the longest n-gram ending the answer (at most `longest` tokens), the occurrence
+    nearest after the last one followed; `then` (another source, or None) where nothing matches."""
+
+    def __init__(self, tokens: Sequence[int], then=None, longest: int = 3):
+        self.tokens, self.then, self.longest = np.asarray(tokens, dtype=np.int64), then, longest
+        self._at = 0  # where in the prediction the last draft came from
+
+    def draft(self, context: Sequence[int], start: int, limit: int) -> list[int]:
+        answer = np.asarray(context[start:], dtype=np.int64)
+        if answer.size == 0:
+            return self.tokens[:limit].tolist()
+        for n in range(min(self.longest, answer.size), 0, -1):
+            hits = _followers(self.tokens, answer[answer.size - n :])
+            if hits.size:
+                ahead = hits[hits >= self._at]
+                self._at = int(ahead[0] if ahead.size else hits[-1])
+                return self.tokens[self._at : self._at + limit].tolist()
+        return [] if self.then is None else self.then.draft(context, start, limit)
 
 
 @dataclass
@@ -80,12 +109,12 @@ class Speculator:
             raise PagelmError(f"speculate {mode!r}: expected one of {', '.join(MODES)}")
         return None if mode == "off" else cls()
 
-    def draft(self, context: Sequence[int], room: int) -> list[int]:
-        """Up to `room` tokens to try after `context`."""
+    def draft(self, context: Sequence[int], start: int, room: int) -> list[int]:
+        """Up to `room` tokens to try after `context`, whose answer begins at `start`."""
         if self._pause:
             self._pause -= 1
             return []
-        return self.source.draft(context, min(self.next, room)) if room > 0 else []
+        return self.source.draft(context, start, min(self.next, room)) if room > 0 else []
 
     def record(self, drafted: int, accepted: int) -> None:
         s = self.stats
@@ -105,7 +134,7 @@ def speculative_tokens(session: Session, chooser: Chooser, logits: np.ndarray, m
     if max_tokens < 1 or (cancel is not None and cancel.is_set()):
         return
     token, done = chooser.choose(logits)
-    produced = 0
+    produced, start = 0, len(session.tokens)
     while True:
         yield token
         produced += 1
@@ -115,7 +144,7 @@ def speculative_tokens(session: Session, chooser: Chooser, logits: np.ndarray, m
             session.decode(token)
             return
         room = min(max_tokens - produced, session.max_len - len(session.tokens)) - 1
-        drafts = speculator.draft([*session.tokens, token], min(room, MAX_DRAFTS))
+        drafts = speculator.draft([*session.tokens, token], start, min(room, MAX_DRAFTS))
         rows = session.verify([token, *drafts]) if drafts else session.decode(token)[None]
         base, kept, matched = len(session.tokens) - len(rows), 0, 0
         try:

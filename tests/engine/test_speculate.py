@@ -12,7 +12,7 @@ import pytest
 
 import pagelm
 from pagelm.engine.sampling import SamplingParams
-from pagelm.engine.speculate import PromptLookup, Speculator
+from pagelm.engine.speculate import Prediction, PromptLookup, Speculator
 from pagelm.errors import PagelmError
 from pagelm.quant import int8dot
 from rows_check import PROMPT, same_state, verify_and_rewind
@@ -86,12 +86,11 @@ class Oracle:
     """Drafts the answer a plain run gave (known in advance), every `wrong`-th of its tokens changed:
     verify passes that keep every draft, some and none, on any model, whatever it generates."""
 
-    def __init__(self, prompt: list[int], answer: list[int], vocab: int, wrong: int = 4):
-        self.start, self.vocab, self.wrong = len(prompt), vocab, wrong
-        self.answer = answer
+    def __init__(self, answer: list[int], vocab: int, wrong: int = 4):
+        self.answer, self.vocab, self.wrong = answer, vocab, wrong
 
-    def draft(self, context, limit: int) -> list[int]:
-        at = len(context) - self.start
+    def draft(self, context, start: int, limit: int) -> list[int]:
+        at = len(context) - start
         return [(t + 1) % self.vocab if (at + i) % self.wrong == self.wrong - 1 else t
                 for i, t in enumerate(self.answer[at : at + limit])]
 
@@ -135,7 +134,7 @@ def test_drafts_right_and_wrong_give_the_plain_answer_and_state(qwen_tiny, param
     model = pagelm.load(qwen_tiny, dtype="bfloat16")
     prompt = [t % model.head.vocab_size for t in PROMPT]
     plain = list(model.session(max_len=96).generate(prompt, params))
-    oracle = lambda _: Oracle(prompt, plain, model.head.vocab_size)  # noqa: E731
+    oracle = lambda _: Oracle(plain, model.head.vocab_size)  # noqa: E731
     want, alone, got, spec, speculator = _plain_and_speculative(model, prompt, params, oracle)
     assert got == want == plain and len(got) == 40
     assert same_state(spec, alone)
@@ -152,7 +151,7 @@ def test_stop_tokens_max_tokens_and_constraints_apply_per_position(qwen_tiny):
     prompt = [t % model.head.vocab_size for t in PROMPT]
     params = SamplingParams(temperature=0.9, seed=2, max_tokens=30)
     plain = list(model.session(max_len=96).generate(prompt, params))
-    oracle = lambda _: Oracle(prompt, plain, model.head.vocab_size, wrong=6)  # noqa: E731
+    oracle = lambda _: Oracle(plain, model.head.vocab_size, wrong=6)  # noqa: E731
     stop = plain[17]
     stopped = dataclasses.replace(params, stop_tokens=(stop,))
     want, alone, got, spec, _ = _plain_and_speculative(model, prompt, stopped, oracle)
@@ -163,7 +162,7 @@ def test_stop_tokens_max_tokens_and_constraints_apply_per_position(qwen_tiny):
         assert got == want == plain[:max_tokens] and same_state(spec, alone)
     constraints = NoMultiplesOf3(), NoMultiplesOf3()
     masked = list(model.session(max_len=96).generate(prompt, params, constraint=NoMultiplesOf3()))
-    oracle = lambda _: Oracle(prompt, masked, model.head.vocab_size, wrong=5)  # noqa: E731
+    oracle = lambda _: Oracle(masked, model.head.vocab_size, wrong=5)  # noqa: E731
     want, alone, got, spec, speculator = _plain_and_speculative(model, prompt, params, oracle, constraints)
     assert got == want == masked and all(t % 3 for t in got) and same_state(spec, alone)
     assert constraints[0].accepted == constraints[1].accepted == got and speculator.stats.accepted > 0
@@ -174,7 +173,7 @@ def test_the_context_end_ends_a_speculative_answer_where_it_ends_a_plain_one(qwe
     prompt = [t % model.head.vocab_size for t in PROMPT]
     params = SamplingParams(max_tokens=100)
     answers = []
-    for speculate in ("off", Speculator(Oracle(prompt, [7] * 100, model.head.vocab_size, wrong=1000))):
+    for speculate in ("off", Speculator(Oracle([7] * 100, model.head.vocab_size, wrong=1000))):
         session = model.session(max_len=len(prompt) + 11)
         answers.append((list(session.generate(prompt, params, speculate=speculate)), session.tokens))
     assert answers[0] == answers[1] and len(answers[0][0]) == 12
@@ -192,12 +191,40 @@ def test_prompt_lookup_on_a_text_that_repeats_gives_the_plain_answer(smollm2_cha
 
 def test_prompt_lookup_drafts_what_followed_the_longest_latest_n_gram():
     lookup = PromptLookup(longest=3, shortest=2)
-    assert lookup.draft([1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 2, 3, 4], 3) == [6, 7, 2]  # 3-gram, latest
-    assert lookup.draft([1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 2, 3, 4], 1) == [6]
-    assert lookup.draft([5, 6, 7, 8, 1, 2, 3, 5, 6], 4) == [7, 8, 1, 2]  # only a 2-gram
-    assert lookup.draft([5, 6, 7, 8, 1, 2, 3, 6], 4) == []  # a 1-gram is too short
-    assert PromptLookup(shortest=1).draft([5, 6, 7, 8, 1, 2, 3, 6], 2) == [7, 8]
-    assert lookup.draft([4, 4, 4], 5) == [4]  # the context's own tail continues itself
-    assert lookup.draft([], 3) == lookup.draft([1], 3) == []
+    assert lookup.draft([1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 2, 3, 4], 0, 3) == [6, 7, 2]  # 3-gram, latest
+    assert lookup.draft([1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 2, 3, 4], 0, 1) == [6]
+    assert lookup.draft([5, 6, 7, 8, 1, 2, 3, 5, 6], 0, 4) == [7, 8, 1, 2]  # only a 2-gram
+    assert lookup.draft([5, 6, 7, 8, 1, 2, 3, 6], 0, 4) == []  # a 1-gram is too short
+    assert PromptLookup(shortest=1).draft([5, 6, 7, 8, 1, 2, 3, 6], 0, 2) == [7, 8]
+    assert lookup.draft([4, 4, 4], 0, 5) == [4]  # the context's own tail continues itself
+    assert lookup.draft([], 0, 3) == lookup.draft([1], 0, 3) == []
     with pytest.raises(PagelmError):
         PromptLookup(longest=1, shortest=2)
+
+
+def test_a_prediction_drafts_its_start_then_follows_the_answer_through_edits():
+    prediction = Prediction([10, 11, 12, 13, 10, 11, 14, 15, 16], then=PromptLookup())
+    prompt = [1, 2, 3]
+    assert prediction.draft(prompt, 3, 4) == [10, 11, 12, 13]  # no answer yet: the prediction's start
+    assert prediction.draft(prompt + [10, 11, 12], 3, 2) == [13, 10]
+    # "10 11" comes twice: the occurrence after the one followed last
+    assert prediction.draft(prompt + [10, 11, 12, 13, 10, 11], 3, 3) == [14, 15, 16]
+    assert prediction.draft(prompt + [10, 11, 12, 13, 10, 11, 99, 15], 3, 3) == [16]  # an edit: its 1-gram after
+    assert prediction.draft(prompt + [10, 77, 2, 3], 3, 3) == [10, 77, 2]  # nothing matches: prompt lookup
+    assert Prediction([10, 11]).draft(prompt + [10, 77], 3, 3) == []
+
+
+@pytest.mark.parametrize("params", SAMPLINGS[:2])
+def test_a_prediction_of_the_answer_is_all_accepted_and_an_edited_one_changes_nothing(qwen_tiny, params):
+    model = pagelm.load(qwen_tiny, dtype="bfloat16")
+    prompt = [t % model.head.vocab_size for t in PROMPT]
+    plain = list(model.session(max_len=96).generate(prompt, params))
+    want, alone, got, spec, speculator = _plain_and_speculative(model, prompt, params, lambda _: Prediction(plain))
+    assert got == want == plain and same_state(spec, alone)
+    s = speculator.stats
+    # every token but the first came from a pass: a draft kept or the token after a pass's last draft
+    assert s.accepted == s.drafted == len(plain) - 1 - s.passes and s.passes < len(plain) // 4, s
+    edited = plain[:10] + [7, 8, 9] + plain[14:30] + plain[32:]
+    want, alone, got, spec, speculator = _plain_and_speculative(model, prompt, params, lambda _: Prediction(edited))
+    assert got == want == plain and same_state(spec, alone)
+    assert speculator.stats.drafted > speculator.stats.accepted >= 25, speculator.stats
