@@ -283,8 +283,10 @@ class Server:
         return await run_in_threadpool(self.require_generative().raw_prompt, text)
 
     def start(self, request: Request, prompt: Prompt, params: SamplingParams, stop: tuple[str, ...],
-              id_prefix: str, max_len: int | None = None, grammar: Grammar | None = None) -> Job:
-        """Queue a generation; 400 if the prompt cannot fit, 503 if the queue is full."""
+              id_prefix: str, max_len: int | None = None, grammar: Grammar | None = None,
+              prediction: list[int] | None = None) -> Job:
+        """Queue a generation; 400 if the prompt cannot fit, 503 if the queue is full. `prediction`:
+        the tokens of a predicted output, drafts for the answer."""
         self.require_generative()
         limit = min(max_len or self.settings.ctx_len, self.settings.ctx_len)
         if not prompt.tokens:
@@ -295,7 +297,8 @@ class Server:
         rid = request_id(request.headers.get("x-request-id"))
         if params.reasoning_budget is None:
             params = replace(params, reasoning_budget=self.settings.reasoning_budget)
-        job = Job(prompt, params, stop, max_len=limit, request_id=rid or f"{id_prefix}-{_hex_id()}", grammar=grammar)
+        job = Job(prompt, params, stop, max_len=limit, request_id=rid or f"{id_prefix}-{_hex_id()}", grammar=grammar,
+                  prediction=prediction)
         try:
             self.worker.submit(job)
         except QueueFull as e:

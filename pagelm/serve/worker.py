@@ -48,6 +48,7 @@ from pagelm.chat.reasoning import ReasoningSplitter
 from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
 from pagelm.engine.model import Model
 from pagelm.engine.session import Chooser, Session
+from pagelm.engine.speculate import MAX_DRAFTS, Prediction, Speculator
 from pagelm.errors import PagelmError
 from pagelm.chat.grammar import Grammar
 from pagelm.engine.sampling import SamplingParams
@@ -80,6 +81,9 @@ class Result:
     queued_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # with a predicted output: its tokens the answer took as drafted, and those it did not
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     @property
     def total_s(self) -> float:
@@ -129,10 +133,12 @@ class Job:
     _ids = itertools.count(1)
 
     def __init__(self, prompt: Prompt, params: SamplingParams, stop: tuple[str, ...] = (),
-                 max_len: int | None = None, request_id: str | None = None, grammar: Grammar | None = None):
+                 max_len: int | None = None, request_id: str | None = None, grammar: Grammar | None = None,
+                 prediction: list[int] | None = None):
         self.id = request_id or f"req-{uuid.uuid4().hex[:20]}"
         self.prompt, self.params, self.stop, self.max_len = prompt, params, stop, max_len
         self.grammar = grammar
+        self.prediction = prediction  # the tokens of a predicted output (OpenAI's `prediction`): drafts
         self.cancel = threading.Event()
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
@@ -173,6 +179,8 @@ class _Running:
         self.max_tokens = 0
         self.decoder: StreamDecoder | None = None
         self.matcher = StopMatcher(job.stop)
+        self.speculator: Speculator | None = None  # drafts checked in verify passes while it decodes alone
+        self.pending: int | None = None  # a token chosen (and passed on) in a verify pass, to feed next
         p = job.prompt
         self.splitter = ReasoningSplitter(p.think_open) if p.split_reasoning else None
 
@@ -197,9 +205,11 @@ class Worker:
 
     def __init__(self, model: Model, tokenizer: Tokenizer, ctx_len: int, cache: PrefixCache,
                  checkpoint_interval: int = 512, queue_size: int = 64, parallel: int = 1,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, speculate: str = "off"):
         if parallel < 1:
             raise PagelmError(f"parallel must be >= 1, got {parallel}")
+        Speculator.of(speculate)  # checks the mode
+        self.speculate = speculate  # for every request; one with a predicted output drafts from it
         self.model, self.tokenizer, self.ctx_len = model, tokenizer, ctx_len
         self.cache, self.checkpoint_interval = cache, checkpoint_interval
         self.queue_size, self.parallel = queue_size, parallel
@@ -426,6 +436,10 @@ class Worker:
                                        r.max_tokens, params.reasoning_budget)
         r.logits = r.session.logits
         r.chooser = Chooser(r.session, params, constraint)
+        if job.prediction is not None:
+            r.speculator = Speculator(Prediction(job.prediction))
+        else:
+            r.speculator = Speculator.of(self.speculate)
         r.decoder = StreamDecoder(self.tokenizer)
         r.result.finish_reason = "length"
 
@@ -437,7 +451,8 @@ class Worker:
             if r is None or not r.decoding:
                 continue
             try:
-                token = self._next_token(r)
+                token = self._next_token(r) if r.pending is None else r.pending
+                r.pending = None
             except Exception as e:  # noqa: BLE001 - the worker must outlive any one request
                 self._fail(index, r.job, e)
                 continue
@@ -447,6 +462,15 @@ class Worker:
                 going.append((index, r, token))
         if going:
             self.histograms.batch_size.observe(len(going))
+        if len(going) == 1 and going[0][1].speculator is not None:  # drafts pay where one sequence decodes
+            start = time.perf_counter()
+            try:
+                checked = self._speculate(*going[0])
+            except Exception as e:  # noqa: BLE001 - a failed pass fails its request alone
+                self._fail(going[0][0], going[0][1].job, e)
+                return time.perf_counter() - start
+            if checked:
+                return time.perf_counter() - start
         took = 0.0
         for lo in range(0, len(going), MAX_BATCH):
             part = going[lo: lo + MAX_BATCH]
@@ -464,13 +488,40 @@ class Worker:
                 r.logits = row
         return took
 
-    def _next_token(self, r: _Running) -> int | None:
+    def _speculate(self, index: int, r: _Running, token: int) -> bool:
+        """Feed `token` and drafts after it in one verify pass, choosing and passing on each row's
+        token while it is the draft the next row fed (the first other one is fed next step), the
+        session rewound to the last row chosen from; False, with nothing fed, without drafts."""
+        session, result = r.session, r.result
+        room = min(r.max_tokens - result.completion_tokens, session.max_len - len(session.tokens)) - 1
+        drafts = r.speculator.draft([*session.tokens, token], len(r.job.prompt.tokens), min(room, MAX_DRAFTS))
+        if not drafts:
+            return False
+        rows = session.verify([token, *drafts])
+        base, kept, ended = len(session.tokens) - len(rows), len(rows), False
+        for i, draft in enumerate(drafts):
+            r.logits = rows[i]
+            chosen = self._next_token(r, held=base + i + 1)
+            if chosen is None or chosen != draft:
+                kept, ended, r.pending = i + 1, chosen is None, chosen
+                break
+        else:
+            r.logits = rows[-1]
+        r.speculator.record(len(drafts), kept - 1)
+        if kept < len(rows):
+            session.rewind(kept)
+        if ended:
+            self._finish(index, r)
+        return True
+
+    def _next_token(self, r: _Running, held: int | None = None) -> int | None:
         """Choose and pass on one token; the token to feed next, or None when the answer ends
-        (as Session.generate: cancel is checked before each choice, a stop token ends it)."""
+        (as Session.generate: cancel is checked before each choice, a stop token ends it).
+        `held`: as Chooser.choose's."""
         result = r.result
         if r.job.cancel.is_set() or result.completion_tokens >= r.max_tokens:
             return None
-        token, done = r.chooser.choose(r.logits)
+        token, done = r.chooser.choose(r.logits, held)
         now = time.perf_counter()
         if result.completion_tokens == 0:
             result.prefill_s = now - r.started
@@ -522,6 +573,9 @@ class Worker:
             r.started = now
         if r.job.cancel.is_set() and result.finish_reason == "length":
             result.finish_reason = "cancelled"
+        if r.job.prediction is not None and r.speculator is not None:
+            result.accepted_prediction_tokens = r.speculator.stats.accepted
+            result.rejected_prediction_tokens = max(len(r.job.prediction) - result.accepted_prediction_tokens, 0)
         if r.decoder is not None:
             if r.matcher is not None:  # None: a stop string ended it
                 text, stopped = r.matcher.push(r.decoder.flush())
