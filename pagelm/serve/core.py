@@ -86,6 +86,7 @@ class ServeSettings:
     host: str = "127.0.0.1"  # the address bound: on loopback, only loopback names (and allowed_hosts) are answered
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed besides loopback and the server's own ("*": any)
+    speculate: str = "auto"  # engine.speculate.MODES: drafts (prompt lookup) while one request decodes
 
 
 class Server:
@@ -121,7 +122,7 @@ class Server:
                 self.embedder = Embedder(chat.model, head)
             else:
                 self.worker = Worker(chat.model, chat.tokenizer, s.ctx_len, self.cache, s.checkpoint_interval,
-                                     s.queue_size, s.parallel)
+                                     s.queue_size, s.parallel, speculate=s.speculate)
             self.chat = chat
         except Exception as e:  # noqa: BLE001 - reported by the CLI, which then exits
             self.load_error = e
