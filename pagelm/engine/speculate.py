@@ -120,7 +120,7 @@ class Speculator:
         s = self.stats
         s.drafted, s.accepted, s.passes = s.drafted + drafted, s.accepted + accepted, s.passes + 1
         self.next = min(self.next + 2, self.most) if accepted == drafted else accepted + 1
-        self._misses = self._misses + 1 if accepted == 0 else 0
+        self._misses = min(self._misses + 1, self.MAX_PAUSE.bit_length()) if accepted == 0 else 0
         self._pause = min(2 ** self._misses // 2, self.MAX_PAUSE)
 
 

@@ -343,6 +343,8 @@ class Server:
                          "failed": w.failed if w else 0, "queued": w.queued if w else 0,
                          "running": bool(w and w.running)},
             "slots": w.slot_stats() if w else {},
+            "speculation": {"drafted_tokens": w.speculation.drafted, "accepted_tokens": w.speculation.accepted,
+                            "verify_passes": w.speculation.passes} if w else {},
             "histograms": w.histograms.snapshot() if w else {},
             "memory": {"anonymous_bytes": memory.anonymous, "rss_bytes": memory.rss,
                        "file_rss_bytes": memory.file_rss, "peak_rss_bytes": memory.peak_rss,

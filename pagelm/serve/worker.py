@@ -48,7 +48,7 @@ from pagelm.chat.reasoning import ReasoningSplitter
 from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
 from pagelm.engine.model import Model
 from pagelm.engine.session import Chooser, Session
-from pagelm.engine.speculate import MAX_DRAFTS, Prediction, Speculator
+from pagelm.engine.speculate import MAX_DRAFTS, Prediction, SpeculationStats, Speculator
 from pagelm.errors import PagelmError
 from pagelm.chat.grammar import Grammar
 from pagelm.engine.sampling import SamplingParams
@@ -227,6 +227,7 @@ class Worker:
         self._working = False  # the engine thread has work: requests, answers to keep, the idle trim
         self._closed = False
         self.served = self.cancelled = self.failed = 0
+        self.speculation = SpeculationStats()  # every request's drafted and accepted tokens, and verify passes
         self.histograms = EngineHistograms()
         self._thread = threading.Thread(target=self._loop, name="pagelm-engine", daemon=True)
         self._thread.start()
@@ -508,6 +509,8 @@ class Worker:
         else:
             r.logits = rows[-1]
         r.speculator.record(len(drafts), kept - 1)
+        total = self.speculation
+        total.drafted, total.accepted, total.passes = total.drafted + len(drafts), total.accepted + kept - 1, total.passes + 1
         if kept < len(rows):
             session.rewind(kept)
         if ended:

@@ -228,3 +228,26 @@ def test_a_prediction_of_the_answer_is_all_accepted_and_an_edited_one_changes_no
     want, alone, got, spec, speculator = _plain_and_speculative(model, prompt, params, lambda _: Prediction(edited))
     assert got == want == plain and same_state(spec, alone)
     assert speculator.stats.drafted > speculator.stats.accepted >= 25, speculator.stats
+
+
+def test_the_draft_count_grows_while_drafts_are_kept_and_drafting_pauses_after_misses():
+    class Endless:
+        def draft(self, context, start, limit):
+            return [1] * limit
+
+    speculator = Speculator(Endless(), most=8, first=4)
+    assert len(speculator.draft([0], 0, 20)) == 4
+    speculator.record(4, 4)
+    assert len(speculator.draft([0], 0, 20)) == 6 and len(speculator.draft([0], 0, 3)) == 3
+    speculator.record(6, 2)
+    assert len(speculator.draft([0], 0, 20)) == 3
+    pauses = []
+    for _ in range(6):  # passes that keep nothing: 1, 2, 4, 8, 8, 8 steps without drafts
+        speculator.record(3, 0)
+        pauses.append(0)
+        while not speculator.draft([0], 0, 20):
+            pauses[-1] += 1
+    assert pauses == [1, 2, 4, 8, 8, 8]
+    speculator.record(1, 1)
+    assert speculator.draft([0], 0, 20) and speculator.stats.passes == 9
+    assert (speculator.stats.drafted, speculator.stats.accepted) == (4 + 6 + 6 * 3 + 1, 4 + 2 + 1)

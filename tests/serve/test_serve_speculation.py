@@ -1,6 +1,7 @@
 """Speculation in the server: a request's predicted output (OpenAI's `prediction`) and prompt lookup
 are drafts checked in verify passes while a request decodes alone; the answer is the one it gets
-without them, stop strings and seeds included, and usage reports the prediction's accepted tokens."""
+without them, stop strings and seeds included; usage reports the prediction's accepted tokens,
+/api/ps and /metrics the server's drafted and accepted tokens."""
 
 import asyncio
 
@@ -78,6 +79,12 @@ def test_usage_reports_the_accepted_prediction_tokens(smol):
         assert "completion_tokens_details" not in plain["usage"]
         predicted = client.post("/v1/chat/completions",
                                 json={**body, "prediction": {"type": "content", "content": text}}).json()
+        metrics = client.get("/metrics").text
+        ps = client.get("/api/ps").json()
     assert predicted["choices"][0]["message"]["content"] == text
     details = predicted["usage"]["completion_tokens_details"]
     assert details["accepted_prediction_tokens"] > 0 and details["rejected_prediction_tokens"] >= 0
+    accepted = ps["speculation"]["accepted_tokens"]
+    assert ps["speculation"]["drafted_tokens"] >= accepted >= details["accepted_prediction_tokens"]
+    assert any(line.startswith("pagelm_speculation_accepted_tokens ") and float(line.split()[1]) > 0
+               for line in metrics.splitlines())
