@@ -41,3 +41,23 @@ def verify_and_rewind(model, position_delta: int = 0) -> None:
             spec.rewind(kept)
         assert same_state(spec, alone), f"after keeping {keep} of {tokens}"
     assert same_bits(spec.decode(9), alone.decode(9))
+
+
+def verify_together(model) -> None:
+    """Three sessions' verify passes in one against each one's own, then rewinds and decoding on."""
+    vocab = model.head.vocab_size
+    prompts = [[t % vocab for t in p] for p in (PROMPT, PROMPT[3:], PROMPT[::-1] + PROMPT)]
+    passes = [[t % vocab for t in p] for p in (PASSES[0][:3], PASSES[1][:1], PASSES[2][:5])]
+    together, apart = ([model.session(max_len=64) for _ in prompts] for _ in range(2))
+    for a, b, prompt in zip(together, apart, prompts):
+        a.prefill(prompt)
+        b.prefill(prompt)
+    rows = model.verify_batch(together, passes)
+    for a, b, got, tokens in zip(together, apart, rows, passes):
+        assert same_bits(got, b.verify(tokens))
+        assert same_state(a, b)
+    for a, b, keep in zip(together, apart, (2, 1, 4)):
+        a.rewind(keep)
+        b.rewind(keep)
+        assert same_state(a, b)
+        assert same_bits(a.decode(5), b.decode(5))

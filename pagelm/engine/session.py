@@ -54,7 +54,7 @@ class Session:
         self.images: list[str] = []
         self.position_delta = 0
         self.logits: np.ndarray | None = None
-        self._trail = Trail()  # the last verify pass's per-row recurrent states, for rewind
+        self.trail = Trail()  # the last verify pass's per-row recurrent states, for rewind
         self._pass: np.ndarray | None = None  # that pass's logits; None: no pass to rewind
 
     def reset(self) -> None:
@@ -133,24 +133,12 @@ class Session:
         """Feed one token (normally the one just sampled); returns the next logits."""
         return self.prefill([token])
 
-    @torch.inference_mode()
     def verify(self, tokens: Sequence[int]) -> np.ndarray:
         """Feed 1 to MAX_GEMV_ROWS tokens (the last one chosen and drafts after it) in one pass;
         returns the logits (n, vocab) after each, row r bit for bit what `decode(tokens[r])` returns
         after tokens[:r] were decoded one at a time. The session then holds them all, as decoding
         them would leave it; `rewind(rows)` keeps only the first rows, exactly."""
-        ids = self.check_tokens(tokens)
-        threads_module.use()
-        x = self.model.embed(ids)
-        positions = None
-        if self.position_delta:  # after an image: its own rope positions (text steps one by one)
-            positions, _ = self.model.network.image_positions(len(self.tokens) + self.position_delta, ids.size, [])
-        self.forget_pass()
-        hidden = self.model.network.decode_rows(x, self.state, self._trail, positions)
-        self._pass = self.model.head.logits(hidden.float().cpu().numpy())
-        self.tokens.extend(ids.tolist())
-        self.logits = self._pass[-1].copy()
-        return self._pass
+        return verify_passes([self], [tokens])[0]
 
     def forget_pass(self) -> None:
         """The last verify pass can no longer be rewound (something else is fed)."""
@@ -163,7 +151,7 @@ class Session:
         nothing else was fed."""
         if self._pass is None:
             raise PagelmError("rewind: no verify pass to rewind (something else was fed since)")
-        self._trail.rewind(self.state, rows)
+        self.trail.rewind(self.state, rows)
         del self.tokens[self.state.pos :]  # a token a position, the pass's from the trail's base
         self.logits = self._pass[rows - 1].copy()
 
@@ -172,7 +160,7 @@ class Session:
         """Anonymous bytes this session holds: its state (the resident pages of KV caches reserved
         for max_len, the DeltaNet and conv states), its last logits and the recurrent states a
         verify pass kept for rewinding."""
-        return self.state.nbytes + (0 if self.logits is None else self.logits.nbytes) + self._trail.nbytes
+        return self.state.nbytes + (0 if self.logits is None else self.logits.nbytes) + self.trail.nbytes
 
     def checkpoint(self) -> Checkpoint:
         logits = None if self.logits is None else self.logits.copy()
@@ -215,6 +203,35 @@ class Session:
                 logits = self.decode(token)
         finally:
             heap.trim()  # what the decode steps' temporaries left free on the heap
+
+
+@torch.inference_mode()
+def verify_passes(sessions: Sequence[Session], token_lists: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """`Session.verify` of each session (distinct, of one model) with its tokens, all in one pass
+    (at most MAX_GEMV_ROWS tokens in all): each matrix read once for every row; each session's
+    logits and state what its own pass gives, bit for bit."""
+    if not sessions or len(sessions) != len(token_lists) or any(s.model is not sessions[0].model for s in sessions):
+        raise PagelmError("verify: one token list for each of one or more sessions, all of one model")
+    model = sessions[0].model
+    ids = [s.check_tokens(t) for s, t in zip(sessions, token_lists)]
+    threads_module.use()
+    x = model.embed(np.concatenate(ids))
+    positions = [None if not s.position_delta else  # after an image: its own rope positions (text steps one by one)
+                 model.network.image_positions(len(s.tokens) + s.position_delta, i.size, [])[0]
+                 for s, i in zip(sessions, ids)]
+    for s in sessions:
+        s.forget_pass()
+    hidden = model.network.decode_rows(x, [s.state for s in sessions], [s.trail for s in sessions],
+                                       [i.size for i in ids], positions)
+    logits = model.head.logits(hidden.float().cpu().numpy())
+    out, lo = [], 0
+    for s, i in zip(sessions, ids):
+        s._pass = rows = logits[lo : lo + i.size]
+        lo += i.size
+        s.tokens.extend(i.tolist())
+        s.logits = rows[-1].copy()
+        out.append(rows)
+    return out
 
 
 class Chooser:

@@ -246,26 +246,37 @@ class Decoder:
             return finish(self._layers(x, [Span(s, i, i + 1, p) for i, (s, p) in enumerate(zip(states, positions))],
                                        alone=True))
 
-    def decode_rows(self, x: torch.Tensor, state, trail: Trail, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states (n, hidden) of n consecutive tokens of one sequence in one pass
-        (speculative decoding's verification): row r is bit for bit what `forward(x[r:r+1], state)`
-        gives after rows < r were fed one at a time. The products read each matrix once for all
-        rows (each row as alone, as decode_batch's); attention and every recurrent state step row
-        by row as one-token decode steps them, over the sequence's own caches. The state ends
-        after all n rows; `trail` keeps what each row left, for `trail.rewind(state, rows)`.
-        `positions` (3, n): multimodal rope positions, or None."""
+    def decode_rows(self, x: torch.Tensor, states: list, trails: list[Trail], counts: list[int],
+                    positions: list | None = None) -> torch.Tensor:
+        """Final hidden states of consecutive tokens of each of several sequences in one pass
+        (speculative decoding's verification): x holds counts[i] rows of sequence i (state states[i],
+        all distinct) after those of the sequences before it, and each row is bit for bit what
+        `forward` of that one token gives after the rows before it in its sequence were fed one at a
+        time. The products read each matrix once for all rows (each row as alone, as decode_batch's);
+        attention and every recurrent state step row by row as one-token decode steps them, over
+        each sequence's own caches. Each state ends after its rows; trails[i] keeps what each of
+        them left, for `trail.rewind(state, rows)`. positions[i]: sequence i's multimodal rope
+        positions (3, counts[i]), or None."""
         self._check_input(x)
-        n = x.shape[0]
-        if not 1 <= n <= MAX_GEMV_ROWS:
-            raise PagelmError(f"decode_rows: {n} rows, expected 1 to {MAX_GEMV_ROWS}")
-        if state.pos + n > state.max_len:
-            raise PagelmError(f"decode_rows: pos {state.pos} + {n} tokens exceeds the state's max_len {state.max_len}")
-        if positions is not None and tuple(positions.shape) != (3, n):
-            raise PagelmError(f"decode_rows: positions of shape {tuple(positions.shape)}, expected (3, {n})")
-        trail.base, trail.rows = state.pos, n
-        spans = [Span(RowState(state, r, trail), r, r + 1, None if positions is None else positions[:, r : r + 1])
-                 for r in range(n)]
+        positions = positions or [None] * len(states)
+        if not (len(states) == len(trails) == len(counts) == len(positions) and all(n >= 1 for n in counts)
+                and sum(counts) == x.shape[0] <= MAX_GEMV_ROWS and len({id(s) for s in states}) == len(states)):
+            raise PagelmError(f"decode_rows: {x.shape[0]} rows as {counts} of {len(states)} states (distinct, each at "
+                              f"least one row, at most {MAX_GEMV_ROWS} in all)")
+        spans = []
+        for i, (state, trail, n, p) in enumerate(zip(states, trails, counts, positions)):
+            if state.pos + n > state.max_len:
+                raise PagelmError(f"decode_rows: sequence {i} at pos {state.pos} + {n} tokens exceeds its state's "
+                                  f"max_len {state.max_len}")
+            if p is not None and tuple(p.shape) != (3, n):
+                raise PagelmError(f"decode_rows: positions of sequence {i} of shape {tuple(p.shape)}, expected (3, {n})")
+            lo = len(spans)
+            spans += [Span(RowState(state, r, trail), lo + r, lo + r + 1, None if p is None else p[:, r : r + 1])
+                      for r in range(n)]
+        for state, trail, n in zip(states, trails, counts):
+            trail.base, trail.rows = state.pos, n
         with torch.inference_mode():
             hidden = finish(self._layers(x, spans, alone=True))
-        state.pos = trail.base + n
+        for state, trail in zip(states, trails):
+            state.pos = trail.base + trail.rows
         return hidden

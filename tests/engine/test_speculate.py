@@ -15,7 +15,7 @@ from pagelm.engine.sampling import SamplingParams
 from pagelm.engine.speculate import Prediction, PromptLookup, Speculator
 from pagelm.errors import PagelmError
 from pagelm.quant import int8dot
-from rows_check import PROMPT, same_state, verify_and_rewind
+from rows_check import PROMPT, same_state, verify_and_rewind, verify_together
 
 
 def _synth(path, shape, *extra):
@@ -43,19 +43,24 @@ def test_qwen35_verify_pass_rows_and_rewinds_are_one_token_decodes(qwen_tiny, we
     model = _load(qwen_tiny, weights, dtype)
     verify_and_rewind(model)
     verify_and_rewind(model, position_delta=-3)
+    verify_together(model)
 
 
 @pytest.mark.parametrize("weights, dtype", WEIGHTS)
 @pytest.mark.parametrize("fixture", ["qwen2_tiny_gguf", "qwen3_tiny_gguf"])
 def test_llama_family_verify_pass_rows_and_rewinds_are_one_token_decodes(request, fixture, weights, dtype):
-    verify_and_rewind(_load(request.getfixturevalue(fixture), weights, dtype))
+    model = _load(request.getfixturevalue(fixture), weights, dtype)
+    verify_and_rewind(model)
+    verify_together(model)
 
 
 @pytest.mark.parametrize("weights, dtype", [("mapped", "float32"), ("mapped", "bfloat16"), ("dense", "bfloat16"),
                                             ("mapped-int8", "bfloat16")])
 @pytest.mark.parametrize("fixture", ["smollm2_gguf", "gemma3_gguf"])
 def test_real_models_verify_pass_rows_and_rewinds_are_one_token_decodes(request, fixture, weights, dtype):
-    verify_and_rewind(_load(request.getfixturevalue(fixture), weights, dtype))
+    model = _load(request.getfixturevalue(fixture), weights, dtype)
+    verify_and_rewind(model)
+    verify_together(model)
 
 
 def test_a_verify_pass_at_the_context_end_and_bad_rewinds_are_refused(qwen_tiny):
@@ -79,6 +84,15 @@ def test_a_verify_pass_at_the_context_end_and_bad_rewinds_are_refused(qwen_tiny)
     model.decode_batch([session], [6])
     with pytest.raises(PagelmError, match="no verify pass"):
         session.rewind(1)
+    other = model.session(max_len=14)
+    for bad in ([session, session], [session, pagelm.load(qwen_tiny).session(8)]):
+        with pytest.raises(PagelmError):
+            model.verify_batch(bad, [[1], [2]])
+    with pytest.raises(PagelmError, match="at most 16 in all"):
+        model.verify_batch([other, model.session(64)], [[1], list(range(16))])
+    with pytest.raises(PagelmError, match="each at least one row"):
+        model.verify_batch([other, model.session(8)], [[1], []])
+    assert other.tokens == []
     assert session.tokens == PROMPT + [1, 2, 4, 5, 6]
 
 

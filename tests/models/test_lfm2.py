@@ -24,7 +24,7 @@ from pagelm.tools.convert import write_directory
 
 transformers = pytest.importorskip("transformers")
 from lfm2_hf import build_hf_model, hf_to_gguf  # noqa: E402 (needs transformers)
-from rows_check import verify_and_rewind  # noqa: E402
+from rows_check import verify_and_rewind, verify_together  # noqa: E402
 
 PROMPT = [3, 17, 101, 250, 7, 42, 199, 64, 5, 128, 9, 77]
 STEPS = 32
@@ -231,4 +231,6 @@ def test_verify_pass_rows_and_rewinds_are_one_token_decodes(files, path, weights
     """Speculative decoding's pass over several tokens, its conv windows stepped and kept row by row."""
     if weights == "mapped-int8" and not int8dot.available():
         pytest.skip("mapped-int8 needs AVX2")
-    verify_and_rewind(pagelm.load(files[path], weights=weights, dtype=dtype))
+    model = pagelm.load(files[path], weights=weights, dtype=dtype)
+    verify_and_rewind(model)
+    verify_together(model)
