@@ -1,6 +1,9 @@
 """The server's one engine thread: up to `parallel` requests at once, each in a slot (a session of
 its own), admitted in arrival order from a bounded queue; each step decodes one token of every
-decoding slot in one batched decode and prefills one segment of a waiting prompt.
+decoding slot in one batched decode and prefills one segment of a waiting prompt. Where slots
+speculate (prompt lookup, a request's predicted output), their drafts join that step as more rows
+of their sequences (a batched verify pass, the fewer drafts the fuller the batch) and each slot
+keeps the tokens its own choice makes, so the answers are the same.
 
 Owns the slots and the queue, cancel-by-id, the prefill cut points (message boundaries and every
 `checkpoint_interval` tokens but inside an image, the same with the cache on or off so both
@@ -47,8 +50,8 @@ from pagelm.chat.model import Prompt
 from pagelm.chat.reasoning import ReasoningSplitter
 from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
 from pagelm.engine.model import Model
-from pagelm.engine.session import Chooser, Session
-from pagelm.engine.speculate import MAX_DRAFTS, Prediction, SpeculationStats, Speculator
+from pagelm.engine.session import Chooser, Session, verify_passes
+from pagelm.engine.speculate import Prediction, SpeculationStats, Speculator
 from pagelm.errors import PagelmError
 from pagelm.chat.grammar import Grammar
 from pagelm.engine.sampling import SamplingParams
@@ -446,7 +449,9 @@ class Worker:
 
     def _decode(self) -> float:
         """Each decoding slot chooses its next token and passes it on; those that go on are fed
-        theirs in batched decode steps. Returns the seconds those steps took."""
+        theirs in batched decode steps, with drafts after it where a slot speculates (a batched
+        verify pass then, whose rows are checked by each slot's own choices). Returns the seconds
+        those steps took."""
         going: list[tuple[int, _Running, int]] = []
         for index, r in enumerate(self._slots):
             if r is None or not r.decoding:
@@ -463,21 +468,17 @@ class Worker:
                 going.append((index, r, token))
         if going:
             self.histograms.batch_size.observe(len(going))
-        if len(going) == 1 and going[0][1].speculator is not None:  # drafts pay where one sequence decodes
-            start = time.perf_counter()
-            try:
-                checked = self._speculate(*going[0])
-            except Exception as e:  # noqa: BLE001 - a failed pass fails its request alone
-                self._fail(going[0][0], going[0][1].job, e)
-                return time.perf_counter() - start
-            if checked:
-                return time.perf_counter() - start
         took = 0.0
         for lo in range(0, len(going), MAX_BATCH):
             part = going[lo: lo + MAX_BATCH]
+            drafts = self._drafts(part)
             try:
                 start = time.perf_counter()
-                logits = decode_batch([r.session for _, r, _ in part], [token for _, _, token in part])
+                sessions, tokens = [r.session for _, r, _ in part], [token for _, _, token in part]
+                if any(drafts):
+                    rows = verify_passes(sessions, [[token, *d] for token, d in zip(tokens, drafts)])
+                else:
+                    rows = decode_batch(sessions, tokens)[:, None]
                 step_s = time.perf_counter() - start
                 took += step_s
                 self.histograms.decode_step_seconds.observe(step_s)
@@ -485,20 +486,35 @@ class Worker:
                 for index, r, _ in part:
                     self._fail(index, r.job, e)
                 continue
-            for (_, r, _), row in zip(part, logits):
-                r.logits = row
+            for (index, r, _), d, got in zip(part, drafts, rows):
+                try:
+                    self._check_drafts(index, r, d, got)
+                except Exception as e:  # noqa: BLE001 - the worker must outlive any one request
+                    self._fail(index, r.job, e)
         return took
 
-    def _speculate(self, index: int, r: _Running, token: int) -> bool:
-        """Feed `token` and drafts after it in one verify pass, choosing and passing on each row's
-        token while it is the draft the next row fed (the first other one is fed next step), the
-        session rewound to the last row chosen from; False, with nothing fed, without drafts."""
-        session, result = r.session, r.result
-        room = min(r.max_tokens - result.completion_tokens, session.max_len - len(session.tokens)) - 1
-        drafts = r.speculator.draft([*session.tokens, token], len(r.job.prompt.tokens), min(room, MAX_DRAFTS))
+    def _drafts(self, part: list[tuple[int, _Running, int]]) -> list[list[int]]:
+        """Each going slot's drafts after its token, within the rows one step takes: the fuller the
+        batch, the fewer (none for a slot that does not speculate)."""
+        budget, out = MAX_BATCH - len(part), []
+        for _, r, token in part:
+            drafts = []
+            if r.speculator is not None and budget > 0:
+                session = r.session
+                room = min(r.max_tokens - r.result.completion_tokens, session.max_len - len(session.tokens)) - 1
+                drafts = r.speculator.draft([*session.tokens, token], len(r.job.prompt.tokens), min(room, budget))
+                budget -= len(drafts)
+            out.append(drafts)
+        return out
+
+    def _check_drafts(self, index: int, r: _Running, drafts: list[int], rows: np.ndarray) -> None:
+        """After a step fed a slot its token and `drafts` (rows: the logits after each): choose and
+        pass on each row's token while it is the draft the next row fed (the first other one is fed
+        next step, as `pending`), the session rewound to the last row chosen from."""
         if not drafts:
-            return False
-        rows = session.verify([token, *drafts])
+            r.logits = rows[0]
+            return
+        session = r.session
         base, kept, ended = len(session.tokens) - len(rows), len(rows), False
         for i, draft in enumerate(drafts):
             r.logits = rows[i]
@@ -515,7 +531,6 @@ class Worker:
             session.rewind(kept)
         if ended:
             self._finish(index, r)
-        return True
 
     def _next_token(self, r: _Running, held: int | None = None) -> int | None:
         """Choose and pass on one token; the token to feed next, or None when the answer ends

@@ -30,7 +30,7 @@ async def _ask(worker: Worker, prompt: list[int], params, stop=(), prediction=No
 @pytest.fixture(scope="module")
 def workers(smollm2_chat):
     made = {mode: Worker(smollm2_chat.model, smollm2_chat.tokenizer, ctx_len=256, cache=PrefixCache(0, 0),
-                         speculate=mode) for mode in ("off", "lookup")}
+                         speculate=mode, parallel=3) for mode in ("off", "lookup")}
     yield made
     for worker in made.values():
         worker.close()
@@ -88,3 +88,23 @@ def test_usage_reports_the_accepted_prediction_tokens(smol):
     assert ps["speculation"]["drafted_tokens"] >= accepted >= details["accepted_prediction_tokens"]
     assert any(line.startswith("pagelm_speculation_accepted_tokens ") and float(line.split()[1]) > 0
                for line in metrics.splitlines())
+
+
+def test_requests_decoding_together_verify_their_drafts_in_one_pass(smollm2_chat, workers):
+    tok = smollm2_chat.tokenizer
+    texts = [f"Copy this list exactly: {LIST}", "Repeat after me: one two three four five six seven eight",
+             "Write a short poem about the sea."]
+    prompts = [smollm2_chat.chat_prompt([{"role": "user", "content": t}]).tokens for t in texts]
+    params = [GREEDY, SEEDED, SamplingParams(temperature=0.9, seed=1, max_tokens=30)]
+
+    async def together(worker, predictions):
+        return await asyncio.gather(*(_ask(worker, p, q, prediction=d) for p, q, d in zip(prompts, params, predictions)))
+
+    plain = asyncio.run(together(workers["off"], [None] * 3))
+    before = workers["lookup"].speculation.accepted
+    looked_up = asyncio.run(together(workers["lookup"], [None] * 3))
+    assert [text for text, _ in looked_up] == [text for text, _ in plain]
+    assert workers["lookup"].speculation.accepted > before
+    predicted = asyncio.run(together(workers["off"], [tok.encode(text) for text, _ in plain]))
+    assert [text for text, _ in predicted] == [text for text, _ in plain]
+    assert all(result.accepted_prediction_tokens > 0 for _, result in predicted)
