@@ -267,7 +267,8 @@ def register(commands) -> None:
                      help="prompt/decode tok/s, memory and speculation's drafted/accepted tokens to stderr")
     run.add_argument("--speculate", choices=SPECULATE_MODES, default="auto",
                      help="check guessed tokens several at a time, from what the prompt and answer repeat (lookup; "
-                          "auto, the default, is lookup for now; off: one token a step); the answer is the same")
+                          "auto, the default: lookup where the measured step costs say it pays; off: one token a "
+                          "step); the answer is the same")
     structured = run.add_mutually_exclusive_group()
     structured.add_argument("--format", choices=["json"],
                             help="json: the answer is one JSON object, enforced token by token (grammar-constrained "

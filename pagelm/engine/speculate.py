@@ -10,6 +10,7 @@ on (seed, position) alone), so an answer is the same with speculation on or off.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
 
@@ -21,7 +22,7 @@ from pagelm.weights.linear import MAX_GEMV_ROWS
 if TYPE_CHECKING:
     from pagelm.engine.session import Chooser, Session
 
-MODES = ("auto", "off", "lookup")  # `--speculate`; auto is lookup for now (the only source)
+MODES = ("auto", "off", "lookup")  # `--speculate`; auto: lookup where the measured step costs say it pays
 MAX_DRAFTS = MAX_GEMV_ROWS - 1  # a verify pass is the last token chosen and the drafts after it
 
 
@@ -86,39 +87,91 @@ class SpeculationStats:
     passes: int = 0
 
 
+class StepCosts:
+    """What a step costs by the rows it feeds, as measured (moving averages): one row's seconds and
+    the seconds each further row adds; and the draft count that pays at a given acceptance rate."""
+
+    WEIGHT = 0.2  # of each new measurement in the averages
+
+    def __init__(self):
+        self.one: float | None = None
+        self.per_row: float | None = None
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.WEIGHT * (new - old)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows == 1:
+            self.one = self._average(self.one, seconds)
+        elif self.one is not None:
+            self.per_row = self._average(self.per_row, max(seconds - self.one, 0.0) / (rows - 1))
+
+    def drafts_that_pay(self, rate: float, most: int) -> int:
+        """The draft count up to `most` whose expected tokens per second (each draft kept with
+        probability `rate` while the ones before it were) beat one-row steps' by the most; 0 where
+        none does; `most` until both costs are measured."""
+        if self.one is None or self.per_row is None:
+            return most
+        best, best_gain = 0, 1.0
+        for k in range(1, most + 1):
+            tokens = k + 1 if rate >= 1 else (1 - rate ** (k + 1)) / (1 - rate)
+            gain = tokens * self.one / (self.one + k * self.per_row)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
+
+
 class Speculator:
     """One generation's drafting: its source, how many tokens to draft next, and its counts. The
     count grows while every draft is kept, falls to one past the kept ones when not; after passes
     that kept nothing, drafting pauses for a while (doubling up to `MAX_PAUSE` steps), so that a
-    text that does not repeat costs few passes."""
+    text that does not repeat costs few passes. With `costs` (auto), the count is also held to what
+    pays by the measured step costs and the acceptance seen, and where nothing pays drafting pauses
+    `MAX_PAUSE` steps before trying one draft again."""
 
     MAX_PAUSE = 8
+    RATE_WEIGHT = 0.3  # of each pass in the moving acceptance rate
 
-    def __init__(self, source=None, most: int = MAX_DRAFTS, first: int = 4):
+    def __init__(self, source=None, most: int = MAX_DRAFTS, first: int = 4, costs: StepCosts | None = None):
         if not 1 <= most <= MAX_DRAFTS:
             raise PagelmError(f"at most 1 to {MAX_DRAFTS} drafts a pass, got {most}")
         self.source = source or PromptLookup()
         self.most, self.next = most, min(first, most)
         self.stats = SpeculationStats()
-        self._misses, self._pause = 0, 0
+        self.costs, self.rate = costs, 0.5  # the moving share of drafts kept
+        self._misses, self._pause, self._probe = 0, 0, False
 
     @classmethod
     def of(cls, mode: str) -> Speculator | None:
         """The speculator a `--speculate` mode asks for; None for off."""
         if mode not in MODES:
             raise PagelmError(f"speculate {mode!r}: expected one of {', '.join(MODES)}")
-        return None if mode == "off" else cls()
+        return None if mode == "off" else cls(costs=StepCosts() if mode == "auto" else None)
 
     def draft(self, context: Sequence[int], start: int, room: int) -> list[int]:
         """Up to `room` tokens to try after `context`, whose answer begins at `start`."""
         if self._pause:
             self._pause -= 1
             return []
-        return self.source.draft(context, start, min(self.next, room)) if room > 0 else []
+        limit = min(self.next, room)
+        if self.costs is not None and limit > 0 and not self._probe:
+            pays = self.costs.drafts_that_pay(self.rate, self.most)
+            if pays == 0:  # pause, then probe with one draft: the rate seen may have changed
+                self._pause, self.next, self._probe = self.MAX_PAUSE, 1, True
+                return []
+            limit = min(limit, pays)
+        self._probe = False
+        return self.source.draft(context, start, limit) if limit > 0 else []
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A step of this generation fed `rows` rows in `seconds`."""
+        if self.costs is not None:
+            self.costs.observe(rows, seconds)
 
     def record(self, drafted: int, accepted: int) -> None:
         s = self.stats
         s.drafted, s.accepted, s.passes = s.drafted + drafted, s.accepted + accepted, s.passes + 1
+        self.rate += self.RATE_WEIGHT * (accepted / drafted - self.rate)
         self.next = min(self.next + 2, self.most) if accepted == drafted else accepted + 1
         self._misses = min(self._misses + 1, self.MAX_PAUSE.bit_length()) if accepted == 0 else 0
         self._pause = min(2 ** self._misses // 2, self.MAX_PAUSE)
@@ -145,7 +198,9 @@ def speculative_tokens(session: Session, chooser: Chooser, logits: np.ndarray, m
             return
         room = min(max_tokens - produced, session.max_len - len(session.tokens)) - 1
         drafts = speculator.draft([*session.tokens, token], start, min(room, MAX_DRAFTS))
+        began = time.perf_counter()
         rows = session.verify([token, *drafts]) if drafts else session.decode(token)[None]
+        speculator.observe(len(rows), time.perf_counter() - began)
         base, kept, matched = len(session.tokens) - len(rows), 0, 0
         try:
             for r in range(len(rows)):

@@ -482,6 +482,8 @@ class Worker:
                 step_s = time.perf_counter() - start
                 took += step_s
                 self.histograms.decode_step_seconds.observe(step_s)
+                if len(part) == 1 and part[0][1].speculator is not None:  # a step of its own: its cost
+                    part[0][1].speculator.observe(1 + len(drafts[0]), step_s)
             except Exception as e:  # noqa: BLE001 - a failed step fails the requests it held
                 for index, r, _ in part:
                     self._fail(index, r.job, e)

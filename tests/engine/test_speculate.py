@@ -12,7 +12,7 @@ import pytest
 
 import pagelm
 from pagelm.engine.sampling import SamplingParams
-from pagelm.engine.speculate import Prediction, PromptLookup, Speculator
+from pagelm.engine.speculate import Prediction, PromptLookup, Speculator, StepCosts
 from pagelm.errors import PagelmError
 from pagelm.quant import int8dot
 from rows_check import PROMPT, same_state, verify_and_rewind, verify_together
@@ -265,3 +265,29 @@ def test_the_draft_count_grows_while_drafts_are_kept_and_drafting_pauses_after_m
     speculator.record(1, 1)
     assert speculator.draft([0], 0, 20) and speculator.stats.passes == 9
     assert (speculator.stats.drafted, speculator.stats.accepted) == (4 + 6 + 6 * 3 + 1, 4 + 2 + 1)
+
+
+def test_auto_drafts_only_what_the_measured_step_costs_say_pays():
+    costs = StepCosts()
+    assert costs.drafts_that_pay(0.1, 8) == 8  # nothing measured yet: no cap
+    costs.observe(1, 0.010)
+    costs.observe(5, 0.014)  # each further row: 1 ms, a tenth of a step
+    assert costs.drafts_that_pay(0.9, 8) == 8 and 1 <= costs.drafts_that_pay(0.5, 8) < 8
+    assert costs.drafts_that_pay(0.05, 8) == 0  # a draft kept 1 time in 20 pays for no row
+    costs.observe(5, 0.050)
+    assert costs.per_row > 0.001 and costs.drafts_that_pay(0.5, 8) < 3
+
+    class Endless:
+        def draft(self, context, start, limit):
+            return [1] * limit
+
+    speculator = Speculator(Endless(), most=8, costs=costs)
+    speculator.observe(1, 0.010)
+    speculator.observe(3, 0.040)  # rows as dear as steps: no draft pays
+    assert speculator.draft([0], 0, 8) == [] and speculator.next == 1
+    assert [speculator.draft([0], 0, 8) for _ in range(Speculator.MAX_PAUSE)] == [[]] * Speculator.MAX_PAUSE
+    assert speculator.draft([0], 0, 8) == [1]  # then one draft probes whether the rate seen changed
+    speculator.record(1, 0)
+    assert speculator.rate < 0.5 and not any(speculator.draft([0], 0, 8) for _ in range(Speculator.MAX_PAUSE + 1))
+    assert Speculator(Endless(), most=8).draft([0], 0, 8) == [1] * 4  # lookup: no cost model
+    assert Speculator.of("auto").costs is not None and Speculator.of("lookup").costs is None
