@@ -182,7 +182,7 @@ class _Running:
         self.max_tokens = 0
         self.decoder: StreamDecoder | None = None
         self.matcher = StopMatcher(job.stop)
-        self.speculator: Speculator | None = None  # drafts checked in verify passes while it decodes alone
+        self.speculator: Speculator | None = None  # where it speculates: its drafts, checked in verify passes
         self.pending: int | None = None  # a token chosen (and passed on) in a verify pass, to feed next
         p = job.prompt
         self.splitter = ReasoningSplitter(p.think_open) if p.split_reasoning else None
@@ -471,8 +471,8 @@ class Worker:
         took = 0.0
         for lo in range(0, len(going), MAX_BATCH):
             part = going[lo: lo + MAX_BATCH]
-            drafts = self._drafts(part)
             try:
+                drafts = self._drafts(part)
                 start = time.perf_counter()
                 sessions, tokens = [r.session for _, r, _ in part], [token for _, _, token in part]
                 if any(drafts):
