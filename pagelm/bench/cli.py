@@ -204,6 +204,26 @@ def _batch(args: argparse.Namespace) -> int:
     return 1 if report.differing else 0
 
 
+def _speculate(args: argparse.Namespace) -> int:
+    """In process, weights mapped: built-in tasks made of texts that ship with Python: edit (a ~100-line
+    function with one name changed, also with the original given as a prediction), extract (fields of a
+    docstring as JSON), summarize (with quotes), chat (a free answer). For each, greedy and seeded
+    (temperature 0.7) decoding of --tokens tokens, plain then speculative (prompt lookup; a prediction
+    where given), --runs times from the same prefilled prompt. Prints per task the medians of plain and
+    speculative decode tokens per second and of tokens per verify pass, one line 'TASK: R× plain' each,
+    then 'differing answers: D of S' comparing every speculative answer with its plain one; exit 1 if D > 0."""
+    from pagelm.bench.speculate import TASKS, run_speculate
+
+    names = args.tasks.split(",")
+    if not names or any(n not in TASKS for n in names) or len(set(names)) != len(names):
+        raise PagelmError(f"--tasks must be distinct names among {','.join(TASKS)}, got {args.tasks!r}")
+    _positive("--tokens", args.tokens)
+    _positive("--runs", args.runs)
+    report = run_speculate(args.model, str(model_path(args.model, args.models_dir)), names, args.tokens, args.runs)
+    print(report.markdown())
+    return 1 if report.differing else 0
+
+
 def _peer(args: argparse.Namespace) -> int:
     """One sequence of one file as a user runs it, pagelm and llama.cpp (llama-cpp-python) each in a fresh
     process of its own, in turn, --runs times: each loads the file, warms up on an 8-token prompt, prefills a
@@ -497,6 +517,21 @@ def _add_peer(subcommands, model_help: str) -> None:
     peer.set_defaults(run=_peer)
 
 
+def _add_speculate(subcommands, model_help: str) -> None:
+    from pagelm.bench.speculate import TASKS
+
+    speculate = subcommands.add_parser(
+        "speculate", help="plain against speculative decoding on built-in tasks; exit 1 if any answer differs",
+        description=_speculate.__doc__)
+    speculate.add_argument("model", metavar="MODEL", help=model_help)
+    speculate.add_argument("--tasks", default=",".join(TASKS), metavar="TASK,…",
+                           help=f"tasks among {','.join(TASKS)} (default all)")
+    speculate.add_argument("--tokens", type=int, default=128, help="tokens decoded per answer (default 128)")
+    speculate.add_argument("--runs", type=int, default=DEFAULT_RUNS, help=f"runs (default {DEFAULT_RUNS})")
+    _models_dir(speculate)
+    speculate.set_defaults(run=_speculate)
+
+
 def _add_embed(subcommands, model_help: str) -> None:
     embed = subcommands.add_parser(
         "embed", help="inputs per second of an embedding model, many inputs computed together, beside "
@@ -581,6 +616,7 @@ def register(commands) -> None:
     _add_perplexity(subcommands, model_help)
     _add_batch(subcommands, model_help)
     _add_peer(subcommands, model_help)
+    _add_speculate(subcommands, model_help)
     _add_embed(subcommands, model_help)
     _add_concurrency(subcommands, model_help)
     _add_all(subcommands)

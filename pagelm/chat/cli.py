@@ -12,6 +12,8 @@ import sys
 from pagelm.errors import PagelmError
 from pagelm.sources.cli import locate
 
+SPECULATE_MODES = ("auto", "off", "lookup")  # engine.speculate.MODES, whose import would load torch for --help
+
 def add_compute_options(parser: argparse.ArgumentParser, images: bool = True) -> None:
     """How a model is held and computed: the flags `run`, `serve` and (without images) `embed` share."""
     if images:
@@ -49,7 +51,8 @@ def _open_chat(args: argparse.Namespace):
                           image_tokens=(args.image_min_tokens, args.image_max_tokens))
     if embedding_head(chat.model.loader) is not None:
         raise PagelmError(f"{args.model} is an embedding model: it makes vectors, not text (pagelm embed MODEL TEXT)")
-    conversation = Conversation(chat.model, chat.tokenizer, chat.template, max_len=args.ctx_len, think=args.think)
+    conversation = Conversation(chat.model, chat.tokenizer, chat.template, max_len=args.ctx_len, think=args.think,
+                                speculate=args.speculate)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, reasoning_budget=args.reasoning_budget)
     return chat, conversation, params
@@ -96,6 +99,9 @@ def _print_stats(conversation) -> None:
           f"{len(turn.token_ids)} generated at {turn.decode_tok_s:.1f} tok/s; anonymous {memory.anonymous / MIB:.0f} MiB "
           f"(weights {conversation.model.weights_nbytes / MIB:.0f}), peak RSS {memory.peak_rss / MIB:.0f} MiB]",
           file=sys.stderr)
+    s = turn.speculation
+    if s is not None:
+        print(f"[speculation: {s.drafted} drafted, {s.accepted} accepted in {s.passes} verify passes]", file=sys.stderr)
 
 
 _REPL_HELP = ("/think on|off, /clear, /set temperature|top_k|top_p|min_p|seed|max_tokens VALUE, "
@@ -257,7 +263,12 @@ def register(commands) -> None:
                           "model with a vision tower (--mmproj)")
     run.add_argument("--json", action="store_true",
                      help="print one JSON object (content, reasoning, token ids, counts) as the last line")
-    run.add_argument("--stats", action="store_true", help="prompt/decode tok/s and memory to stderr")
+    run.add_argument("--stats", action="store_true",
+                     help="prompt/decode tok/s, memory and speculation's drafted/accepted tokens to stderr")
+    run.add_argument("--speculate", choices=SPECULATE_MODES, default="auto",
+                     help="check guessed tokens several at a time, from what the prompt and answer repeat (lookup; "
+                          "auto, the default: lookup where the measured step costs say it pays; off: one token a "
+                          "step); the answer is the same")
     structured = run.add_mutually_exclusive_group()
     structured.add_argument("--format", choices=["json"],
                             help="json: the answer is one JSON object, enforced token by token (grammar-constrained "

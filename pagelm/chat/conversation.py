@@ -18,6 +18,7 @@ from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
 from pagelm.engine.model import Model
 from pagelm.errors import PagelmError
 from pagelm.engine.sampling import SamplingParams
+from pagelm.engine.speculate import SpeculationStats, Speculator
 from pagelm.vision.inputs import ExpandedPrompt, ImageInput, expand_images
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ class Turn:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     finish_reason: str = "stop"
+    speculation: SpeculationStats | None = None  # drafted and accepted tokens, where drafts were tried
 
     @property
     def prompt_tok_s(self) -> float:
@@ -52,9 +54,11 @@ class Conversation:
     prompt starts with everything the session has already processed."""
 
     def __init__(self, model: Model, tokenizer: Tokenizer, template: ChatTemplate, max_len: int = 4096,
-                 system: str | None = None, think: bool = False):
+                 system: str | None = None, think: bool = False, speculate: str = "auto"):
         self.model, self.tokenizer, self.template = model, tokenizer, template
         self.max_len = max_len
+        Speculator.of(speculate)  # checks the mode
+        self.speculate = speculate  # engine.speculate.MODES: the same answers, drafts checked or not
         self.system = system
         self.think = think
         self.messages: list[dict] = []
@@ -110,8 +114,10 @@ class Conversation:
         decoder = StreamDecoder(self.tokenizer)
         start = time.perf_counter()
         new_images = [p.image for p in expanded.images if p.start >= turn.reused_tokens]
+        speculator = Speculator.of(self.speculate)
+        turn.speculation = None if speculator is None else speculator.stats
         for token in self.session.generate(prompt[turn.reused_tokens:], params, cancel=cancel, constraint=constraint,
-                                           images=new_images):
+                                           images=new_images, speculate=speculator or "off"):
             if not turn.token_ids:
                 turn.prefill_s = time.perf_counter() - start
                 start = time.perf_counter()

@@ -60,6 +60,7 @@ def decode_batch(sessions: Sequence[Session], tokens: Sequence[int]) -> np.ndarr
     hidden = model.network.decode_batch(x, [s.state for s in sessions], positions)
     logits = model.head.logits(hidden.float().cpu().numpy())
     for s, token, row, after in zip(sessions, ids.tolist(), logits, afters):
+        s.forget_pass()
         s.tokens.append(token)
         if after is not None:
             s.position_delta = after - len(s.tokens)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from pagelm.engine.batch import decode_batch
-from pagelm.engine.session import Session
+from pagelm.engine.session import Session, verify_passes
 from pagelm.errors import PagelmError
 from pagelm.vision.cache import EmbeddingCache
 from pagelm.weights import OutputHead, TokenEmbedding
@@ -71,6 +71,11 @@ class Model:
         if any(s.model is not self for s in sessions):
             raise PagelmError("decode_batch: every session must be of this model")
         return decode_batch(sessions, tokens)
+
+    def verify_batch(self, sessions: Sequence[Session], token_lists: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Several sessions' verify passes in one (`pagelm.engine.session.verify_passes`, at most 16
+        tokens in all): each session's logits and state bit for bit what its own `verify` gives."""
+        return verify_passes(sessions, token_lists)
 
     @property
     def weights_nbytes(self) -> int:

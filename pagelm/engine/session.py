@@ -1,5 +1,6 @@
-"""One conversation over a model: its tokens, state and last logits; prefill, decode, generate,
-checkpoint and restore (`Session`), and a sequence's choice of its next tokens (`Chooser`).
+"""One conversation over a model: its tokens, state and last logits; prefill, decode, verify and
+rewind (several tokens checked at once, then the unkept ones dropped), generate, checkpoint and
+restore (`Session`), and a sequence's choice of its next tokens (`Chooser`).
 
 Owns the token bookkeeping of one sequence; the arithmetic is the network's and the kernels'.
 """
@@ -15,8 +16,9 @@ import numpy as np
 import torch
 
 from pagelm.engine.sampling import Constraint, Sampler, SamplingParams
+from pagelm.engine.speculate import Speculator, speculative_tokens
 from pagelm.errors import PagelmError
-from pagelm.models.decoder import finish
+from pagelm.models.decoder import Trail, finish
 from pagelm.runtime import heap
 from pagelm.runtime import threads as threads_module
 from pagelm.vision.inputs import IMAGE_PAD
@@ -52,6 +54,8 @@ class Session:
         self.images: list[str] = []
         self.position_delta = 0
         self.logits: np.ndarray | None = None
+        self.trail = Trail()  # the last verify pass's per-row recurrent states, for rewind
+        self._pass: np.ndarray | None = None  # that pass's logits; None: no pass to rewind
 
     def reset(self) -> None:
         """Forget everything fed so far; the state's buffers are reused, not reallocated."""
@@ -63,6 +67,7 @@ class Session:
         self.images = []
         self.position_delta = 0
         self.logits = None
+        self.forget_pass()
 
     def check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -113,6 +118,7 @@ class Session:
             first = len(self.tokens) + self.position_delta
             positions, after = self.model.network.image_positions(first, ids.size, [(offset, *image.merged)
                                                                                     for offset, image in runs])
+        self.forget_pass()
         hidden = yield from self.model.network.forward_layers(x, self.state, positions)
         self.tokens.extend(ids.tolist())
         self.images.extend(image.key for image in images)
@@ -127,17 +133,41 @@ class Session:
         """Feed one token (normally the one just sampled); returns the next logits."""
         return self.prefill([token])
 
+    def verify(self, tokens: Sequence[int]) -> np.ndarray:
+        """Feed 1 to MAX_GEMV_ROWS tokens (the last one chosen and drafts after it) in one pass;
+        returns the logits (n, vocab) after each, row r bit for bit what `decode(tokens[r])` returns
+        after tokens[:r] were decoded one at a time. The session then holds them all, as decoding
+        them would leave it; `rewind(rows)` keeps only the first rows, exactly."""
+        return verify_passes([self], [tokens])[0]
+
+    def forget_pass(self) -> None:
+        """The last verify pass can no longer be rewound (something else is fed)."""
+        self._pass = None
+
+    def rewind(self, rows: int) -> None:
+        """Keep the first `rows` tokens of the last `verify` pass (1 to its length), dropping the
+        rest: the state (KV caches truncated, recurrent states from the pass's own copies), tokens
+        and logits exactly as after decoding those tokens alone. Again with fewer rows as long as
+        nothing else was fed."""
+        if self._pass is None:
+            raise PagelmError("rewind: no verify pass to rewind (something else was fed since)")
+        self.trail.rewind(self.state, rows)
+        del self.tokens[self.state.pos :]  # a token a position, the pass's from the trail's base
+        self.logits = self._pass[rows - 1].copy()
+
     @property
     def nbytes(self) -> int:
         """Anonymous bytes this session holds: its state (the resident pages of KV caches reserved
-        for max_len, the DeltaNet and conv states) and its last logits."""
-        return self.state.nbytes + (0 if self.logits is None else self.logits.nbytes)
+        for max_len, the DeltaNet and conv states), its last logits and the recurrent states a
+        verify pass kept for rewinding."""
+        return self.state.nbytes + (0 if self.logits is None else self.logits.nbytes) + self.trail.nbytes
 
     def checkpoint(self) -> Checkpoint:
         logits = None if self.logits is None else self.logits.copy()
         return Checkpoint(tuple(self.tokens), tuple(self.images), self.position_delta, self.state.checkpoint(), logits)
 
     def restore(self, checkpoint: Checkpoint) -> None:
+        self.forget_pass()
         self.state.restore(checkpoint.state)
         self.tokens = list(checkpoint.tokens)
         self.images = list(checkpoint.images)
@@ -146,17 +176,23 @@ class Session:
 
     def generate(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
                  cancel: threading.Event | None = None, constraint: Constraint | None = None,
-                 images: Sequence[ImageInput] = ()) -> Iterator[int]:
+                 images: Sequence[ImageInput] = (), speculate: str | Speculator = "off") -> Iterator[int]:
         """Prefill `prompt` (may be empty to continue from the current state) with the `images`
         among its tokens, then yield sampled tokens until a stop token, max_tokens, the context
         end, or `cancel` is set (checked before every step). A stop token is yielded, then
         generation ends. `constraint` (a grammar's matcher) forbids the tokens its grammar does
-        not allow at each step."""
+        not allow at each step. `speculate`: "off", "auto" or "lookup" (speculate.MODES), or a
+        Speculator (whose `stats` count the drafts): drafts checked in verify passes, the same
+        tokens and the same session state after them as without."""
+        speculator = Speculator.of(speculate) if isinstance(speculate, str) else speculate
         logits = self.prefill(prompt, images) if len(prompt) else self.logits
         if logits is None:
             raise PagelmError("generate needs a prompt or a prefilled session")
         chooser = Chooser(self, params, constraint)
         try:
+            if speculator is not None:
+                yield from speculative_tokens(self, chooser, logits, params.max_tokens, cancel, speculator)
+                return
             for _ in range(params.max_tokens):
                 if cancel is not None and cancel.is_set():
                     return
@@ -169,6 +205,35 @@ class Session:
             heap.trim()  # what the decode steps' temporaries left free on the heap
 
 
+@torch.inference_mode()
+def verify_passes(sessions: Sequence[Session], token_lists: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """`Session.verify` of each session (distinct, of one model) with its tokens, all in one pass
+    (at most MAX_GEMV_ROWS tokens in all): each matrix read once for every row; each session's
+    logits and state what its own pass gives, bit for bit."""
+    if not sessions or len(sessions) != len(token_lists) or any(s.model is not sessions[0].model for s in sessions):
+        raise PagelmError("verify: one token list for each of one or more sessions, all of one model")
+    model = sessions[0].model
+    ids = [s.check_tokens(t) for s, t in zip(sessions, token_lists)]
+    threads_module.use()
+    x = model.embed(np.concatenate(ids))
+    positions = [None if not s.position_delta else  # after an image: its own rope positions (text steps one by one)
+                 model.network.image_positions(len(s.tokens) + s.position_delta, i.size, [])[0]
+                 for s, i in zip(sessions, ids)]
+    for s in sessions:
+        s.forget_pass()
+    hidden = model.network.decode_rows(x, [s.state for s in sessions], [s.trail for s in sessions],
+                                       [i.size for i in ids], positions)
+    logits = model.head.logits(hidden.float().cpu().numpy())
+    out, lo = [], 0
+    for s, i in zip(sessions, ids):
+        s._pass = rows = logits[lo : lo + i.size]
+        lo += i.size
+        s.tokens.extend(i.tolist())
+        s.logits = rows[-1].copy()
+        out.append(rows)
+    return out
+
+
 class Chooser:
     """One sequence's choice of its next tokens, as Session.generate makes it: its sampler and seed,
     the counts its penalties see, its stop tokens and its grammar's matcher."""
@@ -179,15 +244,18 @@ class Chooser:
         self.stops = set(params.stop_tokens) | set(session.model.eos_tokens)
         self.seen = Counter(session.tokens)
 
-    def choose(self, logits: np.ndarray) -> tuple[int, bool]:
-        """(the next token, whether generation ends with it: a stop token or the context's end)."""
+    def choose(self, logits: np.ndarray, held: int | None = None) -> tuple[int, bool]:
+        """(the next token, whether generation ends with it: a stop token or the context's end).
+        `held`: the tokens the sequence holds before it (default: the session's; a verify pass's
+        row r has its first tokens and r + 1 of the pass's)."""
+        held = len(self.session.tokens) if held is None else held
         if self.constraint is not None:
             # a copy: the session's logits stay the model's own (checkpoints keep them)
             logits = self.constraint.mask(logits.copy())
-        token = self.sampler.sample(logits, len(self.session.tokens), self.seen)
+        token = self.sampler.sample(logits, held, self.seen)
         if self.constraint is not None:
             self.constraint.accept(token)
-        done = token in self.stops or len(self.session.tokens) >= self.session.max_len
+        done = token in self.stops or held >= self.session.max_len
         if not done:
             self.seen[token] += 1
         return token, done

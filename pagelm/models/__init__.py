@@ -22,6 +22,9 @@ Every architecture's forward has three paths, one arithmetic:
   numpy between those kernels (the llama family, Gemma 3), the same operations on the same values;
 - compiled decode: `token_layers.TokenLayers.run`, each layer of `_token_layers` as one compiled call
   of the same kernels (the llama family, Gemma 3, where every product is GGML rows read in place).
+A verify pass (`Decoder.decode_rows`: several tokens of one sequence, speculative decoding's) is a
+decode step whose rows are one sequence at successive positions (`decoder.RowState`): the decode
+paths as they are, recurrent states advanced row after row (`decoder.waves`) and kept for rewinding.
 """
 
 from __future__ import annotations

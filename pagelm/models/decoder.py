@@ -1,6 +1,8 @@
 """What every decoder stack shares: input checks, inference mode, long prompts cut into segments,
-a forward pass that can pause between layers, and a decode step of several sequences. Owns no model
-math: each architecture implements `_layers(x, spans, alone)` over the rows of one or more sequences."""
+a forward pass that can pause between layers, a decode step of several sequences, and a pass of
+several consecutive tokens of one sequence computed as one-token steps (speculative decoding's
+verification) with the recurrent state each row leaves (`Trail`). Owns no model math: each
+architecture implements `_layers(x, spans, alone)` over the rows of one or more sequences."""
 
 from __future__ import annotations
 
@@ -58,6 +60,93 @@ def advance(spans: list) -> None:
     """Each span's state now holds its rows' tokens."""
     for s in spans:
         s.state.pos += s.hi - s.lo
+
+
+class Trail:
+    """The recurrent state (conv windows, DeltaNet states) a pass of one sequence's rows
+    (`Decoder.decode_rows`) leaves after each row but its last, in copies reused from pass to pass
+    (at most MAX_GEMV_ROWS - 1 of each tensor): what `rewind` puts back, no token decoded again.
+    Position-indexed KV needs none: rewinding moves `pos` back, and the positions after it are
+    written over before any query reads them."""
+
+    def __init__(self):
+        self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (row, id) -> (live, copy)
+        self.base, self.rows = 0, 0  # the state's pos before the last pass, the pass's rows
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(copy for _, copy in self._copies.values())
+
+    def keep(self, row: int, tensors) -> None:
+        """The state after `row`: a copy of each of `tensors` (live, advanced in place)."""
+        if row == self.rows - 1:  # the last row's state is the live one
+            return
+        for t in tensors:
+            entry = self._copies.get((row, id(t)))
+            if entry is None or entry[0] is not t:
+                entry = self._copies[(row, id(t))] = (t, torch.empty_like(t))
+            entry[1].copy_(t)
+
+    def rewind(self, state, rows: int) -> None:
+        """`state` (the one the last pass advanced) exactly as after the pass's first `rows` rows."""
+        if not 1 <= rows <= self.rows:
+            raise PagelmError(f"rewind to {rows} rows of a pass of {self.rows}")
+        if rows < self.rows:
+            with torch.inference_mode():
+                for (row, _), (live, copy) in self._copies.items():
+                    if row == rows - 1:
+                        live.copy_(copy)
+        state.pos = self.base + rows
+        self.rows = rows
+
+
+class RowState:
+    """Row `row` of a pass of consecutive tokens of one sequence through `_layers`: the sequence's
+    state as that row's one-token step sees it, at position state.pos + row; every other attribute
+    (caches, recurrent states) is the sequence's own. A model that advances a recurrent state in
+    place does it row after row (`waves`) and `keep`s it after each."""
+
+    def __init__(self, state, row: int, trail: Trail):
+        self.state, self.row, self.trail = state, row, trail
+        self.pos = state.pos + row
+
+    def __getattr__(self, name: str):
+        return getattr(self.state, name)
+
+
+def waves(spans: list) -> list[list[int]]:
+    """The spans' indices in groups that hold at most one row of each sequence, in row order: what
+    one call of a kernel that advances each sequence's recurrent state in place may take. A step of
+    distinct sequences is one group; a pass of one sequence's rows (RowState) a group per row."""
+    groups: dict[int, list[int]] = {}
+    for j, s in enumerate(spans):
+        groups.setdefault(s.state.row if isinstance(s.state, RowState) else 0, []).append(j)
+    return [groups[r] for r in sorted(groups)]
+
+
+def per_wave(fn, spans: list) -> torch.Tensor | None:
+    """fn(indices) — the rows of those spans, or None where a kernel does not take them — for each
+    of the spans' `waves` in order, the rows stacked in span order; None where fn refuses the first
+    (every wave is of the same tensors, so then nothing was touched)."""
+    groups = waves(spans)
+    if len(groups) == 1:
+        return fn(groups[0])
+    out = None
+    for g in groups:
+        part = fn(g)
+        if part is None:
+            return None
+        if out is None:
+            out = part.new_empty((len(spans), *part.shape[1:]))
+        out[g] = part
+    return out
+
+
+def keep(span: Span, *tensors: torch.Tensor) -> None:
+    """After a span's recurrent `tensors` advanced by its row: kept for rewinding where the row is
+    one of a pass (RowState); nothing otherwise."""
+    if isinstance(span.state, RowState):
+        span.state.trail.keep(span.state.row, tensors)
 
 
 class Decoder:
@@ -156,3 +245,38 @@ class Decoder:
         with torch.inference_mode():
             return finish(self._layers(x, [Span(s, i, i + 1, p) for i, (s, p) in enumerate(zip(states, positions))],
                                        alone=True))
+
+    def decode_rows(self, x: torch.Tensor, states: list, trails: list[Trail], counts: list[int],
+                    positions: list | None = None) -> torch.Tensor:
+        """Final hidden states of consecutive tokens of each of several sequences in one pass
+        (speculative decoding's verification): x holds counts[i] rows of sequence i (state states[i],
+        all distinct) after those of the sequences before it, and each row is bit for bit what
+        `forward` of that one token gives after the rows before it in its sequence were fed one at a
+        time. The products read each matrix once for all rows (each row as alone, as decode_batch's);
+        attention and every recurrent state step row by row as one-token decode steps them, over
+        each sequence's own caches. Each state ends after its rows; trails[i] keeps what each of
+        them left, for `trail.rewind(state, rows)`. positions[i]: sequence i's multimodal rope
+        positions (3, counts[i]), or None."""
+        self._check_input(x)
+        positions = positions or [None] * len(states)
+        if not (len(states) == len(trails) == len(counts) == len(positions) and all(n >= 1 for n in counts)
+                and sum(counts) == x.shape[0] <= MAX_GEMV_ROWS and len({id(s) for s in states}) == len(states)):
+            raise PagelmError(f"decode_rows: {x.shape[0]} rows as {counts} of {len(states)} states (distinct, each at "
+                              f"least one row, at most {MAX_GEMV_ROWS} in all)")
+        spans = []
+        for i, (state, trail, n, p) in enumerate(zip(states, trails, counts, positions)):
+            if state.pos + n > state.max_len:
+                raise PagelmError(f"decode_rows: sequence {i} at pos {state.pos} + {n} tokens exceeds its state's "
+                                  f"max_len {state.max_len}")
+            if p is not None and tuple(p.shape) != (3, n):
+                raise PagelmError(f"decode_rows: positions of sequence {i} of shape {tuple(p.shape)}, expected (3, {n})")
+            lo = len(spans)
+            spans += [Span(RowState(state, r, trail), lo + r, lo + r + 1, None if p is None else p[:, r : r + 1])
+                      for r in range(n)]
+        for state, trail, n in zip(states, trails, counts):
+            trail.base, trail.rows = state.pos, n
+        with torch.inference_mode():
+            hidden = finish(self._layers(x, spans, alone=True))
+        for state, trail in zip(states, trails):
+            state.pos = trail.base + trail.rows
+        return hidden

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
-from pagelm.models.decoder import Decoder, Span, advance, nbytes, per_sequence
+from pagelm.models.decoder import Decoder, Span, advance, keep, nbytes, per_sequence, waves
 from pagelm.models.layers import (KVCheckpoint, KVState, apply_rope_, attend_spans, attention, causal_conv1d,
                                   check_config, gated_mlp, inv_freq, rms_norm, rope_tables)
 from pagelm.models.token_layers import K_NORM, TokenLayers
@@ -263,7 +263,7 @@ class Lfm2Model(Decoder):
         ropes = [self.token_rope(s.state.pos) if s.hi - s.lo == 1 else rope_tables(self.inv_freq, s.state.pos, s.hi - s.lo)
                  for s in spans]
         tokens = token_ropes(ropes) if x.shape[0] == len(spans) else None  # one token each: the batched kernels
-        step = None if tokens is None else TokenStep.of(x, [s.state.kv for s in spans], [tokens], c.head_dim**-0.5,
+        step = None if tokens is None else TokenStep.of(x, [s.state for s in spans], [tokens], c.head_dim**-0.5,
                                                         c.n_heads, c.n_kv_heads, c.head_dim)
         if step is not None:
             return (yield from self._token_layers(step, spans, alone))
@@ -298,8 +298,8 @@ class Lfm2Model(Decoder):
             qs, ks = q[s.lo : s.hi], k[s.lo : s.hi]
             apply_rope_(qs, *rope)
             apply_rope_(ks, *rope)
-            kv = s.state.kv
-            return attention(qs, ks, v[s.lo : s.hi], kv.layers[slot], kv.pos, scale, views=kv.views[slot])
+            kv = s.state  # its pos is the span's own (decoder.RowState), not always the KV state's
+            return attention(qs, ks, v[s.lo : s.hi], kv.kv.layers[slot], kv.pos, scale, views=kv.views[slot])
 
         o = None if tokens is None else attend_spans(q, k, v, spans, slot, tokens, scale)
         return w.out(per_sequence(attend, spans, ropes) if o is None else o, alone)
@@ -310,7 +310,9 @@ class Lfm2Model(Decoder):
         bx = proj[:, :n] * proj[:, 2 * n :]
 
         def shift(s: Span, _) -> torch.Tensor:
-            return causal_conv1d(bx[s.lo : s.hi], s.state.conv[slot], w.taps)
+            out = causal_conv1d(bx[s.lo : s.hi], s.state.conv[slot], w.taps)
+            keep(s, s.state.conv[slot])
+            return out
 
         return w.out(proj[:, n : 2 * n] * per_sequence(shift, spans, [None] * len(spans)), alone)
 
@@ -328,7 +330,7 @@ class Lfm2Model(Decoder):
         # each conv layer's window of each sequence, by address (float32, C-contiguous, never reallocated)
         windows = np.array([[s.state.conv[j].data_ptr() for s in spans] for j in range(len(spans[0].state.conv))],
                            np.int64)
-        if self._compiled:
+        if self._compiled and len(waves(spans)) == 1:  # a pass's rows of one sequence keep each row's windows: numpy
             h = yield from self._compiled.run(step, H, G, D, c.rms_eps, F.silu, conv_at=windows)
             advance(spans)
             return torch.from_numpy(step.norm(h, self.output_norm, c.rms_eps))
@@ -343,17 +345,26 @@ class Lfm2Model(Decoder):
                 v = np.ascontiguousarray(proj[:, (H + G) * D :]).reshape(n, G, D)
                 h += step.product(m.out, step.attend(q.reshape(n, H, D), k.reshape(n, G, D), v, slot), alone)
             else:
-                h += step.product(m.out, self._conv_token(m, step.product(m.in_proj, y, alone), slot, windows), alone)
+                h += step.product(m.out, self._conv_token(m, step.product(m.in_proj, y, alone), slot, windows, spans),
+                                  alone)
             h += step.gated(w.gate_up, w.down, step.norm(h, w.ffn_norm, c.rms_eps, "norm"), F.silu, alone)
             yield
         advance(spans)
         return torch.from_numpy(step.norm(h, self.output_norm, c.rms_eps))
 
-    def _conv_token(self, w: ConvWeights, proj: np.ndarray, slot: int, windows: np.ndarray) -> np.ndarray:
-        """C · conv(B · x) of one token of each sequence (proj: in_proj's rows B, C, x), each sequence's conv
-        window (address windows[slot, s]) advanced in place."""
+    def _conv_token(self, w: ConvWeights, proj: np.ndarray, slot: int, windows: np.ndarray,
+                    spans: list[Span]) -> np.ndarray:
+        """C · conv(B · x) of one token of each span's sequence (proj: in_proj's rows B, C, x), each sequence's conv
+        window (address windows[slot, s]) advanced in place: at once where the spans are distinct sequences, row
+        after row (each kept for rewinding) where they are a pass's rows of one (decoder.RowState)."""
         out = np.empty((proj.shape[0], self.config.hidden), np.float32)
-        conv_tokens(w.taps.numpy(), windows[slot], proj, out)
+        taps = w.taps.numpy()
+        if len(waves(spans)) == 1:
+            conv_tokens(taps, windows[slot], proj, out)
+            return out
+        for i, s in enumerate(spans):
+            conv_tokens(taps, windows[slot, i : i + 1], proj[i : i + 1], out[i : i + 1])
+            keep(s, s.state.conv[slot])
         return out
 
 

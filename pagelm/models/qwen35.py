@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
-from pagelm.models.decoder import Decoder, Span, advance, nbytes, per_sequence
+from pagelm.models.decoder import Decoder, Span, advance, keep, nbytes, per_sequence, per_wave
 from pagelm.models.delta_rule import delta_rule_step, deltanet_tokens
 from pagelm.models.layers import (apply_rope_, attention, causal_conv1d, check_config, gated_mlp, inv_freq, rms_norm,
                                   rope_tables)
@@ -526,10 +526,16 @@ class Qwen35Model(Decoder):
         nk, nv, dk, dv = c.n_key_heads, c.n_value_heads, c.linear_key_dim, c.linear_value_dim
         C, V = c.conv_channels, nv * dv
         proj = w.in_proj(y, alone).float()
-        if proj.shape[0] == len(spans):  # one token each: one kernel for them all where it takes them
-            caches = [s.state.layers[i] for s in spans]
-            o = deltanet_tokens(proj, [m.conv for m in caches], w.conv, w.a, w.dt_bias, w.norm,
-                                [m.recurrent for m in caches], nk, c.rms_eps, L2_EPS)
+        if proj.shape[0] == len(spans):  # one token each: one kernel call a wave where it takes them
+            def tokens(wave: list[int]) -> torch.Tensor | None:
+                caches = [spans[j].state.layers[i] for j in wave]
+                o = deltanet_tokens(proj if len(wave) == len(spans) else proj[wave], [m.conv for m in caches], w.conv,
+                                    w.a, w.dt_bias, w.norm, [m.recurrent for m in caches], nk, c.rms_eps, L2_EPS)
+                for j, m in zip(wave, caches if o is not None else ()):
+                    keep(spans[j], m.conv, m.recurrent)
+                return o
+
+            o = per_wave(tokens, spans)
             if o is not None:
                 return w.out(o, alone)
 
@@ -544,6 +550,7 @@ class Qwen35Model(Decoder):
             v = qkv[:, 2 * nk * dk :].view(T, nv, dv)
             rule = gated_delta_rule_recurrent if T == 1 else gated_delta_rule_chunked
             o = rule(q, k, v, g, beta, cache.recurrent)
+            keep(s, cache.conv, cache.recurrent)
             o = rms_norm(o, w.norm, c.rms_eps).mul_(F.silu(z))
             return o.reshape(T, V)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagelm.chat.cli import add_compute_options
+from pagelm.chat.cli import SPECULATE_MODES, add_compute_options
 from pagelm.errors import PagelmError
 from pagelm.sources.cli import locate
 
@@ -48,7 +48,8 @@ def _serve(args: argparse.Namespace) -> int:
                              image_cache_mib=args.image_cache_mib,
                              image_tokens=(args.image_min_tokens, args.image_max_tokens), ui=not args.no_ui,
                              host=args.host, allowed_hosts=tuple(args.allowed_host),
-                             allowed_origins=tuple(args.allowed_origin), reasoning_budget=args.reasoning_budget)
+                             allowed_origins=tuple(args.allowed_origin), reasoning_budget=args.reasoning_budget,
+                             speculate=args.speculate)
     if not is_loopback(args.host) and args.api_key is None:
         print(f"pagelm serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     for given, flag in ((args.ray_address, "--ray-address"), (args.replica_niceness, "--replica-niceness")):
@@ -107,6 +108,11 @@ def register(commands) -> None:
     serve.add_argument("--parallel", type=int, default=4, metavar="N",
                        help="requests answered at once, each in a slot with its own state (allocated while in use); "
                             "1 = one at a time (default 4)")
+    serve.add_argument("--speculate", choices=SPECULATE_MODES, default="auto",
+                       help="while one request decodes, check tokens guessed from what its prompt and answer repeat "
+                            "several at a time (auto, the default: where the measured step costs say it pays; off); answers stay "
+                            "the same. "
+                            "A request's OpenAI `prediction` is drafted from in any mode")
     serve.add_argument("--queue-size", type=int, default=64,
                        help="requests waiting for a slot before 503 with Retry-After (default 64)")
     serve.add_argument("--max-body-mib", type=int, default=32, help="largest request body in MiB (default 32)")

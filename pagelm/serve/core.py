@@ -86,6 +86,7 @@ class ServeSettings:
     host: str = "127.0.0.1"  # the address bound: on loopback, only loopback names (and allowed_hosts) are answered
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed besides loopback and the server's own ("*": any)
+    speculate: str = "auto"  # engine.speculate.MODES: drafts (prompt lookup) while one request decodes
 
 
 class Server:
@@ -121,7 +122,7 @@ class Server:
                 self.embedder = Embedder(chat.model, head)
             else:
                 self.worker = Worker(chat.model, chat.tokenizer, s.ctx_len, self.cache, s.checkpoint_interval,
-                                     s.queue_size, s.parallel)
+                                     s.queue_size, s.parallel, speculate=s.speculate)
             self.chat = chat
         except Exception as e:  # noqa: BLE001 - reported by the CLI, which then exits
             self.load_error = e
@@ -283,8 +284,10 @@ class Server:
         return await run_in_threadpool(self.require_generative().raw_prompt, text)
 
     def start(self, request: Request, prompt: Prompt, params: SamplingParams, stop: tuple[str, ...],
-              id_prefix: str, max_len: int | None = None, grammar: Grammar | None = None) -> Job:
-        """Queue a generation; 400 if the prompt cannot fit, 503 if the queue is full."""
+              id_prefix: str, max_len: int | None = None, grammar: Grammar | None = None,
+              prediction: list[int] | None = None) -> Job:
+        """Queue a generation; 400 if the prompt cannot fit, 503 if the queue is full. `prediction`:
+        the tokens of a predicted output, drafts for the answer."""
         self.require_generative()
         limit = min(max_len or self.settings.ctx_len, self.settings.ctx_len)
         if not prompt.tokens:
@@ -295,7 +298,8 @@ class Server:
         rid = request_id(request.headers.get("x-request-id"))
         if params.reasoning_budget is None:
             params = replace(params, reasoning_budget=self.settings.reasoning_budget)
-        job = Job(prompt, params, stop, max_len=limit, request_id=rid or f"{id_prefix}-{_hex_id()}", grammar=grammar)
+        job = Job(prompt, params, stop, max_len=limit, request_id=rid or f"{id_prefix}-{_hex_id()}", grammar=grammar,
+                  prediction=prediction)
         try:
             self.worker.submit(job)
         except QueueFull as e:
@@ -339,6 +343,8 @@ class Server:
                          "failed": w.failed if w else 0, "queued": w.queued if w else 0,
                          "running": bool(w and w.running)},
             "slots": w.slot_stats() if w else {},
+            "speculation": {"drafted_tokens": w.speculation.drafted, "accepted_tokens": w.speculation.accepted,
+                            "verify_passes": w.speculation.passes} if w else {},
             "histograms": w.histograms.snapshot() if w else {},
             "memory": {"anonymous_bytes": memory.anonymous, "rss_bytes": memory.rss,
                        "file_rss_bytes": memory.file_rss, "peak_rss_bytes": memory.peak_rss,

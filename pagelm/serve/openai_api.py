@@ -19,8 +19,8 @@ from starlette.routing import Route
 
 from pagelm.chat.tools import ToolCall
 from pagelm.serve.core import JsonAnswer, Server, events
-from pagelm.serve.requests import (RequestError, boolean, embedding_inputs, integer, messages_from, sampling,
-                                   stop_strings, string, tool_choice_from, tools_from)
+from pagelm.serve.requests import (RequestError, boolean, embedding_inputs, integer, messages_from, prediction_text,
+                                   sampling, stop_strings, string, tool_choice_from, tools_from)
 from pagelm.serve.worker import Delta, Job, Result
 
 REASONING_EFFORT_OFF = {"none", "minimal"}
@@ -89,9 +89,19 @@ def _common(server: Server, body: dict) -> tuple:
 
 
 def _usage(result: Result) -> dict:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+    usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+             "total_tokens": result.prompt_tokens + result.completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+    if result.accepted_prediction_tokens is not None:
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": result.accepted_prediction_tokens,
+                                              "rejected_prediction_tokens": result.rejected_prediction_tokens}
+    return usage
+
+
+def _prediction(server: Server, body: dict) -> list[int] | None:
+    """The tokens of the request's predicted output (drafts checked against the answer), or None."""
+    text = prediction_text(body.get("prediction"))
+    return None if text is None else server.require_ready().tokenizer.encode(text)
 
 
 def _sse(obj) -> str:
@@ -126,7 +136,8 @@ async def chat_completions(server: Server, request: Request) -> Response:
     parallel = boolean(body, "parallel_tool_calls")
     plan = await server.plan_chat(messages, _think(body), tools, tool_choice_from(body.get("tool_choice"), tools),
                                   parallel is not False, _json_answer(body.get("response_format")), images)
-    job = server.start(request, plan.prompt, params, stop, "chatcmpl", grammar=plan.grammar)
+    job = server.start(request, plan.prompt, params, stop, "chatcmpl", grammar=plan.grammar,
+                       prediction=_prediction(server, body))
     created, name = int(time.time()), _model_name(server)
     head = {"id": job.id, "object": "chat.completion.chunk", "created": created, "model": name}
     calls = plan.answer_stream()
@@ -189,7 +200,7 @@ async def completions(server: Server, request: Request) -> Response:
     if not isinstance(text, str):
         raise RequestError("prompt must be a string (or a list of one string)", param="prompt")
     prompt = await server.raw_prompt(text)
-    job = server.start(request, prompt, params, stop, "cmpl")
+    job = server.start(request, prompt, params, stop, "cmpl", prediction=_prediction(server, body))
     created, name = int(time.time()), _model_name(server)
     head = {"id": job.id, "object": "text_completion", "created": created, "model": name}
 

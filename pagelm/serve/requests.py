@@ -130,6 +130,22 @@ def stop_strings(value: Any, where: str = "stop") -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
+def prediction_text(value: Any) -> str | None:
+    """The text of OpenAI's `prediction` ({"type": "content", "content": a string or text parts}),
+    None when absent."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "content":
+        raise RequestError('prediction must be {"type": "content", "content": ...}', param="prediction")
+    content = value.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise RequestError("prediction.content must be a string or a list of text parts", param="prediction.content")
+    return _encodable(content, "prediction.content")
+
+
 def sampling(fields: dict, max_tokens: int, where: str = "") -> SamplingParams:
     """SamplingParams from OpenAI-named fields (temperature, top_p, top_k, min_p, seed,
     presence/frequency/repeat penalties, reasoning_budget), already pulled out of either protocol's body."""

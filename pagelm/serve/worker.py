@@ -1,6 +1,9 @@
 """The server's one engine thread: up to `parallel` requests at once, each in a slot (a session of
 its own), admitted in arrival order from a bounded queue; each step decodes one token of every
-decoding slot in one batched decode and prefills one segment of a waiting prompt.
+decoding slot in one batched decode and prefills one segment of a waiting prompt. Where slots
+speculate (prompt lookup, a request's predicted output), their drafts join that step as more rows
+of their sequences (a batched verify pass, the fewer drafts the fuller the batch) and each slot
+keeps the tokens its own choice makes, so the answers are the same.
 
 Owns the slots and the queue, cancel-by-id, the prefill cut points (message boundaries and every
 `checkpoint_interval` tokens but inside an image, the same with the cache on or off so both
@@ -47,7 +50,8 @@ from pagelm.chat.model import Prompt
 from pagelm.chat.reasoning import ReasoningSplitter
 from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
 from pagelm.engine.model import Model
-from pagelm.engine.session import Chooser, Session
+from pagelm.engine.session import Chooser, Session, verify_passes
+from pagelm.engine.speculate import Prediction, SpeculationStats, Speculator
 from pagelm.errors import PagelmError
 from pagelm.chat.grammar import Grammar
 from pagelm.engine.sampling import SamplingParams
@@ -80,6 +84,9 @@ class Result:
     queued_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # with a predicted output: its tokens the answer took as drafted, and those it did not
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     @property
     def total_s(self) -> float:
@@ -129,10 +136,12 @@ class Job:
     _ids = itertools.count(1)
 
     def __init__(self, prompt: Prompt, params: SamplingParams, stop: tuple[str, ...] = (),
-                 max_len: int | None = None, request_id: str | None = None, grammar: Grammar | None = None):
+                 max_len: int | None = None, request_id: str | None = None, grammar: Grammar | None = None,
+                 prediction: list[int] | None = None):
         self.id = request_id or f"req-{uuid.uuid4().hex[:20]}"
         self.prompt, self.params, self.stop, self.max_len = prompt, params, stop, max_len
         self.grammar = grammar
+        self.prediction = prediction  # the tokens of a predicted output (OpenAI's `prediction`): drafts
         self.cancel = threading.Event()
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
@@ -173,6 +182,8 @@ class _Running:
         self.max_tokens = 0
         self.decoder: StreamDecoder | None = None
         self.matcher = StopMatcher(job.stop)
+        self.speculator: Speculator | None = None  # where it speculates: its drafts, checked in verify passes
+        self.pending: int | None = None  # a token chosen (and passed on) in a verify pass, to feed next
         p = job.prompt
         self.splitter = ReasoningSplitter(p.think_open) if p.split_reasoning else None
 
@@ -197,9 +208,11 @@ class Worker:
 
     def __init__(self, model: Model, tokenizer: Tokenizer, ctx_len: int, cache: PrefixCache,
                  checkpoint_interval: int = 512, queue_size: int = 64, parallel: int = 1,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, speculate: str = "off"):
         if parallel < 1:
             raise PagelmError(f"parallel must be >= 1, got {parallel}")
+        Speculator.of(speculate)  # checks the mode
+        self.speculate = speculate  # for every request; one with a predicted output drafts from it
         self.model, self.tokenizer, self.ctx_len = model, tokenizer, ctx_len
         self.cache, self.checkpoint_interval = cache, checkpoint_interval
         self.queue_size, self.parallel = queue_size, parallel
@@ -217,6 +230,7 @@ class Worker:
         self._working = False  # the engine thread has work: requests, answers to keep, the idle trim
         self._closed = False
         self.served = self.cancelled = self.failed = 0
+        self.speculation = SpeculationStats()  # every request's drafted and accepted tokens, and verify passes
         self.histograms = EngineHistograms()
         self._thread = threading.Thread(target=self._loop, name="pagelm-engine", daemon=True)
         self._thread.start()
@@ -426,18 +440,25 @@ class Worker:
                                        r.max_tokens, params.reasoning_budget)
         r.logits = r.session.logits
         r.chooser = Chooser(r.session, params, constraint)
+        if job.prediction is not None:
+            r.speculator = Speculator(Prediction(job.prediction))
+        else:
+            r.speculator = Speculator.of(self.speculate)
         r.decoder = StreamDecoder(self.tokenizer)
         r.result.finish_reason = "length"
 
     def _decode(self) -> float:
         """Each decoding slot chooses its next token and passes it on; those that go on are fed
-        theirs in batched decode steps. Returns the seconds those steps took."""
+        theirs in batched decode steps, with drafts after it where a slot speculates (a batched
+        verify pass then, whose rows are checked by each slot's own choices). Returns the seconds
+        those steps took."""
         going: list[tuple[int, _Running, int]] = []
         for index, r in enumerate(self._slots):
             if r is None or not r.decoding:
                 continue
             try:
-                token = self._next_token(r)
+                token = self._next_token(r) if r.pending is None else r.pending
+                r.pending = None
             except Exception as e:  # noqa: BLE001 - the worker must outlive any one request
                 self._fail(index, r.job, e)
                 continue
@@ -451,26 +472,76 @@ class Worker:
         for lo in range(0, len(going), MAX_BATCH):
             part = going[lo: lo + MAX_BATCH]
             try:
+                drafts = self._drafts(part)
                 start = time.perf_counter()
-                logits = decode_batch([r.session for _, r, _ in part], [token for _, _, token in part])
+                sessions, tokens = [r.session for _, r, _ in part], [token for _, _, token in part]
+                if any(drafts):
+                    rows = verify_passes(sessions, [[token, *d] for token, d in zip(tokens, drafts)])
+                else:
+                    rows = decode_batch(sessions, tokens)[:, None]
                 step_s = time.perf_counter() - start
                 took += step_s
                 self.histograms.decode_step_seconds.observe(step_s)
+                if len(part) == 1 and part[0][1].speculator is not None:  # a step of its own: its cost
+                    part[0][1].speculator.observe(1 + len(drafts[0]), step_s)
             except Exception as e:  # noqa: BLE001 - a failed step fails the requests it held
                 for index, r, _ in part:
                     self._fail(index, r.job, e)
                 continue
-            for (_, r, _), row in zip(part, logits):
-                r.logits = row
+            for (index, r, _), d, got in zip(part, drafts, rows):
+                try:
+                    self._check_drafts(index, r, d, got)
+                except Exception as e:  # noqa: BLE001 - the worker must outlive any one request
+                    self._fail(index, r.job, e)
         return took
 
-    def _next_token(self, r: _Running) -> int | None:
+    def _drafts(self, part: list[tuple[int, _Running, int]]) -> list[list[int]]:
+        """Each going slot's drafts after its token, within the rows one step takes: the fuller the
+        batch, the fewer (none for a slot that does not speculate)."""
+        budget, out = MAX_BATCH - len(part), []
+        for _, r, token in part:
+            drafts = []
+            if r.speculator is not None and budget > 0:
+                session = r.session
+                room = min(r.max_tokens - r.result.completion_tokens, session.max_len - len(session.tokens)) - 1
+                drafts = r.speculator.draft([*session.tokens, token], len(r.job.prompt.tokens), min(room, budget))
+                budget -= len(drafts)
+            out.append(drafts)
+        return out
+
+    def _check_drafts(self, index: int, r: _Running, drafts: list[int], rows: np.ndarray) -> None:
+        """After a step fed a slot its token and `drafts` (rows: the logits after each): choose and
+        pass on each row's token while it is the draft the next row fed (the first other one is fed
+        next step, as `pending`), the session rewound to the last row chosen from."""
+        if not drafts:
+            r.logits = rows[0]
+            return
+        session = r.session
+        base, kept, ended = len(session.tokens) - len(rows), len(rows), False
+        for i, draft in enumerate(drafts):
+            r.logits = rows[i]
+            chosen = self._next_token(r, held=base + i + 1)
+            if chosen is None or chosen != draft:
+                kept, ended, r.pending = i + 1, chosen is None, chosen
+                break
+        else:
+            r.logits = rows[-1]
+        r.speculator.record(len(drafts), kept - 1)
+        total = self.speculation
+        total.drafted, total.accepted, total.passes = total.drafted + len(drafts), total.accepted + kept - 1, total.passes + 1
+        if kept < len(rows):
+            session.rewind(kept)
+        if ended:
+            self._finish(index, r)
+
+    def _next_token(self, r: _Running, held: int | None = None) -> int | None:
         """Choose and pass on one token; the token to feed next, or None when the answer ends
-        (as Session.generate: cancel is checked before each choice, a stop token ends it)."""
+        (as Session.generate: cancel is checked before each choice, a stop token ends it).
+        `held`: as Chooser.choose's."""
         result = r.result
         if r.job.cancel.is_set() or result.completion_tokens >= r.max_tokens:
             return None
-        token, done = r.chooser.choose(r.logits)
+        token, done = r.chooser.choose(r.logits, held)
         now = time.perf_counter()
         if result.completion_tokens == 0:
             result.prefill_s = now - r.started
@@ -522,6 +593,9 @@ class Worker:
             r.started = now
         if r.job.cancel.is_set() and result.finish_reason == "length":
             result.finish_reason = "cancelled"
+        if r.job.prediction is not None and r.speculator is not None:
+            result.accepted_prediction_tokens = r.speculator.stats.accepted
+            result.rejected_prediction_tokens = max(len(r.job.prediction) - result.accepted_prediction_tokens, 0)
         if r.decoder is not None:
             if r.matcher is not None:  # None: a stop string ended it
                 text, stopped = r.matcher.push(r.decoder.flush())

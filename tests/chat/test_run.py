@@ -102,3 +102,22 @@ def test_images_join_the_prompt_one_shot_and_in_the_repl(qwen35_chat_gguf, tmp_p
     repl = _run(qwen35_chat_gguf, "--mmproj", str(tower), "--max-tokens", "2", stdin=script).stderr
     assert "(no image:" in repl and "(image 1 joins the next message)" in repl
     assert int(re.search(r"\[prompt (\d+) tokens", repl).group(1)) > 66
+
+
+def test_speculation_gives_the_same_answer_and_its_stats(smollm2_gguf):
+    from pagelm.chat.cli import SPECULATE_MODES
+    from pagelm.engine.speculate import MODES
+
+    assert SPECULATE_MODES == MODES
+    prompt = "Copy this list exactly: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon"
+    answers = {}
+    for mode in ("lookup", "off"):
+        result = _run(smollm2_gguf, prompt, "--json", "--stats", "--max-tokens", "40", "--speculate", mode)
+        answers[mode] = json.loads(result.stdout.strip().splitlines()[-1])["token_ids"]
+        stats = [line for line in result.stderr.splitlines() if line.startswith("[speculation:")]
+        if mode == "off":
+            assert not stats
+        else:
+            drafted, accepted = (int(w) for w in stats[0].split()[1:4:2])
+            assert drafted >= accepted > 0, stats
+    assert answers["lookup"] == answers["off"]

@@ -24,6 +24,7 @@ from pagelm.tools.convert import write_directory
 
 transformers = pytest.importorskip("transformers")
 from lfm2_hf import build_hf_model, hf_to_gguf  # noqa: E402 (needs transformers)
+from rows_check import verify_and_rewind, verify_together  # noqa: E402
 
 PROMPT = [3, 17, 101, 250, 7, 42, 199, 64, 5, 128, 9, 77]
 STEPS = 32
@@ -220,3 +221,16 @@ def test_config_errors_name_the_key(files, tmp_path, changes, error, words):
     with pytest.raises(error) as e:
         pagelm.load(str(path))
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize("path, weights, dtype", [
+    ("F32", "mapped", "bfloat16"), ("torch.float32", "dense", "float32"), ("Q8_0", "mapped", "float32"),
+    ("Q8_0", "mapped-int8", "bfloat16"),
+])
+def test_verify_pass_rows_and_rewinds_are_one_token_decodes(files, path, weights, dtype):
+    """Speculative decoding's pass over several tokens, its conv windows stepped and kept row by row."""
+    if weights == "mapped-int8" and not int8dot.available():
+        pytest.skip("mapped-int8 needs AVX2")
+    model = pagelm.load(files[path], weights=weights, dtype=dtype)
+    verify_and_rewind(model)
+    verify_together(model)

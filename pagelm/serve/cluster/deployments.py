@@ -40,7 +40,7 @@ WAITING = 3  # requests a replica holds beyond its slots (waiting in its engine 
 RESENDS = 4  # times a request not yet started is sent again after its replica died
 STUCK_S = 300.0  # a running request with no event for this long fails the health check
 RECENT = 256  # request ids each replica remembers having served (in /api/ps)
-SUMMED = ("prefix_cache", "image_cache", "requests", "memory", "slots")
+SUMMED = ("prefix_cache", "image_cache", "requests", "memory", "slots", "speculation")
 
 
 def max_ongoing(settings: ServeSettings) -> int:

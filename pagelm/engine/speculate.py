@@ -1,0 +1,223 @@
+"""Speculative decoding of one session: where drafts come from (`PromptLookup`, `Prediction`), how many to try
+(`Speculator`), and the generation loop that checks them in one verify pass and keeps what the
+sequence's own choice makes (`speculative_tokens`).
+
+Owns only which tokens to try and which to keep. Every logit comes from `Session.verify`, bit for bit
+decode's, and every token from the sequence's `Chooser` at its own position (a seeded draw depends
+on (seed, position) alone), so an answer is the same with speculation on or off.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+import numpy as np
+
+from pagelm.errors import PagelmError
+from pagelm.weights.linear import MAX_GEMV_ROWS
+
+if TYPE_CHECKING:
+    from pagelm.engine.session import Chooser, Session
+
+MODES = ("auto", "off", "lookup")  # `--speculate`; auto: lookup where the measured step costs say it pays
+MAX_DRAFTS = MAX_GEMV_ROWS - 1  # a verify pass is the last token chosen and the drafts after it
+
+
+def _followers(text: np.ndarray, tail: np.ndarray) -> np.ndarray:
+    """Where in `text` a token follows an occurrence of `tail`: each occurrence's end."""
+    n = tail.size
+    if text.size <= n:
+        return np.empty(0, np.int64)
+    windows = np.lib.stride_tricks.sliding_window_view(text[:-1], n)  # each with a token after it
+    return np.flatnonzero((windows == tail).all(axis=1)) + n
+
+
+class PromptLookup:
+    """Drafts from the context itself: the n-gram that ends it (at most `longest` tokens, at least
+    `shortest`; the longest found wins) found earlier in it, latest first, proposes the tokens
+    that followed it there. (A draft source: `draft(context, start, limit)`, `start` where the
+    answer begins in the context.)"""
+
+    def __init__(self, longest: int = 3, shortest: int = 2):
+        if not 1 <= shortest <= longest:
+            raise PagelmError(f"prompt lookup n-grams of {shortest} to {longest} tokens")
+        self.longest, self.shortest = longest, shortest
+
+    def draft(self, context: Sequence[int], start: int, limit: int) -> list[int]:
+        ctx = np.asarray(context, dtype=np.int64)
+        for n in range(min(self.longest, ctx.size - 1), self.shortest - 1, -1):
+            hits = _followers(ctx, ctx[ctx.size - n :])
+            if hits.size:
+                return ctx[hits[-1] : hits[-1] + limit].tolist()
+        return []
+
+
+class Prediction:
+    """Drafts from a text the answer is expected to mostly repeat (OpenAI's `prediction`, such as a
+    file being edited), as tokens: its start before the answer has any; then what follows, in the
+    prediction, the longest n-gram ending the answer (at most `longest` tokens), the occurrence
+    nearest after the last one followed; `then` (another source, or None) where nothing matches."""
+
+    def __init__(self, tokens: Sequence[int], then=None, longest: int = 3):
+        self.tokens, self.then, self.longest = np.asarray(tokens, dtype=np.int64), then, longest
+        self._at = 0  # where in the prediction the last draft came from
+
+    def draft(self, context: Sequence[int], start: int, limit: int) -> list[int]:
+        answer = np.asarray(context[start:], dtype=np.int64)
+        if answer.size == 0:
+            return self.tokens[:limit].tolist()
+        for n in range(min(self.longest, answer.size), 0, -1):
+            hits = _followers(self.tokens, answer[answer.size - n :])
+            if hits.size:
+                ahead = hits[hits >= self._at]
+                self._at = int(ahead[0] if ahead.size else hits[-1])
+                return self.tokens[self._at : self._at + limit].tolist()
+        return [] if self.then is None else self.then.draft(context, start, limit)
+
+
+@dataclass
+class SpeculationStats:
+    """Drafted tokens, those the sequence's own choice kept, and the verify passes that checked them."""
+
+    drafted: int = 0
+    accepted: int = 0
+    passes: int = 0
+
+
+class StepCosts:
+    """What a step costs by the rows it feeds, as measured (moving averages): one row's seconds and
+    the seconds each further row adds; and the draft count that pays at a given acceptance rate."""
+
+    WEIGHT = 0.2  # of each new measurement in the averages
+
+    def __init__(self):
+        self.one: float | None = None
+        self.per_row: float | None = None
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.WEIGHT * (new - old)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows == 1:
+            self.one = self._average(self.one, seconds)
+        elif self.one is not None:
+            self.per_row = self._average(self.per_row, max(seconds - self.one, 0.0) / (rows - 1))
+
+    def drafts_that_pay(self, rate: float, most: int) -> int:
+        """The draft count up to `most` whose expected tokens per second (each draft kept with
+        probability `rate` while the ones before it were) beat one-row steps' by the most; 0 where
+        none does; `most` until both costs are measured."""
+        if self.one is None or self.per_row is None:
+            return most
+        best, best_gain = 0, 1.0
+        for k in range(1, most + 1):
+            tokens = k + 1 if rate >= 1 else (1 - rate ** (k + 1)) / (1 - rate)
+            gain = tokens * self.one / (self.one + k * self.per_row)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
+
+
+class Speculator:
+    """One generation's drafting: its source, how many tokens to draft next, and its counts. The
+    count grows while every draft is kept, falls to one past the kept ones when not; after passes
+    that kept nothing, drafting pauses for a while (doubling up to `MAX_PAUSE` steps), so that a
+    text that does not repeat costs few passes. With `costs` (auto), the count is also held to what
+    pays by the measured step costs and the acceptance seen, and where nothing pays drafting pauses
+    `MAX_PAUSE` steps before trying one draft again."""
+
+    MAX_PAUSE = 8
+    RATE_WEIGHT = 0.3  # of each pass in the moving acceptance rate
+
+    def __init__(self, source=None, most: int = MAX_DRAFTS, first: int = 4, costs: StepCosts | None = None):
+        if not 1 <= most <= MAX_DRAFTS:
+            raise PagelmError(f"at most 1 to {MAX_DRAFTS} drafts a pass, got {most}")
+        self.source = source or PromptLookup()
+        self.most, self.next = most, min(first, most)
+        self.stats = SpeculationStats()
+        self.costs, self.rate = costs, 0.5  # the moving share of drafts kept
+        self._misses, self._pause, self._probe = 0, 0, False
+
+    @classmethod
+    def of(cls, mode: str) -> Speculator | None:
+        """The speculator a `--speculate` mode asks for; None for off."""
+        if mode not in MODES:
+            raise PagelmError(f"speculate {mode!r}: expected one of {', '.join(MODES)}")
+        return None if mode == "off" else cls(costs=StepCosts() if mode == "auto" else None)
+
+    def draft(self, context: Sequence[int], start: int, room: int) -> list[int]:
+        """Up to `room` tokens to try after `context`, whose answer begins at `start`."""
+        if self._pause:
+            self._pause -= 1
+            return []
+        limit = min(self.next, room)
+        if self.costs is not None and limit > 0 and not self._probe:
+            pays = self.costs.drafts_that_pay(self.rate, self.most)
+            if pays == 0:  # pause, then probe with one draft: the rate seen may have changed
+                self._pause, self.next, self._probe = self.MAX_PAUSE, 1, True
+                return []
+            limit = min(limit, pays)
+        self._probe = False
+        return self.source.draft(context, start, limit) if limit > 0 else []
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A step of this generation fed `rows` rows in `seconds`."""
+        if self.costs is not None:
+            self.costs.observe(rows, seconds)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        s = self.stats
+        s.drafted, s.accepted, s.passes = s.drafted + drafted, s.accepted + accepted, s.passes + 1
+        self.rate += self.RATE_WEIGHT * (accepted / drafted - self.rate)
+        self.next = min(self.next + 2, self.most) if accepted == drafted else accepted + 1
+        self._misses = min(self._misses + 1, self.MAX_PAUSE.bit_length()) if accepted == 0 else 0
+        self._pause = min(2 ** self._misses // 2, self.MAX_PAUSE)
+
+
+def speculative_tokens(session: Session, chooser: Chooser, logits: np.ndarray, max_tokens: int,
+                       cancel: threading.Event | None, speculator: Speculator) -> Iterator[int]:
+    """What `Session.generate` yields from `logits` on, token for token, with drafts checked in
+    verify passes: a pass feeds the last token chosen and the drafts after it; the chooser picks
+    each row's token (at that row's position) while it is the draft the next row fed; the session
+    is rewound to the row of the last token chosen. Whenever the caller stops taking tokens, the
+    session holds what generate's one-token steps leave it holding."""
+    if max_tokens < 1 or (cancel is not None and cancel.is_set()):
+        return
+    token, done = chooser.choose(logits)
+    produced, start = 0, len(session.tokens)
+    while True:
+        yield token
+        produced += 1
+        if done:
+            return
+        if produced == max_tokens:  # as generate's last step, which feeds its last token
+            session.decode(token)
+            return
+        room = min(max_tokens - produced, session.max_len - len(session.tokens)) - 1
+        drafts = speculator.draft([*session.tokens, token], start, min(room, MAX_DRAFTS))
+        began = time.perf_counter()
+        rows = session.verify([token, *drafts]) if drafts else session.decode(token)[None]
+        speculator.observe(len(rows), time.perf_counter() - began)
+        base, kept, matched = len(session.tokens) - len(rows), 0, 0
+        try:
+            for r in range(len(rows)):
+                kept = r + 1  # the rows decoding one token at a time holds when it chooses from row r
+                if cancel is not None and cancel.is_set():
+                    return
+                token, done = chooser.choose(rows[r], held=base + kept)
+                if r == len(drafts) or token != drafts[r] or done:
+                    break
+                matched += 1
+                yield token
+                produced += 1
+                if produced == max_tokens:
+                    kept = r + 2  # generate feeds its last token too: the pass's next row did
+                    return
+        finally:
+            if drafts:
+                speculator.record(len(drafts), matched)
+                if kept < len(rows):
+                    session.rewind(kept)

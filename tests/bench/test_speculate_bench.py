@@ -1,0 +1,22 @@
+"""`pagelm bench speculate` end to end on SmolLM2, briefly: its lines, and every speculative answer
+compared with its plain one."""
+
+import re
+
+from pagelm import cli
+
+
+def test_bench_speculate_prints_its_lines_and_no_differing_answer(smollm2_gguf, capsys):
+    code = cli.main(["bench", "speculate", smollm2_gguf, "--tasks", "edit,chat", "--tokens", "12", "--runs", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for task in ("edit", "edit seeded", "edit \\+ prediction", "chat", "chat seeded"):
+        assert re.search(rf"^{task}: \d+\.\d\d× plain$", out, re.M), task
+    assert re.search(r"^differing answers: 0 of 5$", out, re.M)
+    passes = re.search(r"^\| edit \+ prediction \| greedy \|(?: [\d.]+ \|){2} ([\d.]+) \|", out, re.M)
+    assert float(passes.group(1)) > 1  # the prediction's drafts were kept
+
+
+def test_bench_speculate_refuses_unknown_tasks(capsys):
+    assert cli.main(["bench", "speculate", "smollm2-135m", "--tasks", "edit,poetry"]) != 0
+    assert "--tasks must be distinct names among edit,extract,summarize,chat" in capsys.readouterr().err
