@@ -454,28 +454,26 @@ def _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, rows
                 out[i0 + i, c] += _val(kind, data, at + nblk * bb, k, f16) * x[i0 + i, nblk * vb + k]
 
 
-# Rows of W a pass of _gemv_one and _gemv_rows: 2 under AVX-512, 1 under AVX2; and of a tile, which every
+@njit(inline="always")
+def _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, nblk, tail, rnb):
+    """out[0, lo + r] = x[0] · dequant(row r) for rows r0..r1 of W (at row_at): a pass over each. (Passes over pairs
+    of rows, each row's two accumulator chains beside the other's, took 2-17 % less time on matrices in the caches
+    (one thread, bench/matmul.py's shapes), but a decode step streaming its weights from memory on two threads
+    took 6-13 % more: LFM2 1.2B Q8_0, Llama 3.2 1B q4_k_m, 2026-12-05.)"""
+    ahead = ahead_rows(kind, rnb)
+    acc, w = acc_vectors(16), stack_f32(256)
+    q6, s6 = stack_bytes(256), stack_f32(16)
+    for r in range(r0, r1):
+        row, hint = row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
+        _pass(kind, vb, bb, data, row, row, hint, hint, nblk, tail, x, 0, 1, 1, 1, f16, out, lo + r, lo + r,
+              acc, acc, w, w, q6, s6)
+
+
+# Rows of W a pass of _gemv_rows: 2 under AVX-512, 1 under AVX2; and of a tile, which every
 # group of rows of x passes over in turn (16 rows of 1,024 Q8_0 values: 17 KiB; tiles of 8 and 32 rows
 # measured no faster at 8 rows of x, bench/matmul.py).
 _W_ROWS = 2 if AVX512 else 1
 _TILE = 16
-
-
-@njit(inline="always")
-def _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, nblk, tail, rnb):
-    """out[0, lo + r] = x[0] · dequant(row r) for rows r0..r1 of W (at row_at): a pass over each, or
-    under AVX-512 over each pair of rows (an odd last row pairs with itself), so that a row's two
-    accumulator chains run beside the other row's (each chain waits on its FMA's latency every
-    block): 2-17 % less time (one thread, bench/matmul.py's shapes, Q8_0, Q4_K, Q6_K), the same bits."""
-    ahead = ahead_rows(kind, rnb)
-    acc, acc2, w, w2 = acc_vectors(16), acc_vectors(16), stack_f32(256), stack_f32(256)
-    q6, s6 = stack_bytes(256), stack_f32(16)
-    for r in range(r0, r1, _W_ROWS):
-        r2 = min(r + _W_ROWS - 1, r1 - 1)
-        row, hint = row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
-        row2, hint2 = row_at(offs, stride, r2), _row_ahead(offs, stride, rows, r2, ahead)
-        _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, 0, 1, 1, _W_ROWS, f16, out, lo + r, lo + r2,
-              acc, acc2, w, w2, q6, s6)
 
 
 @njit(inline="always")

@@ -13,10 +13,15 @@ kernel was built for one pass shape).
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import dataclasses
 import importlib
 import multiprocessing
+import pickle
+import subprocess
+import sys
+import time
 
 
 def _one_row() -> None:
@@ -96,9 +101,11 @@ def _run(job: tuple) -> None:
 
 
 def compile_missing(jobs: list[Job], workers: int) -> None:
-    """Runs the jobs whose kernels the cache lacks in up to `workers` fresh processes at once, so that the caller's
-    own warmups then load them; nothing where fewer than two such jobs or workers (the caller compiles in process).
-    An active CompileProgress counts them."""
+    """Runs the jobs whose kernels the cache lacks in up to `workers` fresh interpreters at once (`python -m
+    pagelm.quant.precompile JOB`: not multiprocessing's children, which would run the caller's main module again,
+    a script's top-level load included), so that the caller's own warmups then load them; nothing where fewer than
+    two such jobs or workers. A job that fails is left to the caller's warmup, which compiles it in process and
+    raises what is wrong. An active CompileProgress counts them."""
     from pagelm.quant.compile_progress import announce
 
     missing = [job for job in jobs if not all(_cached(k) for k in job.kernels)]
@@ -106,7 +113,18 @@ def compile_missing(jobs: list[Job], workers: int) -> None:
     if workers < 2:
         return
     progress = announce([job.label for job in missing], len(missing))
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for done in concurrent.futures.as_completed([pool.submit(_run, (j.module, j.function, j.args)) for j in missing]):
-            done.result()
+    pending, running = list(missing), []
+    while pending or running:
+        while pending and len(running) < workers:
+            job = pending.pop(0)
+            payload = base64.b64encode(pickle.dumps((job.module, job.function, job.args))).decode()
+            running.append(subprocess.Popen([sys.executable, "-m", __name__, payload], stdin=subprocess.DEVNULL,
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(0.05)
+        for worker in [w for w in running if w.poll() is not None]:
+            running.remove(worker)
             progress()
+
+
+if __name__ == "__main__":
+    _run(pickle.loads(base64.b64decode(sys.argv[1])))

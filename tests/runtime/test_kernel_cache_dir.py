@@ -108,11 +108,15 @@ print(json.dumps({"before": before, "after": [_cached(j.kernels[0]) for j in job
 
 
 def test_kernels_the_cache_lacks_compile_in_worker_processes_and_then_load(tmp_path):
+    """From a script without a main guard: the workers must not run the script again (multiprocessing's would)."""
     import json
 
-    first = json.loads(_run(WORKERS, PAGELM_CACHE=str(tmp_path)).stdout.splitlines()[-1])
+    script = tmp_path / "script.py"
+    script.write_text(WORKERS)
+    runs = [_run(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')", PAGELM_CACHE=str(tmp_path / "cache"))
+            for _ in range(2)]
+    first, again = (json.loads(run.stdout.splitlines()[-1]) for run in runs)
     assert first["before"] == [False, False] and first["after"] == [True, True]
     assert "compiling kernels for Q8_0, Q6_K (first run only): 2 of 2 compiled" in first["line"]
     assert first["compiled_here"] == 0  # loaded from what the workers cached
-    again = json.loads(_run(WORKERS, PAGELM_CACHE=str(tmp_path)).stdout.splitlines()[-1])
     assert again["before"] == [True, True] and again["line"] == ""  # nothing to compile: no workers, no line
