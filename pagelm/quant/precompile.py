@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 
 def _one_row() -> None:
     from pagelm.quant import head, int8dot, matmul, tiles
@@ -108,6 +110,8 @@ def compile_missing(jobs: list[Job], workers: int) -> None:
     raises what is wrong. An active CompileProgress counts them."""
     from pagelm.quant.compile_progress import announce
 
+    if workers < 2:
+        return
     missing = [job for job in jobs if not all(_cached(k) for k in job.kernels)]
     workers = min(workers, len(missing))
     if workers < 2:
@@ -126,5 +130,31 @@ def compile_missing(jobs: list[Job], workers: int) -> None:
             progress()
 
 
+def compile_types(types, tables, dequantize_to, workers: int) -> None:
+    """The kernels of block `types` (and of the head/embedding `tables`) the cache lacks, with a progress line: in
+    worker processes where two or more can run, else here."""
+    from pagelm.quant.compile_progress import CompileProgress
+
+    jobs = model_jobs(types, tables, (), (), dequantize_to)
+    with CompileProgress():
+        compile_missing(jobs, workers)
+        for job in jobs:  # loads what the workers compiled; compiles what is still missing
+            _run((job.module, job.function, job.args))
+
+
+def main(argv: list[str]) -> None:
+    """`python -m pagelm.quant.precompile JOB` (a pickled job, base64) runs one worker's job; `… --types T,… --tables
+    T,… --dtype bfloat16|float32` compiles a model file's block types (`pagelm pull`, which imports no numba)."""
+    if argv[0] != "--types":
+        _run(pickle.loads(base64.b64decode(argv[0])))
+        return
+    from pagelm.quant.types import GGMLType
+    from pagelm.runtime.threads import kernel_threads
+
+    named = dict(zip(argv[0::2], argv[1::2]))
+    types, tables = ({GGMLType[t] for t in named[key].split(",") if t} for key in ("--types", "--tables"))
+    compile_types(types, tables, (np.uint16,) if named["--dtype"] == "bfloat16" else (np.float32,), kernel_threads())
+
+
 if __name__ == "__main__":
-    _run(pickle.loads(base64.b64decode(sys.argv[1])))
+    main(sys.argv[1:])

@@ -120,3 +120,31 @@ def test_kernels_the_cache_lacks_compile_in_worker_processes_and_then_load(tmp_p
     assert "compiling kernels for Q8_0, Q6_K (first run only): 2 of 2 compiled" in first["line"]
     assert first["compiled_here"] == 0  # loaded from what the workers cached
     assert again["before"] == [True, True] and again["line"] == ""  # nothing to compile: no workers, no line
+
+
+def test_a_pull_compiles_the_files_block_types_in_a_process_of_its_own(tmp_path):
+    """`pagelm pull`'s last step (sources.cli.compile_kernels) hands the file's block types and table types to
+    `python -m pagelm.quant.precompile` (whose jobs the test above runs) and imports no numba itself."""
+    import json
+
+    from pagelm.tools.synth import write_model
+    from pagelm.tools.synth_shapes import SHAPES
+
+    path = tmp_path / "tiny.gguf"
+    write_model(str(path), SHAPES["qwen3-tiny"], mix="q4_k_m")
+    pull = ("import json, subprocess, sys\n"
+            "calls = []\n"
+            "subprocess.run = lambda argv, **kw: calls.append(argv[1:]) or subprocess.CompletedProcess(argv, 0)\n"
+            "from pagelm.sources.cli import compile_kernels\n"
+            "compile_kernels(sys.argv[1])\n"
+            "print(json.dumps({'calls': calls, 'numba': 'numba' in sys.modules, 'torch': 'torch' in sys.modules}))")
+    done = subprocess.run([sys.executable, "-c", pull, str(path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert not seen["numba"] and not seen["torch"]
+    (argv,) = seen["calls"]
+    named = dict(zip(argv[2::2], argv[3::2]))
+    assert argv[:2] == ["-m", "pagelm.quant.precompile"] and named["--dtype"] == "bfloat16"
+    assert set(named["--types"].split(",")) >= {"Q4_K", "Q6_K"} and "F32" not in named["--types"]  # norms are 1-D
+    assert named["--tables"] in ("Q6_K", "Q8_0", "Q4_K")
+
