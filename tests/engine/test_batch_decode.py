@@ -3,8 +3,6 @@ architecture, both weights modes and both dtypes; sessions at different lengths,
 checkpoints, after images (their rope offset), joining and leaving; seeded sampling alike."""
 
 import dataclasses
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,22 +14,6 @@ from pagelm.quant import int8dot
 from pagelm.engine.sampling import SamplingParams
 
 PROMPTS = [[11, 400, 7, 3000, 12], [5, 9, 33, 2, 1000, 17, 250, 8, 44, 61, 90, 3], [77], [300, 301, 302, 303, 4, 5, 6]]
-
-
-def _synth(path, shape, *extra):
-    subprocess.run([sys.executable, "-m", "pagelm", "synth", "--shape", shape, "--quiet", *extra, str(path)],
-                   check=True, capture_output=True)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def qwen_tiny(tmp_path_factory):
-    return _synth(tmp_path_factory.mktemp("m") / "qwen3.5-tiny-gqa.gguf", "qwen3.5-tiny-gqa", "--layer-type", "Q8_0")
-
-
-@pytest.fixture(scope="module")
-def qwen_tiny_k(tmp_path_factory):
-    return _synth(tmp_path_factory.mktemp("m") / "qwen3.5-tiny-k.gguf", "qwen3.5-tiny-k", "--mix", "q4_k_m")
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:

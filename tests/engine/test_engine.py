@@ -1,7 +1,5 @@
 """The generation loop on tiny synthetic qwen35 models: modes agree bit for bit, state round-trips."""
 
-import subprocess
-import sys
 import threading
 
 import numpy as np
@@ -10,19 +8,14 @@ import pytest
 import pagelm
 from pagelm.errors import PagelmError
 from pagelm.engine.sampling import SamplingParams
+from synth_files import synth
 
 PROMPT = [11, 400, 7, 3000, 12, 12, 99, 1024, 5, 77, 2048, 13]
 
 
-def _synth(path, shape, *extra):
-    subprocess.run([sys.executable, "-m", "pagelm", "synth", "--shape", shape, "--quiet", *extra, str(path)],
-                   check=True, capture_output=True)
-    return str(path)
-
-
 @pytest.fixture(scope="module", params=["qwen3.5-tiny", "qwen3.5-tiny-gqa"])
 def tiny(request, tmp_path_factory):
-    return _synth(tmp_path_factory.mktemp("m") / f"{request.param}.gguf", request.param, "--layer-type", "Q8_0")
+    return synth(tmp_path_factory.mktemp("m") / f"{request.param}.gguf", request.param, "--layer-type", "Q8_0")
 
 
 def test_dense_and_mapped_give_identical_logits_and_tokens(tiny):
@@ -102,6 +95,6 @@ def test_context_overflow_is_a_clear_error(tiny):
 
 
 def test_embedding_only_files_are_refused_clearly(tmp_path):
-    path = _synth(tmp_path / "e.gguf", "tiny", "--embedding-only")
+    path = synth(tmp_path / "e.gguf", "tiny", "--embedding-only")
     with pytest.raises(PagelmError):
         pagelm.load(path)

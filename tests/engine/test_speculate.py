@@ -4,8 +4,6 @@ a pass leaves exactly the state decoding only the kept tokens leaves; and answer
 seeded, are the same with speculation on and off."""
 
 import dataclasses
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,17 +14,6 @@ from pagelm.engine.speculate import Prediction, PromptLookup, Speculator, StepCo
 from pagelm.errors import PagelmError
 from pagelm.quant import int8dot
 from rows_check import PROMPT, same_state, verify_and_rewind, verify_together
-
-
-def _synth(path, shape, *extra):
-    subprocess.run([sys.executable, "-m", "pagelm", "synth", "--shape", shape, "--quiet", *extra, str(path)],
-                   check=True, capture_output=True)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def qwen_tiny(tmp_path_factory):
-    return _synth(tmp_path_factory.mktemp("m") / "qwen3.5-tiny-gqa.gguf", "qwen3.5-tiny-gqa", "--layer-type", "Q8_0")
 
 
 WEIGHTS = [(w, d) for w in ("mapped", "dense") for d in ("float32", "bfloat16")] + [("mapped-int8", "bfloat16")]

@@ -112,18 +112,24 @@ def test_the_ggufs_hugging_face_twin_is_read_by_transformers_the_same_way(hf, fi
     assert _rel(pagelm.load(twin, dtype="float32").session(32).prefill(PROMPT), want) <= FP32_TOL
 
 
+# (file, weights, dtype) of the decode tests: each weights mode, both dtypes
+MODES = [("F32", "mapped", "bfloat16"), ("torch.float32", "dense", "float32"), ("Q8_0", "mapped", "float32"),
+         ("Q8_0", "mapped-int8", "bfloat16")]
+
+
+def _load(files, path, weights, dtype):
+    if weights == "mapped-int8" and not int8dot.available():
+        pytest.skip("mapped-int8 needs AVX2")
+    return pagelm.load(files[path], weights=weights, dtype=dtype)
+
+
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
-@pytest.mark.parametrize("path, weights, dtype", [
-    ("F32", "mapped", "bfloat16"), ("torch.float32", "dense", "float32"), ("Q8_0", "mapped", "float32"),
-    ("Q8_0", "mapped-int8", "bfloat16"),
-])
+@pytest.mark.parametrize("path, weights, dtype", MODES)
 def test_batched_decode_is_each_sessions_own_bits(files, path, weights, dtype):
-    if weights == "mapped-int8" and not int8dot.available():
-        pytest.skip("mapped-int8 needs AVX2")
-    model = pagelm.load(files[path], weights=weights, dtype=dtype)
+    model = _load(files, path, weights, dtype)
     prompts = [PROMPT, PROMPT[:3], [200], PROMPT[::-1] * 2]
     batched, alone = ([model.session(64) for _ in prompts] for _ in range(2))
     for b, a, prompt in zip(batched, alone, prompts):
@@ -223,14 +229,9 @@ def test_config_errors_name_the_key(files, tmp_path, changes, error, words):
     assert words in str(e.value)
 
 
-@pytest.mark.parametrize("path, weights, dtype", [
-    ("F32", "mapped", "bfloat16"), ("torch.float32", "dense", "float32"), ("Q8_0", "mapped", "float32"),
-    ("Q8_0", "mapped-int8", "bfloat16"),
-])
+@pytest.mark.parametrize("path, weights, dtype", MODES)
 def test_verify_pass_rows_and_rewinds_are_one_token_decodes(files, path, weights, dtype):
     """Speculative decoding's pass over several tokens, its conv windows stepped and kept row by row."""
-    if weights == "mapped-int8" and not int8dot.available():
-        pytest.skip("mapped-int8 needs AVX2")
-    model = pagelm.load(files[path], weights=weights, dtype=dtype)
+    model = _load(files, path, weights, dtype)
     verify_and_rewind(model)
     verify_together(model)

@@ -53,33 +53,32 @@ def test_int8_matmul_is_within_the_rounding_of_its_activations(t):
     assert (np.abs(got - exact) <= bound).all()
 
 
-def test_activation_rows_quantize_to_the_nearest_step():
-    rng = np.random.default_rng(0)
+def _nearest_steps(group: int, values: str, scales: str) -> tuple:
+    """An Int8Row of 3 to 7 groups of `group` values over five decades, the second all zeros, the third's maximum
+    negative: checks that its `values` are each its group's nearest step of amax / 127 (`scales`); returns (q, row)."""
+    rng = np.random.default_rng(group)
     x = (rng.standard_normal(7 * GROUP) * rng.uniform(0.001, 100, 7 * GROUP)).astype(np.float32)
-    x[GROUP : 2 * GROUP] = 0  # a group of zeros: scale 0, values 0
-    x[2 * GROUP + 5] = -1e4  # a group whose maximum is negative
+    x = np.resize(x, max(3, 7 * GROUP // group) * group)
+    x[group : 2 * group] = 0  # a group of zeros: scale 0, values 0
+    x[2 * group + 5] = -1e4  # a group whose maximum is negative
     row = Int8Row(x)
-    groups = x.reshape(-1, GROUP).astype(np.float64)
-    amax = np.abs(groups).max(axis=1)
-    assert np.allclose(row.xd, amax / 127, rtol=1e-6) and row.xd[1] == 0
-    q = row.xq.reshape(-1, GROUP).astype(np.int64)
+    values, scales = getattr(row, values), getattr(row, scales)
+    groups = x.reshape(-1, group).astype(np.float64)
+    assert np.allclose(scales, np.abs(groups).max(axis=1) / 127, rtol=1e-6) and scales[1] == 0
+    q = values.reshape(-1, group).astype(np.int64)
     assert np.abs(q).max() <= 127 and (q[1] == 0).all() and q[2, 5] == -127
-    assert (np.abs(q * row.xd[:, None] - groups) <= row.xd[:, None] * (0.5 + 1e-4)).all()
+    assert (np.abs(q * scales[:, None] - groups) <= scales[:, None] * (0.5 + 1e-4)).all()
+    return q, row
+
+
+def test_activation_rows_quantize_to_the_nearest_step():
+    q, row = _nearest_steps(GROUP, "xq", "xd")
     assert np.array_equal(row.xs, q.reshape(-1, 16).sum(axis=1))
     assert np.allclose(row.xm, row.xd * q.sum(axis=1), rtol=1e-6)
 
 
 def test_k_quant_activations_quantize_to_the_nearest_step_of_their_256():
-    rng = np.random.default_rng(1)
-    x = (rng.standard_normal(3 * K_GROUP) * rng.uniform(0.001, 100, 3 * K_GROUP)).astype(np.float32)
-    x[K_GROUP : 2 * K_GROUP] = 0  # a group of zeros: scale 0, values 0
-    x[2 * K_GROUP + 7] = -1e4  # a group whose maximum is negative
-    row = Int8Row(x)
-    groups = x.reshape(-1, K_GROUP).astype(np.float64)
-    assert np.allclose(row.kd, np.abs(groups).max(axis=1) / 127, rtol=1e-6) and row.kd[1] == 0
-    q = row.kq.reshape(-1, K_GROUP).astype(np.int64)
-    assert np.abs(q).max() <= 127 and (q[1] == 0).all() and q[2, 7] == -127
-    assert (np.abs(q * row.kd[:, None] - groups) <= row.kd[:, None] * (0.5 + 1e-4)).all()
+    q, row = _nearest_steps(K_GROUP, "kq", "kd")
     assert np.array_equal(row.k16, q.reshape(-1, 16).sum(axis=1)) and np.array_equal(row.k32, q.reshape(-1, 32).sum(axis=1))
     assert len(Int8Row(np.ones(96, np.float32)).kq) == 0  # no K-quant row is 96 wide
 
