@@ -244,41 +244,33 @@ def _splat8_32(value):
 
 
 @njit(cache=True)
-def _quantize(x, xq, xd, xs, xm):
-    for g in range(len(xd)):
+def _quantize_groups(x, group, xq, scales, sums16):
+    """x in groups of `group` values to int8 xq, round to nearest, each group's scale amax / 127 into `scales`;
+    sums16[i]: the sum of xq's i-th 16 values."""
+    for g in range(len(scales)):
         amax = np.float32(0)
-        for j in range(GROUP):
-            amax = max(amax, abs(x[GROUP * g + j]))
-        d = amax / np.float32(127)
+        for j in range(group):
+            amax = max(amax, abs(x[group * g + j]))
+        scales[g] = amax / np.float32(127)
         inv = np.float32(127) / amax if amax > 0 else np.float32(0)
-        xd[g] = d
-        for h in range(2):
-            s = np.int32(0)
-            for j in range(16):
-                q = np.int8(np.rint(x[GROUP * g + 16 * h + j] * inv))
-                xq[GROUP * g + 16 * h + j] = q
-                s = np.int32(s + np.int32(q))
-            xs[2 * g + h] = s
-        xm[g] = d * np.float32(xs[2 * g] + xs[2 * g + 1])
+        for j in range(group):
+            xq[group * g + j] = np.int8(np.rint(x[group * g + j] * inv))
+    for h in range(len(sums16)):
+        s = 0
+        for j in range(16):
+            s += xq[16 * h + j]
+        sums16[h] = s
 
 
 @njit(cache=True)
-def _quantize_k(x, kq, kd, k16, k32):
-    for g in range(len(kd)):
-        amax = np.float32(0)
-        for j in range(K_GROUP):
-            amax = max(amax, abs(x[K_GROUP * g + j]))
-        kd[g] = amax / np.float32(127)
-        inv = np.float32(127) / amax if amax > 0 else np.float32(0)
-        for h in range(K_GROUP // 16):
-            s = 0
-            for j in range(16):
-                q = np.int8(np.rint(x[K_GROUP * g + 16 * h + j] * inv))
-                kq[K_GROUP * g + 16 * h + j] = q
-                s += q
-            k16[K_GROUP // 16 * g + h] = s
-        for h in range(K_GROUP // 32):
-            k32[K_GROUP // 32 * g + h] = k16[K_GROUP // 16 * g + 2 * h] + k16[K_GROUP // 16 * g + 2 * h + 1]
+def _quantize(x, xq, xd, xs, xm, kq, kd, k16, k32):
+    """The 32-value types' activations (xq, xd, xs, xm) and the K-quants' (kq, kd, k16, k32), as Int8Row holds them."""
+    _quantize_groups(x, GROUP, xq, xd, xs)
+    for g in range(len(xd)):
+        xm[g] = xd[g] * np.float32(xs[2 * g] + xs[2 * g + 1])
+    _quantize_groups(x, K_GROUP, kq, kd, k16)
+    for h in range(len(k32)):
+        k32[h] = k16[2 * h] + k16[2 * h + 1]
 
 
 class Int8Row:
@@ -297,13 +289,12 @@ class Int8Row:
         self.xd = np.empty(width // GROUP, np.float32)
         self.xs = np.empty(width // 16, np.int32)
         self.xm = np.empty(width // GROUP, np.float32)
-        _quantize(x, self.xq, self.xd, self.xs, self.xm)
         k_width = width if width % K_GROUP == 0 else 0  # no K-quant row is narrower than its 256-value blocks
         self.kq = np.empty(k_width, np.int8)
         self.kd = np.empty(k_width // K_GROUP, np.float32)
         self.k16 = np.empty(k_width // 16, np.int16)
         self.k32 = np.empty(k_width // 32, np.int16)
-        _quantize_k(x, self.kq, self.kd, self.k16, self.k32)
+        _quantize(x, self.xq, self.xd, self.xs, self.xm, self.kq, self.kd, self.k16, self.k32)
 
     def dequantized(self, ggml_type=None) -> np.ndarray:
         """The values the kernels of `ggml_type` (default: the 32-value types') multiply, as float32
