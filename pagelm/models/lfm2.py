@@ -330,7 +330,8 @@ class Lfm2Model(Decoder):
         # each conv layer's window of each sequence, by address (float32, C-contiguous, never reallocated)
         windows = np.array([[s.state.conv[j].data_ptr() for s in spans] for j in range(len(spans[0].state.conv))],
                            np.int64)
-        if self._compiled and len(waves(spans)) == 1:  # a pass's rows of one sequence keep each row's windows: numpy
+        one_wave = len(waves(spans)) == 1  # distinct sequences; else a pass's rows of one, each row's windows kept
+        if self._compiled and one_wave:
             h = yield from self._compiled.run(step, H, G, D, c.rms_eps, F.silu, conv_at=windows)
             advance(spans)
             return torch.from_numpy(step.norm(h, self.output_norm, c.rms_eps))
@@ -345,21 +346,21 @@ class Lfm2Model(Decoder):
                 v = np.ascontiguousarray(proj[:, (H + G) * D :]).reshape(n, G, D)
                 h += step.product(m.out, step.attend(q.reshape(n, H, D), k.reshape(n, G, D), v, slot), alone)
             else:
-                h += step.product(m.out, self._conv_token(m, step.product(m.in_proj, y, alone), slot, windows, spans),
-                                  alone)
+                h += step.product(m.out, self._conv_token(m, step.product(m.in_proj, y, alone), slot, windows, spans,
+                                                          one_wave), alone)
             h += step.gated(w.gate_up, w.down, step.norm(h, w.ffn_norm, c.rms_eps, "norm"), F.silu, alone)
             yield
         advance(spans)
         return torch.from_numpy(step.norm(h, self.output_norm, c.rms_eps))
 
-    def _conv_token(self, w: ConvWeights, proj: np.ndarray, slot: int, windows: np.ndarray,
-                    spans: list[Span]) -> np.ndarray:
+    def _conv_token(self, w: ConvWeights, proj: np.ndarray, slot: int, windows: np.ndarray, spans: list[Span],
+                    one_wave: bool) -> np.ndarray:
         """C · conv(B · x) of one token of each span's sequence (proj: in_proj's rows B, C, x), each sequence's conv
-        window (address windows[slot, s]) advanced in place: at once where the spans are distinct sequences, row
-        after row (each kept for rewinding) where they are a pass's rows of one (decoder.RowState)."""
+        window (address windows[slot, s]) advanced in place: at once where the spans are distinct sequences
+        (`one_wave`), row after row (each kept for rewinding) where they are a pass's rows of one (decoder.RowState)."""
         out = np.empty((proj.shape[0], self.config.hidden), np.float32)
         taps = w.taps.numpy()
-        if len(waves(spans)) == 1:
+        if one_wave:
             conv_tokens(taps, windows[slot], proj, out)
             return out
         for i, s in enumerate(spans):

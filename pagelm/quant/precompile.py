@@ -138,8 +138,9 @@ def compile_types(types, tables, dequantize_to, workers: int) -> None:
     jobs = model_jobs(types, tables, (), (), dequantize_to)
     with CompileProgress():
         compile_missing(jobs, workers)
-        for job in jobs:  # loads what the workers compiled; compiles what is still missing
-            _run((job.module, job.function, job.args))
+        for job in jobs:  # what no worker compiled (one worker or none; a failed job) compiles here
+            if not all(_cached(k) for k in job.kernels):
+                _run((job.module, job.function, job.args))
 
 
 def main(argv: list[str]) -> None:
