@@ -47,11 +47,14 @@ def directory(pagelm_version: str) -> Path:
 def configure(pagelm_version: str) -> None:
     """Point numba's cache at directory(pagelm_version), unless the user set NUMBA_CACHE_DIR, and have pagelm's
     modules located there by PackageLocator (numba's own locators after it, for everything else, unless the
-    user chose locators); numba reads both once, at its import, so this runs when pagelm is imported."""
-    if "numba" in sys.modules:
-        return
+    user chose locators); numba reads both at its import, so this runs when pagelm is imported, and has numba read
+    them again where it was imported first."""
     os.environ.setdefault("NUMBA_CACHE_DIR", str(directory(pagelm_version)))
     os.environ.setdefault("NUMBA_CACHE_LOCATOR_CLASSES", f"{__name__}.PackageLocator," + ",".join(_NUMBA_LOCATORS))
+    if "numba" in sys.modules:
+        from numba.core import config
+
+        config.reload_config()
 
 
 # numba's locators in its own order (numba.core.caching._CacheImpl._locator_classes)

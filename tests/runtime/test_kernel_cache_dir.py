@@ -44,6 +44,8 @@ def test_importing_pagelm_points_numba_at_the_cache_unless_the_user_did(tmp_path
     code = "import os, pagelm; print(os.environ['NUMBA_CACHE_DIR'])"
     assert _run(code, PAGELM_CACHE=str(tmp_path)).stdout.strip().startswith(str(tmp_path / "pagelm-"))
     assert _run(code, PAGELM_CACHE=str(tmp_path), NUMBA_CACHE_DIR="/mine").stdout.strip() == "/mine"
+    numba_first = "import numba, pagelm; from numba.core import config; print(config.CACHE_DIR)"
+    assert _run(numba_first, PAGELM_CACHE=str(tmp_path)).stdout.strip().startswith(str(tmp_path / "pagelm-"))
 
 
 def test_a_cold_cache_says_it_compiles_a_warm_one_says_nothing_a_damaged_one_is_rebuilt(tmp_path):
@@ -88,7 +90,7 @@ def test_a_copy_of_pagelm_elsewhere_finds_the_kernels_another_copy_compiled(tmp_
 
 WORKERS = """
 import io, json
-from pagelm.quant import GGMLType, head  # first: pagelm points numba at the cache before numba's import
+from pagelm.quant import GGMLType, head
 from numba.core import event
 from pagelm.quant.compile_progress import CompileProgress
 from pagelm.quant.precompile import Job, _cached, compile_missing
