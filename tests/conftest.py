@@ -88,6 +88,14 @@ def qwen35_chat_gguf(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def harmony_gguf(tmp_path_factory) -> str:
+    """qwen35_chat_gguf's layers and vocabulary chatting in harmony, with gpt-oss's real template."""
+    from harmony_model import write_harmony_model
+
+    return write_harmony_model(str(tmp_path_factory.mktemp("harmony") / "harmony-tiny-chat.gguf"))
+
+
+@pytest.fixture(scope="session")
 def smollm2_chat(smollm2_gguf):
     """SmolLM2 opened for chat (model, tokenizer, template), shared by the in-process tests."""
     from pagelm.chat.model import ChatModel

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from pagelm.chat.budget import answer_constraint
+from pagelm.chat.harmony import HarmonySplitter, is_harmony
 from pagelm.chat.reasoning import ReasoningSplitter
 from pagelm.chat.template import ChatTemplate
 from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
@@ -109,8 +110,10 @@ class Conversation:
         stops = tuple(params.stop_tokens) + self.tokenizer.eos_ids
         params = replace(params, stop_tokens=stops, max_tokens=min(params.max_tokens, self.max_len - len(prompt)))
         think_open = self.template.think_open(prompt_text=None, enable_thinking=self.think)
-        splitter = ReasoningSplitter(think_open=think_open)
-        constraint = answer_constraint(self.tokenizer, grammar, think_open, params.max_tokens, params.reasoning_budget)
+        harmony = is_harmony(self.template.source)
+        splitter = HarmonySplitter() if harmony else ReasoningSplitter(think_open=think_open)
+        constraint = answer_constraint(self.tokenizer, grammar, think_open, params.max_tokens, params.reasoning_budget,
+                                       harmony)
         decoder = StreamDecoder(self.tokenizer)
         start = time.perf_counter()
         new_images = [p.image for p in expanded.images if p.start >= turn.reused_tokens]

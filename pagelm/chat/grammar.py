@@ -19,6 +19,7 @@ import jsonschema
 import llguidance
 import numpy as np
 
+from pagelm.chat import harmony
 from pagelm.chat.reasoning import THINK_END
 from pagelm.chat.schema_bounds import bounded_schema
 from pagelm.chat.tokenizer import Tokenizer, byte_alphabet
@@ -99,9 +100,11 @@ def ll_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
 class Grammar:
     """A compiled constraint for one tokenizer; immutable, shared by any number of generations."""
 
-    def __init__(self, tokenizer: Tokenizer, grammar: str):
-        """`grammar`: llguidance's top-level grammar JSON (use json_schema() or lark())."""
+    def __init__(self, tokenizer: Tokenizer, grammar: str, is_json: bool = False):
+        """`grammar`: llguidance's top-level grammar JSON (use json_schema() or lark()); is_json: it
+        is a JSON answer (in harmony, the final channel's message)."""
         self._tokenizer = tokenizer
+        self._is_json = is_json
         self._ll_tokenizer = ll_tokenizer(tokenizer)
         self._grammar = grammar
         self._answer = self._compile(grammar)  # compile errors surface here, not at the first request
@@ -119,7 +122,7 @@ class Grammar:
             raise GrammarError(f"the JSON schema is not JSON: {e}") from None
         _check_size("JSON schema", text)
         return cls(tokenizer, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(bounded_schema(schema)),
-                                                                            overrides=JSON_OPTIONS))
+                                                                            overrides=JSON_OPTIONS), is_json=True)
 
     @classmethod
     def lark(cls, tokenizer: Tokenizer, text: str) -> Grammar:
@@ -131,13 +134,17 @@ class Grammar:
         _check_size("Lark grammar", text)
         return cls(tokenizer, json.dumps({"grammars": [{"lark_grammar": text}]}))
 
-    def matcher(self, after_reasoning: bool = False) -> Matcher:
+    def matcher(self, after_reasoning: bool = False, harmony: bool = False) -> Matcher:
         """A fresh state for one generation; after_reasoning: the constraint starts only once the
-        output has closed the reasoning block the prompt left open (with `</think>`)."""
-        return Matcher(self._compiled(after_reasoning).deep_copy(), self._ll_tokenizer.vocab_size)
+        output has closed the reasoning block the prompt left open (with `</think>`); harmony: after
+        an analysis message (gpt-oss reasons first), a JSON answer as the final channel's message,
+        a Lark grammar (a forced call) writing its own header."""
+        compiled = self._after_analysis if harmony else self._after_reasoning if after_reasoning else self._answer
+        return Matcher(compiled.deep_copy(), self._ll_tokenizer.vocab_size)
 
-    def _compiled(self, after_reasoning: bool) -> llguidance.LLMatcher:
-        return self._after_reasoning if after_reasoning else self._answer
+    @cached_property
+    def _after_analysis(self) -> llguidance.LLMatcher:
+        return self._prefixed(harmony.analysis_first(final=self._is_json))
 
     @cached_property
     def _after_reasoning(self) -> llguidance.LLMatcher:
@@ -148,6 +155,10 @@ class Grammar:
             start = f'start: /(.|\\n)*/ <[{close}]> "\\n\\n"? @answer'
         else:
             start = f'start: reasoning "\\n\\n"? @answer\nreasoning[suffix="{THINK_END}"]: /(.|\\n)*/'
+        return self._prefixed(start)
+
+    def _prefixed(self, start: str) -> llguidance.LLMatcher:
+        """The grammar as the sub-grammar `answer` of the Lark rules `start`."""
         answer, *rest = json.loads(self._grammar)["grammars"]
         return self._compile(json.dumps({"grammars": [{"lark_grammar": start}, {**answer, "name": "answer"}, *rest]}))
 

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from pagelm.chat.boundaries import MessageEnds
+from pagelm.chat.harmony import HarmonySplitter, is_harmony
+from pagelm.chat.reasoning import ReasoningSplitter
 from pagelm.chat.template import ChatTemplate
 from pagelm.chat.tokenizer import Tokenizer
 from pagelm.chat.tools import Tool, ToolFormat, tool_format
@@ -46,8 +48,13 @@ class Prompt:
     boundaries: list[int] = field(default_factory=list)
     think_open: bool = False
     split_reasoning: bool = True
+    harmony: bool = False  # the answer is harmony messages (chat.harmony): reasoning on the analysis channel
     answered: Callable[[str, str], Prompt | None] | None = None
     images: list[PlacedImage] = field(default_factory=list)
+
+    def splitter(self) -> ReasoningSplitter | HarmonySplitter:
+        """What splits this prompt's answer into reasoning and content as it streams."""
+        return HarmonySplitter() if self.harmony else ReasoningSplitter(self.think_open)
 
     @property
     def image_keys(self) -> list[str]:
@@ -104,8 +111,13 @@ class ChatModel:
 
     @property
     def thinks(self) -> bool:
-        """Whether the template opens a reasoning block when thinking is asked for."""
-        return self.template.think_open(enable_thinking=True)
+        """Whether the template opens a reasoning block when thinking is asked for (harmony's answers
+        always reason first)."""
+        return self.harmony or self.template.think_open(enable_thinking=True)
+
+    @cached_property
+    def harmony(self) -> bool:
+        return is_harmony(self.template.source)
 
     @cached_property
     def message_ends(self) -> MessageEnds:
@@ -129,12 +141,15 @@ class ChatModel:
         messages' image parts, in order."""
         tokens, ends, text, placed = self._render(messages, think, tools, images)
         return Prompt(tokens, sorted({n for n in ends if n is not None}), think_open=self.template.think_prefix(text),
-                      answered=partial(self._answered, messages, think, tools, images), images=placed)
+                      answered=partial(self._answered, messages, think, tools, images), images=placed,
+                      harmony=self.harmony)
 
     def _render(self, messages: list[dict], think: bool | None, tools: list[dict] | None,
                 images: Sequence[ImageInput] = ()):
         """(prompt tokens, per message the token count where it ends or None, prompt text, images placed)."""
         args = dict(add_generation_prompt=True, enable_thinking=think, tools=tools)
+        if self.harmony:  # gpt-oss's template reads an assistant message's reasoning as `thinking`
+            messages = [{**m, "thinking": m["reasoning_content"]} if "reasoning_content" in m else m for m in messages]
         text = self.template.render(messages, **args)
         tokens = self.tokenizer.encode(text, add_special=True)
         ends = self.message_ends.token_ends(self.message_ends.text_ends(messages, text, **args), text, tokens,

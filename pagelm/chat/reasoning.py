@@ -38,7 +38,7 @@ def split(text: str, think_open: bool, start: str = "<think>", end: str = "</thi
     return body[:i].strip("\n"), body[i + len(end):].lstrip("\n")
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest proper prefix of ``tag`` that ``text`` ends with."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -112,7 +112,7 @@ class ReasoningSplitter:
                     reasoning.append(p.rstrip("\n"))
                     self._pending = ""
                     break
-                hold = _partial_suffix(p, self.end)
+                hold = partial_suffix(p, self.end)
                 safe = p[: len(p) - hold]
                 emit = safe.rstrip("\n")  # trailing newlines may precede </think>
                 reasoning.append(emit)

@@ -35,6 +35,7 @@ from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
+from pagelm.chat import harmony
 from pagelm.runtime import heap
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.formats.gguf import STRING_LENGTH, GGUFArray, GGUFFile, GGUFValueType
@@ -53,6 +54,10 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
                  r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k (gpt-4o's, and gpt-oss's o200k_harmony): cased words keep their leading capitals
+_O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # pre name -> (split regex, split digits one by one first, NFC-normalize, ignore_merges)
 _GPT2_PRE: dict[str, tuple[str, bool, bool, bool]] = {
@@ -64,10 +69,13 @@ _GPT2_PRE: dict[str, tuple[str, bool, bool, bool]] = {
     "lfm2": (_LLAMA3_SPLIT, False, False, True),  # llama.cpp's name for LFM2's pre-tokenizer, Llama 3's split
     "qwen2": (_QWEN2_SPLIT, False, True, False),
     "qwen35": (_QWEN35_SPLIT, False, True, True),  # tiktoken semantics: a whole piece in the vocab wins
+    "gpt-4o": (_O200K_SPLIT, False, False, True),  # gpt-oss; tiktoken semantics as qwen35
 }
 
-# Control tokens that end a turn, added to eos_ids when the vocabulary has them.
+# Control tokens that end a turn, added to eos_ids when the vocabulary has them. In a harmony
+# vocabulary (gpt-oss's) `<|end|>` ends a message, not the answer: there `<|return|>` and `<|call|>` do.
 _END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
+_HARMONY_END_OF_TURN = ("<|im_end|>", "<|endoftext|>", *harmony.STOP_TOKENS)
 
 
 def default_cache_dir() -> str:
@@ -191,7 +199,9 @@ class Tokenizer:
 
     def _with_end_of_turn(self, eos_ids: list[int]) -> list[int]:
         """`eos_ids` and the vocabulary's special end-of-turn tokens (_END_OF_TURN), once each."""
-        ends = (self.token_to_id(text) for text in _END_OF_TURN)
+        channel = self.token_to_id(harmony.CHANNEL)
+        ends = (self.token_to_id(text) for text in
+                (_HARMONY_END_OF_TURN if channel in self._special_ids else _END_OF_TURN))
         return list(dict.fromkeys([*eos_ids, *(i for i in ends if i is not None and i in self._special_ids)]))
 
     @classmethod

@@ -8,7 +8,9 @@ Three forms exist among the templates pagelm knows:
   {...}}\\n</tool_call>`;
 - Llama 3.x's: the whole answer is one call, `{"name": ..., "parameters": {...}}`, without tags;
 - LFM2's: a list of calls between its tool-call tokens, `<|tool_call_start|>[get_weather(city="Paris")]
-  <|tool_call_end|>`, written as Python calls (LiquidAI's templates) or as JSON objects (llama.cpp's).
+  <|tool_call_end|>`, written as Python calls (LiquidAI's templates) or as JSON objects (llama.cpp's);
+- harmony's (gpt-oss): a message to the recipient `functions.NAME` on the commentary channel, its body
+  the JSON arguments (`chat.harmony` passes each on in the form its template renders a past call).
 A template that renders none has no tool support; the server refuses tools for it.
 """
 
@@ -22,6 +24,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from pagelm.chat import harmony
 from pagelm.chat.schema_bounds import MAX_STRING_CHARS, bounded_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -377,11 +380,44 @@ class Lfm2Format(ToolFormat):
         return "\n".join(rules) + "\n"
 
 
+class HarmonyFormat(ToolFormat):
+    """gpt-oss: one call a message, `functions.NAME<|channel|>commentary json<|message|>{...}` between
+    harmony.CALL_OPEN and harmony.CALL_CLOSE; a forced call's grammar comes after the analysis
+    message (Grammar.matcher's `harmony`)."""
+
+    open, close = harmony.CALL_OPEN, harmony.CALL_CLOSE
+    CALL = re.compile(r"functions\.([^<\s]+)" + re.escape(harmony.CHANNEL) + r"commentary(?: \w+)?"
+                      + re.escape(harmony.MESSAGE) + r"(.*)", re.S)
+
+    def inner_end(self, text: str, start: int) -> int:
+        return text.find(self.close, start)
+
+    def parse(self, inner: str, tools: dict[str, Tool]) -> ToolCall | None:
+        match = self.CALL.fullmatch(inner)
+        if match is None or match.group(1) not in tools:
+            return None
+        try:
+            arguments = json.loads(match.group(2))
+        except ValueError:
+            return None
+        return ToolCall(match.group(1), arguments) if isinstance(arguments, dict) else None
+
+    def grammar(self, tools: list[Tool], parallel: bool) -> str:
+        """One call (`<|call|>`, a stop token, ends the answer after it: never parallel calls)."""
+        channel, constrain, message = harmony.CHANNEL, harmony.CONSTRAIN, harmony.MESSAGE
+        rules = ["start: " + " | ".join(f"fn_{i}" for i in range(len(tools)))]
+        rules += [f'fn_{i}: {channel} {json.dumps(f"commentary to=functions.{t.name} ")} {constrain} "json" {message} '
+                  f"%json {_embedded(t.parameters)}" for i, t in enumerate(tools)]
+        return "\n".join(rules) + "\n"
+
+
 def tool_format(template_source: str | None) -> ToolFormat | None:
     """The form a chat template writes calls in; None when it renders no calls at all."""
     source = template_source or ""
     if "tool_calls" not in source:
         return None
+    if harmony.is_harmony(source):
+        return HarmonyFormat()
     if Lfm2Format.open in source:
         return Lfm2Format()
     if OPEN in source:

@@ -47,7 +47,6 @@ from pagelm.runtime import heap
 from pagelm.engine.batch import MAX_BATCH, decode_batch
 from pagelm.chat.budget import answer_constraint
 from pagelm.chat.model import Prompt
-from pagelm.chat.reasoning import ReasoningSplitter
 from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
 from pagelm.engine.model import Model
 from pagelm.engine.session import Chooser, Session, verify_passes
@@ -185,7 +184,7 @@ class _Running:
         self.speculator: Speculator | None = None  # where it speculates: its drafts, checked in verify passes
         self.pending: int | None = None  # a token chosen (and passed on) in a verify pass, to feed next
         p = job.prompt
-        self.splitter = ReasoningSplitter(p.think_open) if p.split_reasoning else None
+        self.splitter = p.splitter() if p.split_reasoning else None
 
     @property
     def decoding(self) -> bool:
@@ -436,8 +435,9 @@ class Worker:
         job = r.job
         r.stops = tuple(job.params.stop_tokens) + self.tokenizer.eos_ids
         params = replace(job.params, stop_tokens=r.stops, max_tokens=r.max_tokens)
-        constraint = answer_constraint(self.tokenizer, job.grammar, job.prompt.think_open and job.prompt.split_reasoning,
-                                       r.max_tokens, params.reasoning_budget)
+        p = job.prompt
+        constraint = answer_constraint(self.tokenizer, job.grammar, p.think_open and p.split_reasoning,
+                                       r.max_tokens, params.reasoning_budget, harmony=p.harmony and p.split_reasoning)
         r.logits = r.session.logits
         r.chooser = Chooser(r.session, params, constraint)
         if job.prediction is not None:

@@ -34,6 +34,8 @@ FAMILIES = {  # template file, special tokens, the keyword arguments each family
     "lfm2.5": ("lfm2.5.jinja", {"bos_token": "<|startoftext|>", "eos_token": "<|im_end|>"}, [{}]),
     "llama3.2": ("llama3.2.jinja", {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
                  [{"date_string": "05 Dec 2026"}]),
+    "gpt-oss": ("gpt-oss.jinja", {"bos_token": "<|startoftext|>", "eos_token": "<|return|>"},
+                [{}, {"reasoning_effort": "high"}]),
 }
 CASES = [(family, kwargs) for family, (_, _, variants) in FAMILIES.items() for kwargs in variants]
 

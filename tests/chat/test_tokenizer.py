@@ -369,3 +369,21 @@ def test_lfm2_splits_as_transformers_does(tmp_path, transformers_tokenizer):
     for text in CORPUS:
         assert tok.encode(text, add_special=True) == reference(text)["input_ids"], text
         assert tok.decode(tok.encode(text)) == text
+
+
+def test_the_gpt_4o_split_is_tiktokens_o200k_pattern(monkeypatch):
+    # gpt-oss files name their pre-tokenizer "gpt-4o" (llama.cpp); tiktoken's own o200k_base pattern
+    # is the oracle (its ranks need a download, its pattern does not)
+    regex = pytest.importorskip("regex")
+    openai_public = pytest.importorskip("tiktoken_ext.openai_public")
+    from tokenizers import Regex, pre_tokenizers
+
+    import pagelm.chat.tokenizer as T
+
+    monkeypatch.setattr(openai_public, "load_tiktoken_bpe", lambda *args, **kwargs: {})
+    pat_str = openai_public.o200k_base()["pat_str"]
+    split = pre_tokenizers.Split(Regex(T._GPT2_PRE["gpt-4o"][0]), behavior="isolated")
+    for text in ["Hello World, it's GPT-4o's turn!", "HTTPServer  parsesJSON\n\n\tfast", "12345 678.9/x\r\n/",
+                 "Ünïcödé ÉCOLE naïve café's", "中文字符 and кириллица MIXED", "   leading and trailing   ",
+                 "a/b//c\n/\n", "I'M HERE you're THERE"]:
+        assert [p for p, _ in split.pre_tokenize_str(text)] == regex.findall(pat_str, text)

@@ -36,6 +36,12 @@ def qwen(servers, qwen35_chat_gguf) -> ServerProcess:
 
 
 @pytest.fixture(scope="session")
+def harmony_server(servers, harmony_gguf) -> ServerProcess:
+    """A model that chats in harmony (gpt-oss's template and control tokens), cache on."""
+    return servers.get("harmony", harmony_gguf, "--ctx-len", "2048", "--max-tokens", "64")
+
+
+@pytest.fixture(scope="session")
 def qwen_nocache(servers, qwen35_chat_gguf) -> ServerProcess:
     return servers.get("qwen_nocache", qwen35_chat_gguf, "--ctx-len", "2048", "--max-tokens", "64",
                        "--prefix-slots", "0")

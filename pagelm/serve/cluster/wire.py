@@ -22,6 +22,7 @@ class WireJob:
     boundaries: list[int]
     think_open: bool
     split_reasoning: bool
+    harmony: bool
     images: list
     answered_args: tuple | None  # (messages, think, tools, images) of a chat prompt
     params: SamplingParams
@@ -36,12 +37,13 @@ class WireJob:
         # ChatModel.chat_prompt makes `answered` a partial of its own _answered; the arguments
         # are plain data, the bound model is not
         args = p.answered.args if isinstance(p.answered, partial) else None
-        return cls(list(p.tokens), list(p.boundaries), p.think_open, p.split_reasoning, list(p.images), args,
+        return cls(list(p.tokens), list(p.boundaries), p.think_open, p.split_reasoning, p.harmony, list(p.images), args,
                    job.params, tuple(job.stop), job.max_len, job.id, grammar)
 
     def prompt(self, chat: ChatModel) -> Prompt:
         answered = None if self.answered_args is None else partial(chat._answered, *self.answered_args)
-        return Prompt(self.tokens, self.boundaries, self.think_open, self.split_reasoning, answered, self.images)
+        return Prompt(self.tokens, self.boundaries, self.think_open, self.split_reasoning, answered=answered,
+                      images=self.images, harmony=self.harmony)
 
 
 def prefix_hashes(prompt: Prompt) -> list[str]:
