@@ -51,11 +51,26 @@ def _open_chat(args: argparse.Namespace):
                           image_tokens=(args.image_min_tokens, args.image_max_tokens))
     if embedding_head(chat.model.loader) is not None:
         raise PagelmError(f"{args.model} is an embedding model: it makes vectors, not text (pagelm embed MODEL TEXT)")
+    draft = None
+    if args.draft is not None:
+        check_draft(args)
+        draft = chat.open_draft(locate(args.draft)[0], args.weights, args.dtype, args.threads)
     conversation = Conversation(chat.model, chat.tokenizer, chat.template, max_len=args.ctx_len, think=args.think,
-                                speculate=args.speculate)
+                                speculate=args.speculate, draft=draft)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, reasoning_budget=args.reasoning_budget)
     return chat, conversation, params
+
+
+def add_draft_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--draft", metavar="MODEL",
+                        help="draft with this smaller model of the same vocabulary (e.g. Qwen3.5-0.8B for 4B): its "
+                             "greedy tokens are checked several at a time; the answer is the same")
+
+
+def check_draft(args: argparse.Namespace) -> None:
+    if args.speculate == "off":
+        raise PagelmError("--draft drafts tokens to check: it needs --speculate auto or lookup, not off")
 
 
 def _open_compiled(args: argparse.Namespace):
@@ -269,6 +284,7 @@ def register(commands) -> None:
                      help="check guessed tokens several at a time, from what the prompt and answer repeat (lookup; "
                           "auto, the default: lookup where the measured step costs say it pays; off: one token a "
                           "step); the answer is the same")
+    add_draft_option(run)
     structured = run.add_mutually_exclusive_group()
     structured.add_argument("--format", choices=["json"],
                             help="json: the answer is one JSON object, enforced token by token (grammar-constrained "

@@ -105,6 +105,23 @@ class ChatModel:
                                 eos_token=text_of(tokenizer.eos_ids[0] if tokenizer.eos_ids else None))
         return cls(name, path, model, tokenizer, template, tokenizer_bytes, *image_tokens)
 
+    def open_draft(self, path: str | Path, weights: WeightsMode = "mapped", dtype: str = "bfloat16",
+                   threads: int | None = None) -> Model:
+        """A draft model for speculation (engine.speculate.DraftModel), weights mapped as `weights`
+        says; PagelmError where its vocabulary is not this model's, token for token."""
+        draft = load_model(str(path), weights=weights, dtype=dtype, threads=threads)
+        theirs = Tokenizer.open(draft.file)
+        ours = self.tokenizer
+        if theirs.vocab_size != ours.vocab_size:
+            raise PagelmError(f"draft model {path}: a vocabulary of {theirs.vocab_size} tokens, {self.name}'s has "
+                              f"{ours.vocab_size}: a draft model must share the model's vocabulary")
+        differing = next((i for i in range(ours.vocab_size) if theirs.id_to_token(i) != ours.id_to_token(i)), None)
+        if differing is not None:
+            raise PagelmError(f"draft model {path}: token {differing} is {theirs.id_to_token(differing)!r} there and "
+                              f"{ours.id_to_token(differing)!r} in {self.name}: a draft model must share the "
+                              f"model's vocabulary")
+        return draft
+
     @property
     def architecture(self) -> str:
         return self.model.file.require("general.architecture")

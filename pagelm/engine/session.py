@@ -41,6 +41,15 @@ class Checkpoint:
         return self.state.nbytes + (0 if self.logits is None else self.logits.nbytes)
 
 
+@dataclass(frozen=True)
+class Mark:
+    """A point of a session to come back to after feeding it more tokens (`Session.back_to`): its
+    token count and copies of the state not indexed by position (none where the whole state is)."""
+
+    tokens: int
+    fixed: tuple[torch.Tensor, ...]
+
+
 class Session:
     """One conversation's state over a model: the tokens fed so far (and the keys of the images
     among them), the last logits, and how far rope positions run ahead of token indices (images
@@ -154,6 +163,26 @@ class Session:
         self.trail.rewind(self.state, rows)
         del self.tokens[self.state.pos :]  # a token a position, the pass's from the trail's base
         self.logits = self._pass[rows - 1].copy()
+
+    def mark(self) -> Mark:
+        with torch.inference_mode():
+            return Mark(len(self.tokens), tuple(t.clone() for t in self.state.fixed_tensors()))
+
+    def back_to(self, mark: Mark, keep: int | None = None) -> None:
+        """The state exactly as at `mark` (taken on this session, only tokens fed since), or with
+        `keep` tokens in all where the whole state is indexed by position: KV caches truncated, the
+        positions after them written over before any query reads them."""
+        keep = mark.tokens if keep is None else keep
+        if not mark.tokens <= keep <= len(self.tokens) or (mark.fixed and keep != mark.tokens):
+            raise PagelmError(f"back to {keep} tokens from a mark at {mark.tokens} and {len(self.tokens)} "
+                              f"tokens held{' (a recurrent state: the mark itself only)' if mark.fixed else ''}")
+        self.forget_pass()
+        with torch.inference_mode():
+            for live, copy in zip(self.state.fixed_tensors(), mark.fixed):
+                live.copy_(copy)
+        self.state.pos = keep
+        del self.tokens[keep:]
+        self.logits = None
 
     @property
     def nbytes(self) -> int:

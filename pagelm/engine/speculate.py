@@ -1,4 +1,4 @@
-"""Speculative decoding of one session: where drafts come from (`PromptLookup`, `Prediction`), how many to try
+"""Speculative decoding of one session: where drafts come from (`PromptLookup`, `Prediction`, `DraftModel`), how many to try
 (`Speculator`), and the generation loop that checks them in one verify pass and keeps what the
 sequence's own choice makes (`speculative_tokens`).
 
@@ -20,7 +20,8 @@ from pagelm.errors import PagelmError
 from pagelm.weights.linear import MAX_GEMV_ROWS
 
 if TYPE_CHECKING:
-    from pagelm.engine.session import Chooser, Session
+    from pagelm.engine.model import Model
+    from pagelm.engine.session import Chooser, Mark, Session
 
 MODES = ("auto", "off", "lookup")  # `--speculate`; auto: lookup where the measured step costs say it pays
 MAX_DRAFTS = MAX_GEMV_ROWS - 1  # a verify pass is the last token chosen and the drafts after it
@@ -76,6 +77,61 @@ class Prediction:
                 self._at = int(ahead[0] if ahead.size else hits[-1])
                 return self.tokens[self._at : self._at + limit].tolist()
         return [] if self.then is None else self.then.draft(context, start, limit)
+
+
+class DraftModel:
+    """Drafts from a smaller model with the same vocabulary: its greedy tokens after the context,
+    from its own session, which follows the context from one call to the next. What the drafting
+    fed past the context is taken back at the next call (`Session.back_to` the mark taken before
+    drafting): for a model whose whole state is indexed by position the kept drafts stay, for one
+    with a recurrent state they are fed again with the token chosen after them."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self._mark: Mark | None = None
+
+    @classmethod
+    def of(cls, model: Model, vocab_size: int, max_len: int) -> DraftModel:
+        """A draft source on `model`, for a target whose vocabulary has `vocab_size` tokens (the
+        vocabularies' tokens are the caller's to compare)."""
+        if model.head.vocab_size != vocab_size:
+            raise PagelmError(f"the draft model has {model.head.vocab_size} tokens in its vocabulary, the model "
+                              f"{vocab_size}: a draft model must share the model's vocabulary")
+        return cls(model.session(max_len))
+
+    def draft(self, context: Sequence[int], start: int, limit: int) -> list[int]:
+        s = self.session
+        self._take_back(_common_prefix(s.tokens, context))
+        limit = min(limit, s.max_len - len(context) + 1)  # the last draft is not fed
+        new = context[len(s.tokens):]
+        if limit < 1 or not new:
+            return []
+        logits = s.prefill(new)
+        self._mark = s.mark()
+        drafts: list[int] = []
+        while True:
+            drafts.append(int(np.argmax(logits)))
+            if len(drafts) == limit:
+                return drafts
+            logits = s.decode(drafts[-1])
+
+    def _take_back(self, held: int) -> None:
+        """The session down to the first `held` of its tokens (those the context still has)."""
+        s, mark = self.session, self._mark
+        if held == len(s.tokens):
+            return
+        if mark is None or held < mark.tokens:  # another context (a new conversation): from the start
+            s.reset()
+        else:
+            s.back_to(mark, mark.tokens if mark.fixed else held)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
 
 
 @dataclass
@@ -142,11 +198,14 @@ class Speculator:
         self._misses, self._pause, self._probe = 0, 0, False
 
     @classmethod
-    def of(cls, mode: str) -> Speculator | None:
-        """The speculator a `--speculate` mode asks for; None for off."""
+    def of(cls, mode: str, draft: DraftModel | None = None) -> Speculator | None:
+        """The speculator a `--speculate` mode asks for; None for off. With a `draft` model its drafts
+        (whose own cost the step costs do not see: their count adapts to the acceptance alone)."""
         if mode not in MODES:
             raise PagelmError(f"speculate {mode!r}: expected one of {', '.join(MODES)}")
-        return None if mode == "off" else cls(costs=StepCosts() if mode == "auto" else None)
+        if mode == "off":
+            return None
+        return cls(draft) if draft is not None else cls(costs=StepCosts() if mode == "auto" else None)
 
     def draft(self, context: Sequence[int], start: int, room: int) -> list[int]:
         """Up to `room` tokens to try after `context`, whose answer begins at `start`."""

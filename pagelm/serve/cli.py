@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagelm.chat.cli import SPECULATE_MODES, add_compute_options
+from pagelm.chat.cli import SPECULATE_MODES, add_compute_options, add_draft_option, check_draft
 from pagelm.errors import PagelmError
 from pagelm.sources.cli import locate
 
@@ -38,6 +38,8 @@ def _serve(args: argparse.Namespace) -> int:
             raise PagelmError(f"{flag} must be >= {low}, got {value}")
     model = args.model or store.DEFAULT_MODEL
     path, tower = locate(model)
+    if args.draft is not None:
+        check_draft(args)
     name = model if store.is_model_name(model) else store.display_name(path)
     settings = ServeSettings(model_path=str(path), model_name=name, ctx_len=args.ctx_len,
                              prefix_slots=args.prefix_slots, prefix_cache_mib=args.prefix_cache_mib,
@@ -49,7 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
                              image_tokens=(args.image_min_tokens, args.image_max_tokens), ui=not args.no_ui,
                              host=args.host, allowed_hosts=tuple(args.allowed_host),
                              allowed_origins=tuple(args.allowed_origin), reasoning_budget=args.reasoning_budget,
-                             speculate=args.speculate)
+                             speculate=args.speculate, draft=None if args.draft is None else str(locate(args.draft)[0]))
     if not is_loopback(args.host) and args.api_key is None:
         print(f"pagelm serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     for given, flag in ((args.ray_address, "--ray-address"), (args.replica_niceness, "--replica-niceness")):
@@ -113,6 +115,7 @@ def register(commands) -> None:
                             "several at a time (auto, the default: where the measured step costs say it pays; off); answers stay "
                             "the same. "
                             "A request's OpenAI `prediction` is drafted from in any mode")
+    add_draft_option(serve)
     serve.add_argument("--queue-size", type=int, default=64,
                        help="requests waiting for a slot before 503 with Retry-After (default 64)")
     serve.add_argument("--max-body-mib", type=int, default=32, help="largest request body in MiB (default 32)")

@@ -87,6 +87,7 @@ class ServeSettings:
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed besides loopback and the server's own ("*": any)
     speculate: str = "auto"  # engine.speculate.MODES: drafts (prompt lookup) while one request decodes
+    draft: str | None = None  # a draft model's path: drafts from it instead (ChatModel.open_draft)
 
 
 class Server:
@@ -121,8 +122,9 @@ class Server:
             if head is not None:
                 self.embedder = Embedder(chat.model, head)
             else:
+                draft = None if s.draft is None else chat.open_draft(s.draft, s.weights, s.dtype, s.threads)
                 self.worker = Worker(chat.model, chat.tokenizer, s.ctx_len, self.cache, s.checkpoint_interval,
-                                     s.queue_size, s.parallel, speculate=s.speculate)
+                                     s.queue_size, s.parallel, speculate=s.speculate, draft=draft)
             self.chat = chat
         except Exception as e:  # noqa: BLE001 - reported by the CLI, which then exits
             self.load_error = e

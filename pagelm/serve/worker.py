@@ -50,7 +50,7 @@ from pagelm.chat.model import Prompt
 from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
 from pagelm.engine.model import Model
 from pagelm.engine.session import Chooser, Session, verify_passes
-from pagelm.engine.speculate import Prediction, SpeculationStats, Speculator
+from pagelm.engine.speculate import DraftModel, Prediction, SpeculationStats, Speculator
 from pagelm.errors import PagelmError
 from pagelm.chat.grammar import Grammar
 from pagelm.engine.sampling import SamplingParams
@@ -207,11 +207,12 @@ class Worker:
 
     def __init__(self, model: Model, tokenizer: Tokenizer, ctx_len: int, cache: PrefixCache,
                  checkpoint_interval: int = 512, queue_size: int = 64, parallel: int = 1,
-                 prefill_chunk: int = PREFILL_CHUNK, speculate: str = "off"):
+                 prefill_chunk: int = PREFILL_CHUNK, speculate: str = "off", draft: Model | None = None):
         if parallel < 1:
             raise PagelmError(f"parallel must be >= 1, got {parallel}")
         Speculator.of(speculate)  # checks the mode
         self.speculate = speculate  # for every request; one with a predicted output drafts from it
+        self.draft = draft  # a draft model (ChatModel.open_draft): each request's drafts from its own session on it
         self.model, self.tokenizer, self.ctx_len = model, tokenizer, ctx_len
         self.cache, self.checkpoint_interval = cache, checkpoint_interval
         self.queue_size, self.parallel = queue_size, parallel
@@ -443,7 +444,8 @@ class Worker:
         if job.prediction is not None:
             r.speculator = Speculator(Prediction(job.prediction))
         else:
-            r.speculator = Speculator.of(self.speculate)
+            draft = None if self.draft is None else DraftModel.of(self.draft, self.model.head.vocab_size, self.ctx_len)
+            r.speculator = Speculator.of(self.speculate, draft)
         r.decoder = StreamDecoder(self.tokenizer)
         r.result.finish_reason = "length"
 

@@ -121,3 +121,23 @@ def test_speculation_gives_the_same_answer_and_its_stats(smollm2_gguf):
             drafted, accepted = (int(w) for w in stats[0].split()[1:4:2])
             assert drafted >= accepted > 0, stats
     assert answers["lookup"] == answers["off"]
+
+
+def test_a_draft_model_gives_the_same_answer_and_another_vocabulary_is_refused(smollm2_gguf, qwen35_chat_gguf,
+                                                                               harmony_gguf):
+    prompt = "Name the planets of the solar system."
+    plain = _run(smollm2_gguf, prompt, "--json", "--max-tokens", "32", "--speculate", "off")
+    drafted = _run(smollm2_gguf, prompt, "--json", "--stats", "--max-tokens", "32", "--draft", smollm2_gguf)
+    ids = [json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] for r in (plain, drafted)]
+    assert ids[0] == ids[1]
+    [stats] = [line for line in drafted.stderr.splitlines() if line.startswith("[speculation:")]
+    drafted_n, accepted = (int(w) for w in stats.split()[1:4:2])
+    assert accepted >= drafted_n // 2 > 0, stats  # the model drafting for itself
+    for draft, says in ((qwen35_chat_gguf, "a vocabulary of 248320 tokens"), (harmony_gguf, "token 248100 is")):
+        refused = subprocess.run([sys.executable, "-m", "pagelm", "run", smollm2_gguf if draft == qwen35_chat_gguf
+                                  else qwen35_chat_gguf, "Hi", "--draft", draft], capture_output=True, text=True,
+                                 timeout=600)
+        assert refused.returncode != 0 and says in refused.stderr and "Traceback" not in refused.stderr
+    off = subprocess.run([sys.executable, "-m", "pagelm", "run", smollm2_gguf, "Hi", "--draft", smollm2_gguf,
+                          "--speculate", "off"], capture_output=True, text=True, timeout=600)
+    assert off.returncode != 0 and "--draft" in off.stderr and "not off" in off.stderr

@@ -108,3 +108,23 @@ def test_requests_decoding_together_verify_their_drafts_in_one_pass(smollm2_chat
     predicted = asyncio.run(together(workers["off"], [tok.encode(text) for text, _ in plain]))
     assert [text for text, _ in predicted] == [text for text, _ in plain]
     assert all(result.accepted_prediction_tokens > 0 for _, result in predicted)
+
+
+def test_a_draft_model_drafts_for_requests_decoding_alone_and_together(smollm2_chat, workers):
+    texts = ["Name the planets of the solar system.", "Write a short poem about the sea.",
+             f"Copy this list exactly: {LIST}"]
+    prompts = [smollm2_chat.chat_prompt([{"role": "user", "content": t}]).tokens for t in texts]
+    params = [GREEDY, SEEDED, SamplingParams(temperature=0.9, seed=1, max_tokens=30)]
+    drafting = Worker(smollm2_chat.model, smollm2_chat.tokenizer, ctx_len=256, cache=PrefixCache(0, 0),
+                      speculate="lookup", parallel=3, draft=smollm2_chat.model)  # the model drafting for itself
+    try:
+        async def together(worker):
+            return await asyncio.gather(*(_ask(worker, p, q) for p, q in zip(prompts, params)))
+
+        plain = asyncio.run(together(workers["off"]))
+        assert [text for text, _ in asyncio.run(together(drafting))] == [text for text, _ in plain]
+        alone, _ = asyncio.run(_ask(drafting, prompts[0], GREEDY))
+        assert alone == plain[0][0]
+        assert drafting.speculation.accepted > drafting.speculation.drafted // 2 > 0
+    finally:
+        drafting.close()
