@@ -37,6 +37,11 @@ from pagelm.weights import EmbeddingMode
 from pagelm.weights.loader import WeightsMode
 
 
+# reasoning efforts a request may ask for (OpenAI's `reasoning_effort`, Ollama's `think`): thinking on,
+# and for a template that reads one (gpt-oss's `reasoning_effort`) that effort
+EFFORTS = ("low", "medium", "high")
+
+
 @dataclass
 class Prompt:
     """Tokens to generate from, the positions worth a checkpoint (where messages end), whether the
@@ -151,20 +156,23 @@ class ChatModel:
             raise PagelmError(f"model '{self.name}' has no vision support (no vision tower): it cannot read images")
         return prepare_image(data, self.model.tower.config, self.image_min_tokens, self.image_max_tokens)
 
-    def chat_prompt(self, messages: list[dict], think: bool | None = None, tools: list[dict] | None = None,
+    def chat_prompt(self, messages: list[dict], think: bool | str | None = None, tools: list[dict] | None = None,
                     images: Sequence[ImageInput] = ()) -> Prompt:
         """Render `messages` (and the `tools` offered, in the template's function form) with the
-        generation prompt; `think` None leaves the template's default. `images` are those of the
+        generation prompt; `think` None leaves the template's default, an effort (EFFORTS) is thinking
+        on at that effort where the template reads one. `images` are those of the
         messages' image parts, in order."""
         tokens, ends, text, placed = self._render(messages, think, tools, images)
         return Prompt(tokens, sorted({n for n in ends if n is not None}), think_open=self.template.think_prefix(text),
                       answered=partial(self._answered, messages, think, tools, images), images=placed,
                       harmony=self.harmony)
 
-    def _render(self, messages: list[dict], think: bool | None, tools: list[dict] | None,
+    def _render(self, messages: list[dict], think: bool | str | None, tools: list[dict] | None,
                 images: Sequence[ImageInput] = ()):
         """(prompt tokens, per message the token count where it ends or None, prompt text, images placed)."""
-        args = dict(add_generation_prompt=True, enable_thinking=think, tools=tools)
+        args = dict(add_generation_prompt=True, enable_thinking=None if think is None else bool(think), tools=tools)
+        if isinstance(think, str):
+            args["reasoning_effort"] = think
         if self.harmony:  # gpt-oss's template reads an assistant message's reasoning as `thinking`
             messages = [{**m, "thinking": m["reasoning_content"]} if "reasoning_content" in m else m for m in messages]
         text = self.template.render(messages, **args)
@@ -176,7 +184,7 @@ class ChatModel:
         expanded = expand_images(tokens, images)
         return expanded.tokens, [None if e is None else expanded.index(e) for e in ends], text, expanded.images
 
-    def _answered(self, messages: list[dict], think: bool | None, tools: list[dict] | None,
+    def _answered(self, messages: list[dict], think: bool | str | None, tools: list[dict] | None,
                   images: Sequence[ImageInput], reasoning: str, content: str) -> Prompt | None:
         """The conversation with this answer appended, as the next request (a user message after
         it) renders it, up to the answer's end: its tokens and message ends; None when the answer

@@ -216,7 +216,7 @@ class Server:
         check_body(value)
         return value
 
-    async def plan_chat(self, messages: list[dict], think: bool | None, tools: list[Tool] = (),
+    async def plan_chat(self, messages: list[dict], think: bool | str | None, tools: list[Tool] = (),
                         choice: str | Tool = "auto", parallel: bool = True, answer: JsonAnswer | None = None,
                         images: list[bytes] = ()) -> ChatPlan:
         """The prompt with the tools and `images` (those of the messages' image parts, in order)

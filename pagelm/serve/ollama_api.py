@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pagelm import __version__
+from pagelm.chat.model import EFFORTS
 from pagelm.chat.tools import ToolCall
 from pagelm.serve.core import JsonAnswer, Server, events
 from pagelm.serve.requests import (RequestError, boolean, embedding_inputs, integer, messages_from, sampling,
@@ -48,12 +49,12 @@ def _options(server: Server, body: dict):
     return sampling(fields, max_tokens, where="options."), stop_strings(options.get("stop"), "options.stop"), num_ctx
 
 
-def _think(body: dict) -> bool | None:
+def _think(body: dict) -> bool | str | None:
     think = body.get("think")
-    if isinstance(think, str):  # newer Ollama accepts "low" / "medium" / "high"
-        if think not in {"low", "medium", "high"}:
+    if isinstance(think, str):  # newer Ollama accepts "low" / "medium" / "high": an effort, on
+        if think not in EFFORTS:
             raise RequestError("think must be true, false, low, medium or high")
-        return True
+        return think
     return boolean(body, "think")
 
 

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pagelm.chat.model import EFFORTS
 from pagelm.chat.tools import ToolCall
 from pagelm.serve.core import JsonAnswer, Server, events
 from pagelm.serve.requests import (RequestError, boolean, embedding_inputs, integer, messages_from, prediction_text,
@@ -26,8 +27,9 @@ from pagelm.serve.worker import Delta, Job, Result
 REASONING_EFFORT_OFF = {"none", "minimal"}
 
 
-def _think(body: dict) -> bool | None:
-    """enable_thinking from chat_template_kwargs, or the `think` / `reasoning_effort` aliases."""
+def _think(body: dict) -> bool | str | None:
+    """enable_thinking from chat_template_kwargs, or the `think` / `reasoning_effort` aliases (an
+    effort of low, medium or high is passed on as such: chat.model.EFFORTS)."""
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise RequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
@@ -39,7 +41,7 @@ def _think(body: dict) -> bool | None:
     if effort is not None:
         if effort not in {"none", "minimal", "low", "medium", "high"}:
             raise RequestError("reasoning_effort must be none, minimal, low, medium or high", param="reasoning_effort")
-        return effort not in REASONING_EFFORT_OFF
+        return effort if effort in EFFORTS else effort not in REASONING_EFFORT_OFF
     return None
 
 

@@ -123,3 +123,18 @@ def test_a_spent_budget_closes_the_analysis_message_and_an_answer_on_another_cha
     assert final.closed and not final.forcing
     nothing = ReasoningBudget(tokenizer, 0, marks=HARMONY)
     assert nothing.forcing == tokenizer.encode("<|channel|>analysis<|message|><|end|><|start|>assistant")
+
+
+def test_a_reasoning_effort_reaches_gpt_oss_template(harmony_gguf):
+    from pagelm.chat.model import ChatModel
+
+    chat = ChatModel.open(harmony_gguf)
+    ask = [{"role": "user", "content": "Hi"}]
+
+    def system(think) -> str:
+        text = chat.tokenizer.decode(chat.chat_prompt(ask, think).tokens)
+        return text[text.index("Reasoning:"): text.index("\n", text.index("Reasoning:"))]
+
+    assert [system(t) for t in (None, True, "low", "high")] == ["Reasoning: medium"] * 2 + ["Reasoning: low",
+                                                                                              "Reasoning: high"]
+    assert chat.thinks and chat.chat_prompt(ask).harmony

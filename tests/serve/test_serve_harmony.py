@@ -80,3 +80,17 @@ def test_a_call_and_its_result_fed_back_render_through_the_template(harmony_serv
                                       "stream": False, "options": {"num_predict": 40, "temperature": 0, **BUDGET}})
     assert r.status_code == 200, r.text
     assert r.json()["done"] is True and _clean(r.json()["message"].get("thinking", ""))
+
+
+def test_an_effort_is_taken_in_either_api_as_each_writes_it(harmony_server):
+    usage = {}
+    for effort in ("low", "high"):
+        r = harmony_server.openai().chat.completions.create(
+            model=harmony_server.model, messages=ASK, max_tokens=2, reasoning_effort=effort)
+        usage[effort] = r.usage.prompt_tokens
+        with harmony_server.client() as c:
+            o = c.post("/api/chat", json={"model": harmony_server.model, "messages": ASK, "think": effort,
+                                          "stream": False, "options": {"num_predict": 2}})
+        assert o.status_code == 200, o.text
+        assert o.json()["prompt_eval_count"] + o.json().get("prompt_cached_count", 0) == usage[effort]
+    assert usage["low"] == usage["high"]  # the same text but for the effort (test_harmony checks the render)
