@@ -264,14 +264,16 @@ def plan_model(
         raise ValueError(f"unknown mix {mix!r} (known: {', '.join(MIXES)})")
     d, v = shape.hidden, shape.vocab
     if mix is not None:  # q4_k_m: the head is Q6_K, a tied token_embd being the head
-        emb_type = embedding_type or q4_k_m_type("output.weight" if shape.output_type is None
-                                                 else "token_embd.weight", d, shape.n_layers, 0)
+        emb_type = embedding_type if embedding_type is not None else q4_k_m_type(
+            "output.weight" if shape.output_type is None else "token_embd.weight", d, shape.n_layers, 0)
         out_type = None if shape.output_type is None else q4_k_m_type("output.weight", d, shape.n_layers, 0)
         emb_init, out_init = _table(emb_type, 0), _table(out_type, 1)
         if embedding_type is not None:
             emb_init = Init("table", seed_offset=0)
     else:
-        emb_type, out_type = embedding_type or shape.embedding_type, shape.output_type
+        # (not `or`: F32 is GGMLType 0, which `or` would pass over)
+        emb_type = embedding_type if embedding_type is not None else shape.embedding_type
+        out_type = shape.output_type
         emb_init, out_init = Init("table", seed_offset=0), Init("table", seed_offset=1)
     if emb_type not in SYNTH_TYPES:
         raise ValueError(f"synthetic tables of type {emb_type.name} are not supported")
