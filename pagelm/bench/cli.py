@@ -208,8 +208,8 @@ def _speculate(args: argparse.Namespace) -> int:
     """In process, weights mapped: built-in tasks made of texts that ship with Python: edit (a ~100-line
     function with one name changed, also with the original given as a prediction), extract (fields of a
     docstring as JSON), summarize (with quotes), chat (a free answer). For each, greedy and seeded
-    (temperature 0.7) decoding of --tokens tokens, plain then speculative (prompt lookup; a prediction
-    where given), --runs times from the same prefilled prompt. Prints per task the medians of plain and
+    (temperature 0.7) decoding of --tokens tokens, plain then speculative (prompt lookup, or --draft
+    MODEL's greedy tokens; a prediction where given), --runs times from the same prefilled prompt. Prints per task the medians of plain and
     speculative decode tokens per second and of tokens per verify pass, one line 'TASK: R× plain' each,
     then 'differing answers: D of S' comparing every speculative answer with its plain one; exit 1 if D > 0."""
     from pagelm.bench.speculate import TASKS, run_speculate
@@ -219,7 +219,9 @@ def _speculate(args: argparse.Namespace) -> int:
         raise PagelmError(f"--tasks must be distinct names among {','.join(TASKS)}, got {args.tasks!r}")
     _positive("--tokens", args.tokens)
     _positive("--runs", args.runs)
-    report = run_speculate(args.model, str(model_path(args.model, args.models_dir)), names, args.tokens, args.runs)
+    draft = None if args.draft is None else str(model_path(args.draft, args.models_dir))
+    report = run_speculate(args.model, str(model_path(args.model, args.models_dir)), names, args.tokens, args.runs,
+                           draft)
     print(report.markdown())
     return 1 if report.differing else 0
 
@@ -528,6 +530,8 @@ def _add_speculate(subcommands, model_help: str) -> None:
                            help=f"tasks among {','.join(TASKS)} (default all)")
     speculate.add_argument("--tokens", type=int, default=128, help="tokens decoded per answer (default 128)")
     speculate.add_argument("--runs", type=int, default=DEFAULT_RUNS, help=f"runs (default {DEFAULT_RUNS})")
+    speculate.add_argument("--draft", metavar="MODEL",
+                           help="drafts from this smaller model of the same vocabulary instead of prompt lookup")
     _models_dir(speculate)
     speculate.set_defaults(run=_speculate)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import statistics
 import sys
 import textwrap
@@ -65,6 +66,7 @@ class SpeculateReport:
     tokens: int
     runs: int
     rows: list[Row]
+    draft: str | None = None  # the draft model's name; None: prompt lookup
 
     @property
     def differing(self) -> int:
@@ -75,7 +77,9 @@ class SpeculateReport:
             ["task", "sampling", "plain tok/s", "speculative tok/s", "tokens per pass", "× plain"],
             [[r.task, r.sampling, f"{statistics.median(r.plain_tok_s):.1f}", f"{statistics.median(r.spec_tok_s):.1f}",
               f"{statistics.median(r.per_pass):.2f}", f"{r.ratio:.2f}"] for r in self.rows], "llrrrr")
-        lines = [f"### Speculative decoding: {self.model} ({self.tokens} tokens, medians of {self.runs} runs)", "",
+        source = "prompt lookup" if self.draft is None else f"drafts from {self.draft}"
+        lines = [f"### Speculative decoding: {self.model}, {source} ({self.tokens} tokens, medians of {self.runs} runs)",
+                 "",
                  table, ""]
         lines += [f"{r.task}{'' if r.sampling == 'greedy' else ' ' + r.sampling}: {r.ratio:.2f}× plain"
                   for r in self.rows]
@@ -95,15 +99,18 @@ def _timed(session, checkpoint, params, speculate) -> tuple[list[int], float]:
     return tokens, (len(tokens) - 1) / seconds if seconds > 0 and len(tokens) > 1 else 0.0
 
 
-def run_speculate(name: str, path: str, names: list[str], tokens: int, runs: int) -> SpeculateReport:
+def run_speculate(name: str, path: str, names: list[str], tokens: int, runs: int,
+                  draft: str | None = None) -> SpeculateReport:
     """Each task × greedy and seeded (temperature 0.7) sampling, plus edit with its original code as
     a prediction: plain and speculative decoding in turn, --runs times; every speculative answer
-    compared with its plain one."""
+    compared with its plain one. `draft`: a draft model's path, whose drafts (from a fresh session
+    each run: its prefill of the prompt is in the time) replace prompt lookup."""
     from pagelm.chat.model import ChatModel
     from pagelm.engine.sampling import SamplingParams
-    from pagelm.engine.speculate import Prediction, PromptLookup, Speculator
+    from pagelm.engine.speculate import DraftModel, Prediction, PromptLookup, Speculator
 
     chat = ChatModel.open(path, name=name)
+    draft_model = None if draft is None else chat.open_draft(draft)
     samplings = {"greedy": SamplingParams(max_tokens=tokens),
                  "seeded": SamplingParams(temperature=0.7, seed=1, max_tokens=tokens)}
     rows = []
@@ -119,7 +126,12 @@ def run_speculate(name: str, path: str, names: list[str], tokens: int, runs: int
             for run in range(runs):
                 print(f"{row.task} {sampling}: run {run + 1} of {runs}", file=sys.stderr, flush=True)
                 plain, plain_tok_s = _timed(session, checkpoint, samplings[sampling], "off")
-                speculator = Speculator(None if predicted is None else Prediction(predicted, then=PromptLookup()))
+                if predicted is not None:
+                    speculator = Speculator(Prediction(predicted, then=PromptLookup()))
+                elif draft_model is not None:
+                    speculator = Speculator(DraftModel.of(draft_model, chat.model.head.vocab_size, session.max_len))
+                else:
+                    speculator = Speculator()
                 spec, spec_tok_s = _timed(session, checkpoint, samplings[sampling], speculator)
                 s = speculator.stats
                 row.plain_tok_s.append(plain_tok_s)
@@ -128,4 +140,4 @@ def run_speculate(name: str, path: str, names: list[str], tokens: int, runs: int
                 row.differing += spec != plain
                 row.answers += 1
             rows.append(row)
-    return SpeculateReport(name, tokens, runs, rows)
+    return SpeculateReport(name, tokens, runs, rows, None if draft is None else os.path.basename(draft))

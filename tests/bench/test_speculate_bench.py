@@ -20,3 +20,13 @@ def test_bench_speculate_prints_its_lines_and_no_differing_answer(smollm2_gguf, 
 def test_bench_speculate_refuses_unknown_tasks(capsys):
     assert cli.main(["bench", "speculate", "smollm2-135m", "--tasks", "edit,poetry"]) != 0
     assert "--tasks must be distinct names among edit,extract,summarize,chat" in capsys.readouterr().err
+
+
+def test_bench_speculate_drafts_from_a_draft_model(smollm2_gguf, capsys):
+    code = cli.main(["bench", "speculate", smollm2_gguf, "--tasks", "chat", "--tokens", "12", "--runs", "1",
+                     "--draft", smollm2_gguf])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "drafts from smollm2" in out and re.search(r"^differing answers: 0 of 2$", out, re.M)
+    passes = re.search(r"^\| chat \| greedy \|(?: [\d.]+ \|){2} ([\d.]+) \|", out, re.M)
+    assert float(passes.group(1)) > 2  # the model drafting for itself: its greedy drafts kept
