@@ -9,8 +9,9 @@ computes the output head.
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -40,6 +41,8 @@ L2_EPS = 1e-6  # the L2 normalisation of DeltaNet q and k (fla's constant, not t
 
 @dataclass(frozen=True)
 class Qwen35Config:
+    ARCH: ClassVar[str] = ARCH  # general.architecture and the metadata keys' prefix
+
     hidden: int
     n_layers: int
     ffn: int
@@ -62,6 +65,7 @@ class Qwen35Config:
 
     @classmethod
     def from_loader(cls, model: WeightLoader) -> Qwen35Config:
+        ARCH = cls.ARCH
         arch = model.architecture
         if arch != ARCH:
             raise ModelFormatError(f"{model.name}: metadata key 'general.architecture' is {arch!r:.40}, expected '{ARCH}'")
@@ -86,7 +90,6 @@ class Qwen35Config:
         config = cls(
             hidden=hidden,
             n_layers=i("block_count"),
-            ffn=i("feed_forward_length"),
             n_heads=i("attention.head_count"),
             n_kv_heads=i("attention.head_count_kv"),
             head_dim=i("attention.key_length"),
@@ -101,6 +104,7 @@ class Qwen35Config:
             full_attention_interval=i("full_attention_interval"),
             vocab=embd[1],
             rope_sections=tuple(model.get_int_array(sections)) if model.has(sections) else (),
+            **cls._feed_forward(model, i),
         )
         if model.has(f"{ARCH}.attention.value_length"):
             value_length = i("attention.value_length")
@@ -112,8 +116,18 @@ class Qwen35Config:
         config.validate(model.name)
         return config
 
-    def validate(self, where: str = "qwen35 config") -> None:
-        counts = {name: value for name, value in vars(self).items() if name not in ("rope_base", "rms_eps", "rope_sections")}
+    @classmethod
+    def _feed_forward(cls, model: WeightLoader, i) -> dict[str, Any]:
+        """The config's feed-forward fields, `i(key)` reading the architecture's integer key `key`."""
+        return {"ffn": i("feed_forward_length")}
+
+    def _not_counts(self) -> tuple[str, ...]:
+        """The fields validate does not require to be >= 1."""
+        return "rope_base", "rms_eps", "rope_sections"
+
+    def validate(self, where: str | None = None) -> None:
+        where = where or f"{self.ARCH} config"
+        counts = {name: value for name, value in vars(self).items() if name not in self._not_counts()}
         check_config(where, counts, (
             (self.n_heads % self.n_kv_heads == 0, f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}"),
             (self.n_value_heads % self.n_key_heads == 0, f"ssm.time_step_rank {self.n_value_heads} is not a multiple of ssm.group_count {self.n_key_heads}"),
@@ -368,6 +382,9 @@ class MLPWeights:
     gate_up: Linear  # (2·ffn, hidden): ffn_gate rows then ffn_up rows
     down: Linear  # (hidden, ffn)
 
+    def __call__(self, y: torch.Tensor, alone: bool) -> torch.Tensor:
+        return gated_mlp(self.gate_up, self.down, y, F.silu, alone)  # `dtype`, as the mixers'
+
 
 @dataclass
 class AttentionWeights:
@@ -392,10 +409,16 @@ class LayerWeights:
     attn_norm: torch.Tensor  # (hidden,) fp32
     post_norm: torch.Tensor
     mixer: AttentionWeights | DeltaNetWeights
-    mlp: MLPWeights
+    mlp: Callable[[torch.Tensor, bool], torch.Tensor]  # the feed-forward: MLPWeights, or a qwen35moe layer's experts
 
 
-def load_layer(config: Qwen35Config, model: WeightLoader, i: int) -> LayerWeights:
+def load_mlp(c: Qwen35Config, model: WeightLoader, p: str) -> MLPWeights:
+    """The feed-forward of the layer whose tensors' names start with `p`."""
+    return MLPWeights(gate_up=model.linear(c.hidden, (p + "ffn_gate.weight", c.ffn), (p + "ffn_up.weight", c.ffn)),
+                      down=model.linear(c.ffn, (p + "ffn_down.weight", c.hidden)))
+
+
+def load_layer(config: Qwen35Config, model: WeightLoader, i: int, mlp=load_mlp) -> LayerWeights:
     c, p = config, f"blk.{i}."
 
     def vec(name: str, n: int) -> torch.Tensor:
@@ -430,8 +453,7 @@ def load_layer(config: Qwen35Config, model: WeightLoader, i: int) -> LayerWeight
         attn_norm=vec("attn_norm.weight", c.hidden),
         post_norm=vec("post_attention_norm.weight", c.hidden),
         mixer=mixer,
-        mlp=MLPWeights(gate_up=linear(c.hidden, ("ffn_gate.weight", c.ffn), ("ffn_up.weight", c.ffn)),
-                       down=linear(c.ffn, ("ffn_down.weight", c.hidden))),
+        mlp=mlp(c, model, p),
     )
 
 
@@ -449,10 +471,11 @@ class Qwen35Model(Decoder):
 
     segment = 1024
     image_positions = staticmethod(mrope_positions)
+    load_mlp = staticmethod(load_mlp)  # a layer's feed-forward from the loader
 
     def __init__(self, config: Qwen35Config, model: WeightLoader):
         self.config, self.dtype, self.device = config, model.dtype, model.device
-        self.layers = [load_layer(config, model, i) for i in range(config.n_layers)]
+        self.layers = [load_layer(config, model, i, self.load_mlp) for i in range(config.n_layers)]
         self.output_norm = model.tensor("output_norm.weight", (config.hidden,))
         self.inv_freq = inv_freq(config.rope_base, config.rope_dim, self.device)
         self.rope_axes = mrope_axes(config.rope_sections, config.rope_dim // 2).to(self.device)
@@ -484,7 +507,7 @@ class Qwen35Model(Decoder):
             else:
                 h += self._deltanet(layer.mixer, y, i, spans, alone)
             y = rms_norm(h, layer.post_norm, c.rms_eps)
-            h += gated_mlp(layer.mlp.gate_up, layer.mlp.down, y, F.silu, alone)  # `dtype`, as the mixers'; h stays fp32
+            h += layer.mlp(y, alone)  # h stays fp32
             yield
         advance(spans)
         return rms_norm(h, self.output_norm, c.rms_eps)
@@ -558,10 +581,10 @@ class Qwen35Model(Decoder):
 
 
 HF_GLOBALS = {"output_norm.weight": "norm.weight"}
-HF_LAYER = {
+HF_MLP = {"ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+          "ffn_down.weight": "mlp.down_proj.weight"}
+HF_LAYER = {  # the feed-forward's apart (HF_MLP)
     "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
@@ -594,11 +617,14 @@ def _log_from_a(values: np.ndarray) -> np.ndarray:
     return best
 
 
-def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
+def hf_layout(config: HFConfig, hf_names: set[str] | None, arch: str = ARCH,
+              feed_forward: dict[str, str] = HF_MLP) -> HFLayout:
     """A Hugging Face Qwen3.5 checkpoint in GGUF terms (see shared/design/qwen35.md): norms get
     the +1 and A_log becomes −exp(A_log) (small vectors); when value heads outnumber key heads,
     GGUF's tiled value-head order is a row order on qkv's value rows, z, a and b, a column
-    order on the out projection and a reordering of the small per-head vectors."""
+    order on the out projection and a reordering of the small per-head vectors. `arch` and
+    `feed_forward` (GGUF → HF names of a layer's feed-forward tensors): qwen35moe's, whose
+    config has no dense feed-forward width (intermediate_size)."""
     n_layers, head_dim = config.int("num_hidden_layers"), config.int("head_dim")
     nk, nv = config.int("linear_num_key_heads"), config.int("linear_num_value_heads")
     dk, dv = config.int("linear_key_head_dim"), config.int("linear_value_head_dim")
@@ -608,15 +634,15 @@ def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
         raise ModelFormatError(f"{config.name}: {nv} value heads of {max(dk, dv)} dims is not a plausible DeltaNet width")
     interval = layer_period(config, config.strings("layer_types"), "full_attention",
                             config.int("full_attention_interval", 4))
-    if rope_scaling(config, ARCH):
-        raise UnsupportedError(f"{config.name}: rope scaling is not supported for {ARCH}")
-    metadata = decoder_metadata(ARCH, config, head_dim)
+    if rope_scaling(config, arch):
+        raise UnsupportedError(f"{config.name}: rope scaling is not supported for {arch}")
+    metadata = decoder_metadata(arch, config, head_dim, ffn=arch == ARCH)
     metadata.update({
-        f"{ARCH}.rope.dimension_count": int(head_dim * config.rope_float("partial_rotary_factor", 1.0)),
-        f"{ARCH}.rope.freq_base": config.rope_float("rope_theta", 10_000.0),
-        f"{ARCH}.ssm.conv_kernel": config.int("linear_conv_kernel_dim"),
-        f"{ARCH}.ssm.state_size": dk, f"{ARCH}.ssm.group_count": nk, f"{ARCH}.ssm.time_step_rank": nv,
-        f"{ARCH}.ssm.inner_size": nv * dv, f"{ARCH}.full_attention_interval": interval,
+        f"{arch}.rope.dimension_count": int(head_dim * config.rope_float("partial_rotary_factor", 1.0)),
+        f"{arch}.rope.freq_base": config.rope_float("rope_theta", 10_000.0),
+        f"{arch}.ssm.conv_kernel": config.int("linear_conv_kernel_dim"),
+        f"{arch}.ssm.state_size": dk, f"{arch}.ssm.group_count": nk, f"{arch}.ssm.time_step_rank": nv,
+        f"{arch}.ssm.inner_size": nv * dv, f"{arch}.full_attention_interval": interval,
     })
     sections = config.rope("mrope_section")
     if sections is not None:
@@ -624,8 +650,8 @@ def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
                                                      for n in sections):
             raise ModelFormatError(f"{config.name}: rope setting 'mrope_section' is {json.dumps(sections)[:60]}, "
                                    f"expected a list of counts")
-        metadata[f"{ARCH}.rope.dimension_sections"] = [*sections, 0]
-    maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, HF_LAYER)
+        metadata[f"{arch}.rope.dimension_sections"] = [*sections, 0]
+    maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, {**HF_LAYER, **feed_forward})
     shift_norms(maps, HF_SHIFTED_NORMS)
     qk = 2 * nk * dk
     per_head = {  # GGUF name suffix -> its order over HF rows (None: as stored)
