@@ -10,7 +10,7 @@ names; the hybrid's math and state are `models.qwen35`'s, the experts' `models.m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from pagelm.errors import ModelFormatError
@@ -76,6 +76,9 @@ def hf_layout(config: HFConfig, hf_names: set[str] | None) -> HFLayout:
                     **{f"ffn_{x}_shexp.weight": f"mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")}}
     layout = qwen35.hf_layout(config, hf_names, ARCH, feed_forward)
     layout.metadata.update(metadata)
+    for name, tmap in layout.tensors.items():  # llama.cpp's gate is a vector, transformers' a one-row matrix
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            layout.tensors[name] = replace(tmap, hf_shape=(1, config.int("hidden_size")))
     return layout
 
 
