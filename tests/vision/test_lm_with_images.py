@@ -274,7 +274,7 @@ def test_a_tower_found_beside_a_model_it_does_not_fit_is_skipped(tmp_path, twins
 def test_only_qwen35_models_take_a_tower(tmp_path, smollm2_gguf):
     tower = str(tmp_path / "mmproj.gguf")
     write_mmproj(tower, TOWER)
-    with pytest.raises(UnsupportedError, match="reads images with qwen35 models"):
+    with pytest.raises(UnsupportedError, match="reads images with qwen35, qwen35moe models"):
         pagelm.load(smollm2_gguf, mmproj=tower)
 
 
