@@ -252,3 +252,45 @@ def test_a_directory_that_disagrees_with_itself_is_refused_by_name(checkpoints, 
     (directory / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(PagelmError, match=words):
         pagelm.load(str(directory))
+
+
+def test_the_real_config_is_llama_cpps_metadata_and_the_synthetic_shapes():
+    """Qwen3.5-35B-A3B's config.json (huggingface.co/Qwen/Qwen3.5-35B-A3B: the multimodal model's text_config)
+    read as the GGUF keys llama.cpp's converter writes for it, which are the synthetic qwen3.5-35b-a3b's."""
+    from pagelm.models.qwen35 import hf_layout
+    from pagelm.tools.synth import model_metadata
+    from pagelm.weights.hf import HFConfig
+
+    text = {"model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+            "num_key_value_heads": 2, "head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+            "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512, "full_attention_interval": 4, "rms_norm_eps": 1e-6,
+            "vocab_size": 248_320, "max_position_embeddings": 262_144, "mlp_only_layers": [],
+            "layer_types": ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(40)],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25,
+                                "mrope_section": [11, 11, 10], "mrope_interleaved": True}}
+    config = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+              "tie_word_embeddings": False, "text_config": text}
+    layout = hf_layout(HFConfig(config, "config.json"), None)
+    a = "qwen35moe."
+    want = {"general.architecture": "qwen35moe", a + "block_count": 40, a + "embedding_length": 2048,
+            a + "attention.head_count": 16, a + "attention.head_count_kv": 2, a + "attention.key_length": 256,
+            a + "rope.dimension_count": 64, a + "rope.freq_base": 1e7, a + "rope.dimension_sections": [11, 11, 10, 0],
+            a + "full_attention_interval": 4, a + "ssm.conv_kernel": 4, a + "ssm.inner_size": 4096,
+            a + "ssm.state_size": 128, a + "ssm.group_count": 16, a + "ssm.time_step_rank": 32,
+            a + "expert_count": 256, a + "expert_used_count": 8, a + "expert_feed_forward_length": 512,
+            a + "expert_shared_feed_forward_length": 512, a + "attention.layer_norm_rms_epsilon": 1e-6}
+    assert {k: layout.metadata.get(k) for k in want} == want
+    assert a + "feed_forward_length" not in layout.metadata
+    synthetic = {k: v if isinstance(v, str) else v.value for k, v in model_metadata(SHAPES["qwen3.5-35b-a3b"]).items()
+                 if k in want}
+    synthetic[a + "rope.dimension_sections"] = synthetic[a + "rope.dimension_sections"][1]
+    eps = a + "attention.layer_norm_rms_epsilon"
+    assert synthetic.pop(eps) == pytest.approx(want[eps]) and synthetic == {k: v for k, v in want.items() if k != eps}
+    hf = {name: tmap.hf for name, tmap in layout.tensors.items() if name.startswith("blk.3.ffn")}
+    assert hf["blk.3.ffn_gate_inp.weight"] == "model.layers.3.mlp.gate.weight"
+    assert hf["blk.3.ffn_down_exps.weight.255"] == "model.layers.3.mlp.experts.255.down_proj.weight"
+    assert hf["blk.3.ffn_gate_inp_shexp.weight"] == "model.layers.3.mlp.shared_expert_gate.weight"
+    assert hf["blk.3.ffn_up_shexp.weight"] == "model.layers.3.mlp.shared_expert.up_proj.weight"
+    assert len(hf) == 3 * 256 + 5
