@@ -201,9 +201,12 @@ def load_experts(c, model: WeightLoader, p: str, shared_ffn: int = 0) -> Experts
     shared expert of that width (ffn_{gate,up,down}_shexp) whose gate (ffn_gate_inp_shexp, one row)
     is the router's last row."""
     shared = [(p + "ffn_gate_inp_shexp.weight", 1)] if shared_ffn else []
+    # newer llama.cpp files may hold each expert's gate and up rows in one tensor, ffn_gate_up_exps (gate first)
+    fused = p + "ffn_gate_up_exps.weight"
+    gate_up = [(fused, 2 * c.expert_ffn)] if model.has_tensor(fused) else \
+        [(p + "ffn_gate_exps.weight", c.expert_ffn), (p + "ffn_up_exps.weight", c.expert_ffn)]
     return Experts(  # the experts first: an expert count unlike their tensors' is named by the 3-D tensor
-        gate_up=model.experts(c.hidden, c.n_experts, (p + "ffn_gate_exps.weight", c.expert_ffn),
-                              (p + "ffn_up_exps.weight", c.expert_ffn)),
+        gate_up=model.experts(c.hidden, c.n_experts, *gate_up),
         down=model.experts(c.expert_ffn, c.n_experts, (p + "ffn_down_exps.weight", c.hidden)),
         router=model.linear(c.hidden, (p + "ffn_gate_inp.weight", c.n_experts), *shared),
         top_k=c.n_experts_used, normalize=c.expert_norm,

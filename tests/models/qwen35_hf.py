@@ -136,12 +136,13 @@ def _reorder_heads(x: torch.Tensor, order: list[int], head: int, dim: int = 0) -
     return x.index_select(dim, index)
 
 
-def hf_to_gguf(model, path, *, drop_keys: tuple[str, ...] = (),
-               drop_tensors: tuple[str, ...] = (), matrix_type: GGMLType = GGMLType.F32) -> None:
+def hf_to_gguf(model, path, *, drop_keys: tuple[str, ...] = (), drop_tensors: tuple[str, ...] = (),
+               matrix_type: GGMLType = GGMLType.F32, fused_gate_up: bool = False) -> None:
     """Write `model` as a llama.cpp `qwen35` GGUF (`qwen35moe` for a Qwen3_5MoeForCausalLM): F32 tensors
     (or `matrix_type` for the layer matrices, the experts' 3-D ones and an untied output.weight), a
     tied token_embd and no output.weight where the model ties them. `drop_keys` / `drop_tensors` leave
-    metadata keys / tensors out (to test the reader's errors)."""
+    metadata keys / tensors out (to test the reader's errors). `fused_gate_up`: each layer's experts' gate
+    and up rows in one ffn_gate_up_exps (transformers' gate_up_proj as it is), as newer llama.cpp writes."""
     c = model.config
     moe = hasattr(c, "num_experts")
     sd = {k: t.detach().float() for k, t in model.state_dict().items()}
@@ -214,8 +215,11 @@ def hf_to_gguf(model, path, *, drop_keys: tuple[str, ...] = (),
             m = hf + "mlp."
             gate, up = sd[m + "experts.gate_up_proj"].chunk(2, 1)  # (E, 2·ffn, hidden): gate rows, then up rows
             add(p + "ffn_gate_inp.weight", sd[m + "gate.weight"])
-            add(p + "ffn_gate_exps.weight", gate, matrix=True)
-            add(p + "ffn_up_exps.weight", up, matrix=True)
+            if fused_gate_up:
+                add(p + "ffn_gate_up_exps.weight", sd[m + "experts.gate_up_proj"], matrix=True)
+            else:
+                add(p + "ffn_gate_exps.weight", gate, matrix=True)
+                add(p + "ffn_up_exps.weight", up, matrix=True)
             add(p + "ffn_down_exps.weight", sd[m + "experts.down_proj"], matrix=True)
             add(p + "ffn_gate_inp_shexp.weight", sd[m + "shared_expert_gate.weight"][0])  # ne = [hidden]
             for proj, name in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"), ("down_proj", "ffn_down_shexp")):

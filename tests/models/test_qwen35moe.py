@@ -145,6 +145,19 @@ def test_sequences_sharing_and_parting_experts_decode_their_own_bits(checkpoints
     assert shared and parted
 
 
+def test_experts_gate_and_up_in_one_tensor_are_the_same_model(checkpoints, tmp_path):
+    """A file whose experts' gate and up rows are one ffn_gate_up_exps (newer llama.cpp's) computes the
+    bits of the one that holds them apart, in place (each expert's rows a run of the fused tensor's)."""
+    path = str(tmp_path / "fused.gguf")
+    hf_to_gguf(checkpoints["q8_0"][1], path, matrix_type=GGMLType.Q8_0, fused_gate_up=True)
+    fused, apart = (pagelm.load(p, dtype="float32") for p in (path, checkpoints["q8_0"][0]))
+    assert "blk.0.ffn_gate_up_exps.weight" in fused.loader.file.tensors
+    a, b = fused.session(32), apart.session(32)
+    assert _same_bits(a.prefill(PROMPT), b.prefill(PROMPT))
+    for token in (5, 50, 150):
+        assert _same_bits(a.decode(token), b.decode(token))
+
+
 def test_a_restored_checkpoint_and_the_prefix_cache_are_recomputing(checkpoints):
     """A session brought back from a detour, and one the prefix cache restores a prompt into, decode
     the bits of a session that computed the prompt itself."""
