@@ -147,7 +147,8 @@ def test_sequences_sharing_and_parting_experts_decode_their_own_bits(checkpoints
 
 def test_experts_gate_and_up_in_one_tensor_are_the_same_model(checkpoints, tmp_path):
     """A file whose experts' gate and up rows are one ffn_gate_up_exps (newer llama.cpp's) computes the
-    bits of the one that holds them apart, in place (each expert's rows a run of the fused tensor's)."""
+    bits of the one that holds them apart, in place (each expert's rows a run of the fused tensor's), and
+    its Hugging Face twin holds the same tensors."""
     path = str(tmp_path / "fused.gguf")
     hf_to_gguf(checkpoints["q8_0"][1], path, matrix_type=GGMLType.Q8_0, fused_gate_up=True)
     fused, apart = (pagelm.load(p, dtype="float32") for p in (path, checkpoints["q8_0"][0]))
@@ -156,6 +157,14 @@ def test_experts_gate_and_up_in_one_tensor_are_the_same_model(checkpoints, tmp_p
     assert _same_bits(a.prefill(PROMPT), b.prefill(PROMPT))
     for token in (5, 50, 150):
         assert _same_bits(a.decode(token), b.decode(token))
+    from safetensors.numpy import load_file  # their Hugging Face twins: the same tensors
+
+    twins = []
+    for gguf_path, name in ((path, "fused-hf"), (checkpoints["q8_0"][0], "apart-hf")):
+        write_directory(gguf_path, str(tmp_path / name), "hf", quantized="f32")
+        twins.append(load_file(str(tmp_path / name / "model.safetensors")))
+    assert twins[0].keys() == twins[1].keys() and "model.layers.0.mlp.experts.7.up_proj.weight" in twins[0]
+    assert all(np.array_equal(twins[0][k], twins[1][k]) for k in twins[0])
 
 
 def test_a_restored_checkpoint_and_the_prefix_cache_are_recomputing(checkpoints):
