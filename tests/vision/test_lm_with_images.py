@@ -305,3 +305,10 @@ def test_a_mixture_of_experts_reads_images_as_transformers_does(tmp_path):
     cut = twins.ids.index(VISION_END) + 1
     assert _rel(session.prefill(twins.ids[:cut], images[:1]), ref[cut - 1]) < REL_TOL
     assert _rel(session.prefill(twins.ids[cut:], images[1:]), ref[-1]) < REL_TOL
+    # the multimodal checkpoint as transformers saves it (text_config, model.language_model.*, model.visual.*)
+    # read in place as its text model
+    hf.save_pretrained(tmp_path / "hf")
+    text_ids = twins.ids[:7]
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([text_ids])).logits[0, -1].numpy()
+    assert _rel(pagelm.load(str(tmp_path / "hf"), dtype="float32").session(16).prefill(text_ids), want) < 1e-5
