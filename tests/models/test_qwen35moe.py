@@ -97,7 +97,7 @@ def test_logits_and_greedy_tokens_are_transformers(checkpoints, name, weights):
     assert max(rel(row, r) for row, r in zip(rows, ref[2:])) <= F32_REL_TOL
 
 
-@pytest.mark.parametrize("name", ["hf", "gguf"])
+@pytest.mark.parametrize("name", ["hf", "gguf", "q8_0"])
 def test_every_token_is_routed_as_transformers_routes_it(checkpoints, name):
     """The prefill's tokens and each decoded one go to transformers' top-k experts, in its order."""
     path, reference = checkpoints[name]
