@@ -34,7 +34,7 @@ import importlib
 import pkgutil
 
 # the architectures whose image tokens a vision tower (mmproj) makes
-VISION_ARCHITECTURES = ("qwen35",)
+VISION_ARCHITECTURES = ("qwen35", "qwen35moe")
 
 
 @functools.cache

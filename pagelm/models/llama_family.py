@@ -195,13 +195,23 @@ def load_layer(c: FamilyConfig, model: WeightLoader, i: int) -> FamilyLayer:
     )
 
 
-def load_experts(c: FamilyConfig, model: WeightLoader, p: str) -> Experts:
+def load_experts(c, model: WeightLoader, p: str, shared_ffn: int = 0) -> Experts:
+    """The mixture of the layer whose names start with `p`, of a config with hidden, n_experts,
+    n_experts_used, expert_ffn and expert_norm (FamilyConfig's, qwen35moe's); with `shared_ffn`, a
+    shared expert of that width (ffn_{gate,up,down}_shexp) whose gate (ffn_gate_inp_shexp, one row)
+    is the router's last row."""
+    shared = [(p + "ffn_gate_inp_shexp.weight", 1)] if shared_ffn else []
+    # newer llama.cpp files may hold each expert's gate and up rows in one tensor, ffn_gate_up_exps (gate first)
+    fused = p + "ffn_gate_up_exps.weight"
+    gate_up = [(fused, 2 * c.expert_ffn)] if model.has_tensor(fused) else \
+        [(p + "ffn_gate_exps.weight", c.expert_ffn), (p + "ffn_up_exps.weight", c.expert_ffn)]
     return Experts(  # the experts first: an expert count unlike their tensors' is named by the 3-D tensor
-        gate_up=model.experts(c.hidden, c.n_experts, (p + "ffn_gate_exps.weight", c.expert_ffn),
-                              (p + "ffn_up_exps.weight", c.expert_ffn)),
+        gate_up=model.experts(c.hidden, c.n_experts, *gate_up),
         down=model.experts(c.expert_ffn, c.n_experts, (p + "ffn_down_exps.weight", c.hidden)),
-        router=model.linear(c.hidden, (p + "ffn_gate_inp.weight", c.n_experts)),
+        router=model.linear(c.hidden, (p + "ffn_gate_inp.weight", c.n_experts), *shared),
         top_k=c.n_experts_used, normalize=c.expert_norm,
+        shared=(model.linear(c.hidden, (p + "ffn_gate_shexp.weight", shared_ffn), (p + "ffn_up_shexp.weight", shared_ffn)),
+                model.linear(shared_ffn, (p + "ffn_down_shexp.weight", c.hidden))) if shared_ffn else None,
     )
 
 
@@ -335,9 +345,7 @@ def family_layout(f: Family, config: HFConfig, hf_names: set[str] | None) -> HFL
         metadata.update(moe_metadata(f.arch, config, hf_names))
         for x in ("gate", "up", "down"):
             del per_layer[f"ffn_{x}.weight"]
-            per_layer.update({expert_tensor(f"ffn_{x}_exps.weight", e): f"mlp.experts.{e}.{x}_proj.weight"
-                              for e in range(metadata[f"{f.arch}.expert_count"])})
-        per_layer["ffn_gate_inp.weight"] = "mlp.gate.weight"
+        per_layer.update(expert_names(metadata[f"{f.arch}.expert_count"]))
     maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, per_layer)
     for i in range(0 if f.qk_rows is None else n_layers):
         for name, heads in (("attn_q.weight", n_heads), ("attn_k.weight", n_kv)):
@@ -364,6 +372,13 @@ def moe_metadata(arch: str, config: HFConfig, hf_names: set[str] | None) -> dict
             f"{arch}.expert_used_count": config.int("num_experts_per_tok"),
             f"{arch}.expert_feed_forward_length": config.int("moe_intermediate_size"),
             f"{arch}.expert_weights_norm": norm}
+
+
+def expert_names(n_experts: int) -> dict[str, str]:
+    """A layer's router and experts, GGUF → Hugging Face names (each expert's matrices apart)."""
+    names = {expert_tensor(f"ffn_{x}_exps.weight", e): f"mlp.experts.{e}.{x}_proj.weight"
+             for x in ("gate", "up", "down") for e in range(n_experts)}
+    return {**names, "ffn_gate_inp.weight": "mlp.gate.weight"}
 
 
 def family_hf_config(f: Family, c: FamilyConfig, tied: bool) -> dict:

@@ -1,4 +1,8 @@
-"""Qwen3.5 (dense) text decoder: gated attention every Nth layer, Gated DeltaNet in the others.
+"""Qwen3.5 text decoder: gated attention every Nth layer, Gated DeltaNet in the others; the dense
+members (llama.cpp's `qwen35`) and the mixtures of experts (`qwen35moe`: Qwen3.5-35B-A3B), whose every
+feed-forward is `models.moe.Experts`: a softmax router, the top-k experts always renormalized (as
+transformers and llama.cpp do; no expert_weights_norm is read) and a shared expert scaled by the
+sigmoid of its gate (ffn_gate_inp_shexp).
 
 Owns the qwen35 math in its GGUF conventions (see design/qwen35.md) and the decode state (KV
 caches, conv and recurrent states, checkpoints); never parses files (config values, small
@@ -19,6 +23,8 @@ import torch.nn.functional as F
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.models.decoder import Decoder, Span, advance, keep, nbytes, per_sequence, per_wave
 from pagelm.models.delta_rule import delta_rule_step, deltanet_tokens
+from pagelm.models.llama_family import expert_names, load_experts, moe_metadata
+from pagelm.models.moe import Experts
 from pagelm.models.layers import (apply_rope_, attention, causal_conv1d, check_config, gated_mlp, inv_freq, rms_norm,
                                   rope_tables)
 from pagelm.models.token_ops import RopeRows, attend_tokens, cache_views, token_ropes
@@ -28,9 +34,10 @@ from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_me
 from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
-ARCH = "qwen35"
-GGUF_ARCHITECTURES = ("qwen35",)  # general.architecture values read here (pagelm.models' registry)
-HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")  # config.json model_types read here
+ARCH, MOE_ARCH = "qwen35", "qwen35moe"
+GGUF_ARCHITECTURES = (ARCH, MOE_ARCH)  # general.architecture values read here (pagelm.models' registry)
+MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", *MOE_MODEL_TYPES)  # config.json model_types read here
 CHUNK = 64  # tokens per chunk of the chunked gated-delta rule
 L2_EPS = 1e-6  # the L2 normalisation of DeltaNet q and k (fla's constant, not the rms eps)
 
@@ -42,7 +49,7 @@ L2_EPS = 1e-6  # the L2 normalisation of DeltaNet q and k (fla's constant, not t
 class Qwen35Config:
     hidden: int
     n_layers: int
-    ffn: int
+    ffn: int  # the dense feed-forward's width; qwen35moe: 0 unless the file says (no layer has one)
     n_heads: int
     n_kv_heads: int
     head_dim: int
@@ -59,20 +66,30 @@ class Qwen35Config:
     # multimodal rope: frequency pairs turned by the (t, h, w) positions, interleaved (mrope_axes);
     # empty: every pair by t, which for text is plain rope
     rope_sections: tuple[int, ...] = ()
+    arch: str = ARCH  # general.architecture, the metadata keys' prefix
+    # qwen35moe: each layer's experts (expert_count, expert_used_count, expert_feed_forward_length) and
+    # its shared expert's width (expert_shared_feed_forward_length); all 0 in qwen35
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    expert_norm = True  # the top-k weights renormalized (not a field: qwen35moe always does)
 
     @classmethod
     def from_loader(cls, model: WeightLoader) -> Qwen35Config:
-        arch = model.architecture
-        if arch != ARCH:
-            raise ModelFormatError(f"{model.name}: metadata key 'general.architecture' is {arch!r:.40}, expected '{ARCH}'")
+        arch = model.architecture  # the keys' prefix
+        if arch not in GGUF_ARCHITECTURES:
+            raise ModelFormatError(f"{model.name}: metadata key 'general.architecture' is {arch!r:.40}, expected "
+                                   f"one of {', '.join(GGUF_ARCHITECTURES)}")
 
         def i(key: str) -> int:
-            return model.get_int(f"{ARCH}.{key}")
+            return model.get_int(f"{arch}.{key}")
 
+        moe = arch == MOE_ARCH
         hidden = i("embedding_length")
         n_value_heads = i("ssm.time_step_rank")
         inner = i("ssm.inner_size")
-        sections = f"{ARCH}.rope.dimension_sections"
+        sections = f"{arch}.rope.dimension_sections"
         embd = model.dims("token_embd.weight")
         if len(embd) != 2 or embd[0] != hidden:
             raise ModelFormatError(
@@ -80,19 +97,18 @@ class Qwen35Config:
             )
         if n_value_heads < 1 or inner % n_value_heads:
             raise ModelFormatError(
-                f"{model.name}: metadata key '{ARCH}.ssm.inner_size' ({inner}) is not a multiple of "
-                f"'{ARCH}.ssm.time_step_rank' ({n_value_heads})"
+                f"{model.name}: metadata key '{arch}.ssm.inner_size' ({inner}) is not a multiple of "
+                f"'{arch}.ssm.time_step_rank' ({n_value_heads})"
             )
         config = cls(
             hidden=hidden,
             n_layers=i("block_count"),
-            ffn=i("feed_forward_length"),
             n_heads=i("attention.head_count"),
             n_kv_heads=i("attention.head_count_kv"),
             head_dim=i("attention.key_length"),
             rope_dim=i("rope.dimension_count"),
-            rope_base=model.get_float(f"{ARCH}.rope.freq_base"),
-            rms_eps=model.get_float(f"{ARCH}.attention.layer_norm_rms_epsilon"),
+            rope_base=model.get_float(f"{arch}.rope.freq_base"),
+            rms_eps=model.get_float(f"{arch}.attention.layer_norm_rms_epsilon"),
             conv_kernel=i("ssm.conv_kernel"),
             linear_key_dim=i("ssm.state_size"),
             n_key_heads=i("ssm.group_count"),
@@ -101,19 +117,28 @@ class Qwen35Config:
             full_attention_interval=i("full_attention_interval"),
             vocab=embd[1],
             rope_sections=tuple(model.get_int_array(sections)) if model.has(sections) else (),
+            arch=arch,
+            ffn=0 if moe and not model.has(f"{arch}.feed_forward_length") else i("feed_forward_length"),
+            **(dict(n_experts=i("expert_count"), n_experts_used=i("expert_used_count"),
+                    expert_ffn=i("expert_feed_forward_length"), shared_ffn=i("expert_shared_feed_forward_length"))
+               if moe else {}),
         )
-        if model.has(f"{ARCH}.attention.value_length"):
+        if model.has(f"{arch}.attention.value_length"):
             value_length = i("attention.value_length")
             if value_length != config.head_dim:
                 raise ModelFormatError(
-                    f"{model.name}: metadata key '{ARCH}.attention.value_length' is {value_length}, "
+                    f"{model.name}: metadata key '{arch}.attention.value_length' is {value_length}, "
                     f"expected the key length {config.head_dim}"
                 )
         config.validate(model.name)
         return config
 
-    def validate(self, where: str = "qwen35 config") -> None:
-        counts = {name: value for name, value in vars(self).items() if name not in ("rope_base", "rms_eps", "rope_sections")}
+    def validate(self, where: str | None = None) -> None:
+        where = where or f"{self.arch} config"
+        # the counts that must be >= 1: a mixture of experts has its experts' and no dense width
+        moe = ("n_experts", "n_experts_used", "expert_ffn", "shared_ffn")
+        skip = ("rope_base", "rms_eps", "rope_sections", "arch", *(("ffn",) if self.is_moe else moe))
+        counts = {name: value for name, value in vars(self).items() if name not in skip}
         check_config(where, counts, (
             (self.n_heads % self.n_kv_heads == 0, f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}"),
             (self.n_value_heads % self.n_key_heads == 0, f"ssm.time_step_rank {self.n_value_heads} is not a multiple of ssm.group_count {self.n_key_heads}"),
@@ -123,7 +148,13 @@ class Qwen35Config:
             (self.conv_kernel >= 2, f"ssm.conv_kernel {self.conv_kernel} must be >= 2"),
             (all(0 <= n <= self.rope_dim for n in self.rope_sections),
              f"rope.dimension_sections {list(self.rope_sections)[:8]} must be counts of frequency pairs"),
+            (self.n_experts_used <= self.n_experts,
+             f"expert_used_count {self.n_experts_used} exceeds expert_count {self.n_experts}"),
         ))
+
+    @property
+    def is_moe(self) -> bool:
+        return self.arch == MOE_ARCH
 
     def is_attention_layer(self, i: int) -> bool:
         return i % self.full_attention_interval == self.full_attention_interval - 1
@@ -368,6 +399,9 @@ class MLPWeights:
     gate_up: Linear  # (2·ffn, hidden): ffn_gate rows then ffn_up rows
     down: Linear  # (hidden, ffn)
 
+    def __call__(self, y: torch.Tensor, alone: bool) -> torch.Tensor:
+        return gated_mlp(self.gate_up, self.down, y, F.silu, alone)  # `dtype`, as the mixers'
+
 
 @dataclass
 class AttentionWeights:
@@ -392,7 +426,7 @@ class LayerWeights:
     attn_norm: torch.Tensor  # (hidden,) fp32
     post_norm: torch.Tensor
     mixer: AttentionWeights | DeltaNetWeights
-    mlp: MLPWeights
+    mlp: MLPWeights | Experts  # each called on rows (y, alone)
 
 
 def load_layer(config: Qwen35Config, model: WeightLoader, i: int) -> LayerWeights:
@@ -430,8 +464,9 @@ def load_layer(config: Qwen35Config, model: WeightLoader, i: int) -> LayerWeight
         attn_norm=vec("attn_norm.weight", c.hidden),
         post_norm=vec("post_attention_norm.weight", c.hidden),
         mixer=mixer,
-        mlp=MLPWeights(gate_up=linear(c.hidden, ("ffn_gate.weight", c.ffn), ("ffn_up.weight", c.ffn)),
-                       down=linear(c.ffn, ("ffn_down.weight", c.hidden))),
+        mlp=load_experts(c, model, p, c.shared_ffn) if c.is_moe else
+        MLPWeights(gate_up=linear(c.hidden, ("ffn_gate.weight", c.ffn), ("ffn_up.weight", c.ffn)),
+                   down=linear(c.ffn, ("ffn_down.weight", c.hidden))),
     )
 
 
@@ -484,7 +519,7 @@ class Qwen35Model(Decoder):
             else:
                 h += self._deltanet(layer.mixer, y, i, spans, alone)
             y = rms_norm(h, layer.post_norm, c.rms_eps)
-            h += gated_mlp(layer.mlp.gate_up, layer.mlp.down, y, F.silu, alone)  # `dtype`, as the mixers'; h stays fp32
+            h += layer.mlp(y, alone)  # h stays fp32
             yield
         advance(spans)
         return rms_norm(h, self.output_norm, c.rms_eps)
@@ -558,10 +593,10 @@ class Qwen35Model(Decoder):
 
 
 HF_GLOBALS = {"output_norm.weight": "norm.weight"}
-HF_LAYER = {
+HF_MLP = {"ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+          "ffn_down.weight": "mlp.down_proj.weight"}
+HF_LAYER = {  # the feed-forward's apart (HF_MLP)
     "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
@@ -594,11 +629,15 @@ def _log_from_a(values: np.ndarray) -> np.ndarray:
     return best
 
 
-def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
+def hf_layout(config: HFConfig, hf_names: set[str] | None) -> HFLayout:
     """A Hugging Face Qwen3.5 checkpoint in GGUF terms (see shared/design/qwen35.md): norms get
     the +1 and A_log becomes −exp(A_log) (small vectors); when value heads outnumber key heads,
     GGUF's tiled value-head order is a row order on qkv's value rows, z, a and b, a column
-    order on the out projection and a reordering of the small per-head vectors."""
+    order on the out projection and a reordering of the small per-head vectors. A Qwen3.5-MoE
+    checkpoint (no dense width, intermediate_size) is qwen35moe: each layer's router, its experts
+    one tensor each (mlp.experts.E.{gate,up,down}_proj) and its shared expert."""
+    moe = config.get("model_type") in MOE_MODEL_TYPES
+    arch = MOE_ARCH if moe else ARCH
     n_layers, head_dim = config.int("num_hidden_layers"), config.int("head_dim")
     nk, nv = config.int("linear_num_key_heads"), config.int("linear_num_value_heads")
     dk, dv = config.int("linear_key_head_dim"), config.int("linear_value_head_dim")
@@ -608,15 +647,23 @@ def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
         raise ModelFormatError(f"{config.name}: {nv} value heads of {max(dk, dv)} dims is not a plausible DeltaNet width")
     interval = layer_period(config, config.strings("layer_types"), "full_attention",
                             config.int("full_attention_interval", 4))
-    if rope_scaling(config, ARCH):
-        raise UnsupportedError(f"{config.name}: rope scaling is not supported for {ARCH}")
-    metadata = decoder_metadata(ARCH, config, head_dim)
+    if rope_scaling(config, arch):
+        raise UnsupportedError(f"{config.name}: rope scaling is not supported for {arch}")
+    metadata = decoder_metadata(arch, config, head_dim, ffn=not moe)
+    feed_forward = HF_MLP
+    if moe:
+        metadata.update(moe_metadata(arch, config, hf_names))
+        del metadata[f"{arch}.expert_weights_norm"]  # Qwen3.5-MoE always renormalizes; norm_topk_prob is not read
+        metadata[f"{arch}.expert_shared_feed_forward_length"] = config.int("shared_expert_intermediate_size")
+        feed_forward = {**expert_names(metadata[f"{arch}.expert_count"]),
+                        "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+                        **{f"ffn_{x}_shexp.weight": f"mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")}}
     metadata.update({
-        f"{ARCH}.rope.dimension_count": int(head_dim * config.rope_float("partial_rotary_factor", 1.0)),
-        f"{ARCH}.rope.freq_base": config.rope_float("rope_theta", 10_000.0),
-        f"{ARCH}.ssm.conv_kernel": config.int("linear_conv_kernel_dim"),
-        f"{ARCH}.ssm.state_size": dk, f"{ARCH}.ssm.group_count": nk, f"{ARCH}.ssm.time_step_rank": nv,
-        f"{ARCH}.ssm.inner_size": nv * dv, f"{ARCH}.full_attention_interval": interval,
+        f"{arch}.rope.dimension_count": int(head_dim * config.rope_float("partial_rotary_factor", 1.0)),
+        f"{arch}.rope.freq_base": config.rope_float("rope_theta", 10_000.0),
+        f"{arch}.ssm.conv_kernel": config.int("linear_conv_kernel_dim"),
+        f"{arch}.ssm.state_size": dk, f"{arch}.ssm.group_count": nk, f"{arch}.ssm.time_step_rank": nv,
+        f"{arch}.ssm.inner_size": nv * dv, f"{arch}.full_attention_interval": interval,
     })
     sections = config.rope("mrope_section")
     if sections is not None:
@@ -624,8 +671,8 @@ def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
                                                      for n in sections):
             raise ModelFormatError(f"{config.name}: rope setting 'mrope_section' is {json.dumps(sections)[:60]}, "
                                    f"expected a list of counts")
-        metadata[f"{ARCH}.rope.dimension_sections"] = [*sections, 0]
-    maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, HF_LAYER)
+        metadata[f"{arch}.rope.dimension_sections"] = [*sections, 0]
+    maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, {**HF_LAYER, **feed_forward})
     shift_norms(maps, HF_SHIFTED_NORMS)
     qk = 2 * nk * dk
     per_head = {  # GGUF name suffix -> its order over HF rows (None: as stored)
@@ -645,6 +692,8 @@ def hf_layout(config: HFConfig, hf_names: set[str]) -> HFLayout:
             tmap = replace(tmap, hf_shape=(qk + nv * dv, 1, config.int("linear_conv_kernel_dim")))
         if nv != nk and suffix == "ssm_out.weight":
             tmap = replace(tmap, columns=heads_tiled(nk, nv, dv))
+        if suffix == "ffn_gate_inp_shexp.weight":  # llama.cpp's gate is a vector, transformers' a one-row matrix
+            tmap = replace(tmap, hf_shape=(1, config.int("hidden_size")))
         maps[name] = tmap
     return HFLayout(metadata, maps)
 
@@ -666,7 +715,7 @@ def flm_rows(config: HFConfig) -> dict[str, np.ndarray]:
 
 def hf_config(c: Qwen35Config, tied: bool) -> dict:
     """config.json for a Hugging Face twin of a checkpoint with this config."""
-    return {
+    config = {
         "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_act": "silu",
         "linear_conv_kernel_dim": c.conv_kernel, "linear_key_head_dim": c.linear_key_dim,
         "linear_value_head_dim": c.linear_value_dim, "linear_num_key_heads": c.n_key_heads,
@@ -677,6 +726,13 @@ def hf_config(c: Qwen35Config, tied: bool) -> dict:
                                if c.rope_sections else {})},
         **decoder_hf_config(c, tied),
     }
+    if c.is_moe:
+        if not c.ffn:
+            del config["intermediate_size"]
+        config.update(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", num_experts=c.n_experts,
+                      num_experts_per_tok=c.n_experts_used, moe_intermediate_size=c.expert_ffn,
+                      shared_expert_intermediate_size=c.shared_ffn)
+    return config
 
 
 Config, Model = Qwen35Config, Qwen35Model  # the registry's names (pagelm.models)

@@ -67,6 +67,17 @@ def _producer(file: GGUFFile, name: str, tmap: TensorMap, dtype: str,
     return produce
 
 
+def _expert_parts(name: str, rows: int, maps: dict[str, TensorMap]) -> list[tuple[str, int, int]]:
+    """What one expert's `rows` rows of the 3-D expert tensor `name` hold: (the name `maps` knows the
+    matrix by, its first row among them, its rows) each; ffn_gate_up_exps is gate then up. Empty where
+    `name` is no expert tensor the maps know."""
+    if expert_tensor(name, 0) in maps:
+        return [(name, 0, rows)]
+    if name.endswith("ffn_gate_up_exps.weight") and expert_tensor(name.replace("gate_up", "gate"), 0) in maps:
+        return [(name.replace("gate_up", x), lo, rows // 2) for x, lo in (("gate", 0), ("up", rows // 2))]
+    return []
+
+
 def _tile_kind(file: GGUFFile, name: str, tmap: TensorMap, flm_version: str) -> TileKind | None:
     """The tiles a FastFlowLM directory holds matrix `name` in, or None (written as floats)."""
     info = file.tensors[name]
@@ -126,12 +137,15 @@ def write_directory(gguf_path: str, out_dir: str, container: Container = "hf", q
         tensors, tiled = [], []
         for name, info in file.tensors.items():
             tmap = maps.get(name)
-            if tmap is None and expert_tensor(name, 0) in maps:  # a 3-D expert tensor: one tensor per expert
+            parts = _expert_parts(name, info.shape[1], maps) if tmap is None else []
+            if parts:  # a 3-D expert tensor: one tensor per expert (and per half of ffn_gate_up_exps)
                 dtype = _KEEP.get(info.ggml_type, "BF16" if quantized == "bf16" else "F32")
                 n = info.shape[1]
-                tensors += [TensorToWrite(maps[expert_tensor(name, e)].hf, dtype, info.shape[1:],
-                                          _producer(file, name, maps[expert_tensor(name, e)], dtype,
-                                                    np.arange(e * n, (e + 1) * n))) for e in range(info.shape[0])]
+                for e in range(info.shape[0]):
+                    for key, lo, rows in parts:
+                        emap = maps[expert_tensor(key, e)]
+                        tensors.append(TensorToWrite(emap.hf, dtype, (rows, info.shape[2]), _producer(
+                            file, name, emap, dtype, np.arange(e * n + lo, e * n + lo + rows))))
                 continue
             if tmap is None:
                 raise PagelmError(f"{gguf_path}: tensor '{name}' has no Hugging Face counterpart in pagelm's {arch} mapping")

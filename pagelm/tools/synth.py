@@ -224,7 +224,7 @@ def q4_k_m_type(name: str, n_in: int, n_layers: int, attn_v_index: int, n_attent
     """The type llama.cpp's Q4_K_M quantizer gives a matrix (`blk.I.NAME`, the tables, dense_N).
 
     Q4_K by default; Q5_K for the DeltaNet attn_qkv; Q6_K for the output head (the tied token_embd
-    when there is no output.weight) and, by use_more_bits, for ffn_down and ffn_down_exps (over the layers) and
+    when there is no output.weight) and, by use_more_bits, for ffn_down, ffn_down_exps and ffn_down_shexp (over the layers) and
     attn_v (over llama.cpp's n_attention_wv, n_layers unless given, which counts attn_v and
     attn_qkv alike; attn_v_index counts the attn_v tensors before this one).
     """
@@ -234,7 +234,7 @@ def q4_k_m_type(name: str, n_in: int, n_layers: int, attn_v_index: int, n_attent
         wanted = GGMLType.Q5_K
     elif name.endswith("attn_v.weight"):
         wanted = GGMLType.Q6_K if use_more_bits(attn_v_index, n_attention_wv or n_layers) else GGMLType.Q4_K
-    elif name.endswith(("ffn_down.weight", "ffn_down_exps.weight")):
+    elif name.endswith(("ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")):
         wanted = GGMLType.Q6_K if use_more_bits(int(name.split(".")[1]), n_layers) else GGMLType.Q4_K
     else:
         wanted = GGMLType.Q4_K
@@ -330,7 +330,7 @@ def model_metadata(shape: Shape, layer_type: GGMLType = GGMLType.Q8_0, seed: int
         "block_count": u32(shape.n_layers),
         "context_length": u32(shape.context_length),
         "embedding_length": u32(shape.hidden),
-        "feed_forward_length": u32(shape.ffn),
+        **({"feed_forward_length": u32(shape.ffn)} if shape.ffn else {}),  # none in a mixture of experts without a dense one
         "attention.head_count": u32(shape.n_head),
         "attention.head_count_kv": u32(shape.n_head_kv),
         "attention.key_length": u32(shape.head_dim),

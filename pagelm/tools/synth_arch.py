@@ -108,11 +108,12 @@ class Shape:
     sliding_window: int = 0
     sliding_window_pattern: int = 6
     dense: tuple[int, ...] = ()
-    # qwen3moe: each layer's feed-forward a mixture of n_experts SiLU-gated MLPs of expert_ffn rows,
-    # n_experts_used of them per token
+    # qwen3moe, qwen35moe: each layer's feed-forward a mixture of n_experts SiLU-gated MLPs of expert_ffn
+    # rows, n_experts_used of them per token; qwen35moe: and a shared expert of shared_ffn rows
     n_experts: int = 0
     n_experts_used: int = 0
     expert_ffn: int = 0
+    shared_ffn: int = 0
 
     @property
     def dim(self) -> int:
@@ -172,6 +173,22 @@ def _mlp(s: Shape, b: str, matrix: Matrix, norm_name: str, down_gain: float) -> 
 
 
 def _qwen35_layer(s: Shape, i: int, matrix: Matrix, residual: float) -> list[PlannedTensor]:
+    return _qwen35_mixer(s, i, matrix, residual) + _mlp(s, f"blk.{i}.", matrix, "post_attention_norm.weight",
+                                                        residual / _BRANCH_RMS)
+
+
+def _qwen35moe_layer(s: Shape, i: int, matrix: Matrix, residual: float) -> list[PlannedTensor]:
+    """qwen35's mixers, then the experts and the shared expert, whose gate (ffn_gate_inp_shexp, a
+    vector of ne = [hidden]) is kept F32 as the router is."""
+    b, d, f = f"blk.{i}.", s.hidden, s.shared_ffn
+    return (_qwen35_mixer(s, i, matrix, residual) + [_vector(b + "post_attention_norm.weight", d, norm())]
+            + _experts(s, b, matrix, residual)
+            + [_vector(b + "ffn_gate_inp_shexp.weight", d, normal(1 / math.sqrt(d))),
+               matrix(b + "ffn_gate_shexp.weight", d, f), matrix(b + "ffn_up_shexp.weight", d, f),
+               matrix(b + "ffn_down_shexp.weight", f, d, residual / _BRANCH_RMS)])
+
+
+def _qwen35_mixer(s: Shape, i: int, matrix: Matrix, residual: float) -> list[PlannedTensor]:
     """Conventions of design/qwen35.md: +1 folded into every norm except ssm_norm, ssm_a =
     -exp(A_log), ssm_conv1d ne = [kernel, channels]."""
     b, d = f"blk.{i}.", s.hidden
@@ -193,7 +210,7 @@ def _qwen35_layer(s: Shape, i: int, matrix: Matrix, residual: float) -> list[Pla
             _vector(b + "ssm_norm.weight", s.ssm_head_dim, norm()),
             matrix(b + "ssm_out.weight", s.ssm_inner, d, residual / _BRANCH_RMS),
         ]
-    return tensors + _mlp(s, b, matrix, "post_attention_norm.weight", residual / _BRANCH_RMS)
+    return tensors
 
 
 def _decoder_layer(qk_norms: bool = False, biases: bool = False):
@@ -208,19 +225,24 @@ def _decoder_layer(qk_norms: bool = False, biases: bool = False):
 
 
 def _moe_layer(s: Shape, i: int, matrix: Matrix, residual: float) -> list[PlannedTensor]:
-    """qwen3moe: qwen3's attention, then the router (ffn_gate_inp, kept F32 as llama.cpp's quantizer
-    keeps it) and the experts' 3-D tensors, ne = [n_in, n_out, n_experts], drawn as one matrix each."""
-    b, d, f, n = f"blk.{i}.", s.hidden, s.expert_ffn, s.n_experts
+    """qwen3moe: qwen3's attention, then the experts."""
+    b, d = f"blk.{i}.", s.hidden
+    return ([_vector(b + "attn_norm.weight", d, norm())]
+            + _attention(s, b, matrix, residual / _ATTN_BRANCH_RMS, qk_norms=True)
+            + [_vector(b + "ffn_norm.weight", d, norm())] + _experts(s, b, matrix, residual))
+
+
+def _experts(s: Shape, b: str, matrix: Matrix, residual: float) -> list[PlannedTensor]:
+    """The router (ffn_gate_inp, kept F32 as llama.cpp's quantizer keeps it) and the experts' 3-D
+    tensors, ne = [n_in, n_out, n_experts], drawn as one matrix each."""
+    d, f, n = s.hidden, s.expert_ffn, s.n_experts
 
     def experts(name: str, n_in: int, n_out: int, gain: float = 1.0) -> PlannedTensor:
         return replace(matrix(b + name, n_in, n_out, gain), dims=(n_in, n_out, n))
 
-    return ([_vector(b + "attn_norm.weight", d, norm())]
-            + _attention(s, b, matrix, residual / _ATTN_BRANCH_RMS, qk_norms=True)
-            + [_vector(b + "ffn_norm.weight", d, norm()),
-               PlannedTensor(b + "ffn_gate_inp.weight", (d, n), F32, normal(1 / math.sqrt(d))),
-               experts("ffn_gate_exps.weight", d, f), experts("ffn_up_exps.weight", d, f),
-               experts("ffn_down_exps.weight", f, d, residual / _BRANCH_RMS)])
+    return [PlannedTensor(b + "ffn_gate_inp.weight", (d, n), F32, normal(1 / math.sqrt(d))),
+            experts("ffn_gate_exps.weight", d, f), experts("ffn_up_exps.weight", d, f),
+            experts("ffn_down_exps.weight", f, d, residual / _BRANCH_RMS)]
 
 
 def _lfm2_layer(s: Shape, i: int, matrix: Matrix, residual: float) -> list[PlannedTensor]:
@@ -301,9 +323,17 @@ def _rope_keys(s: Shape) -> dict:
     return {"rope.dimension_count": u32(s.head_dim)}
 
 
-def _moe_keys(s: Shape) -> dict:
-    return {**_rope_keys(s), "expert_count": u32(s.n_experts), "expert_used_count": u32(s.n_experts_used),
+def _expert_keys(s: Shape) -> dict:
+    return {"expert_count": u32(s.n_experts), "expert_used_count": u32(s.n_experts_used),
             "expert_feed_forward_length": u32(s.expert_ffn)}
+
+
+def _moe_keys(s: Shape) -> dict:
+    return {**_rope_keys(s), **_expert_keys(s)}
+
+
+def _qwen35moe_keys(s: Shape) -> dict:
+    return {**_qwen35_keys(s), **_expert_keys(s), "expert_shared_feed_forward_length": u32(s.shared_ffn)}
 
 
 def _lfm2_keys(s: Shape) -> dict:
@@ -337,6 +367,7 @@ class Architecture:
 
 ARCHITECTURES: dict[str, Architecture] = {
     "qwen35": Architecture(_qwen35_layer, _qwen35_keys),
+    "qwen35moe": Architecture(_qwen35moe_layer, _qwen35moe_keys),
     "qwen2": Architecture(_decoder_layer(biases=True), _rope_keys),
     "qwen3": Architecture(_decoder_layer(qk_norms=True), _rope_keys),
     "llama": Architecture(_decoder_layer(), _rope_keys, _llama_extra),

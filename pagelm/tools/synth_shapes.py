@@ -13,10 +13,10 @@ Q8_0 = GGMLType.Q8_0
 def _qwen35(vocab: int, hidden: int, n_layers: int, ffn: int, n_head: int, n_head_kv: int, nk: int, nv: int,
             embedding_type: GGMLType = Q8_0, output_type: GGMLType | None = None,
             head_dim: int = 256, rope_dim: int = 64, rope_sections=(11, 11, 10, 0), ssm_head_dim: int = 128,
-            context_length: int = 262_144) -> Shape:
+            context_length: int = 262_144, **fields) -> Shape:
     return Shape(vocab, hidden, embedding_type, output_type, n_layers=n_layers, ffn=ffn, n_head=n_head,
                  n_head_kv=n_head_kv, head_dim=head_dim, rope_dim=rope_dim, rope_sections=rope_sections,
-                 ssm_k_heads=nk, ssm_v_heads=nv, ssm_head_dim=ssm_head_dim, context_length=context_length)
+                 ssm_k_heads=nk, ssm_v_heads=nv, ssm_head_dim=ssm_head_dim, context_length=context_length, **fields)
 
 
 def _decoder(arch: str, vocab: int, hidden: int, n_layers: int, ffn: int, n_head: int, n_head_kv: int,
@@ -29,6 +29,7 @@ def _decoder(arch: str, vocab: int, hidden: int, n_layers: int, ffn: int, n_head
                  arch=arch, **fields)
 
 
+_QWEN35_MOE = dict(arch="qwen35moe", n_experts=256, n_experts_used=8, expert_ffn=512, shared_ffn=512)
 _TINY = dict(head_dim=64, rope_dim=16, rope_sections=(3, 3, 2, 0), ssm_head_dim=32, context_length=8192)
 # Llama 3.2's rope_scaling: rope_type llama3, factor 32, low_freq_factor 1, high_freq_factor 4,
 # original_max_position_embeddings 8192
@@ -49,6 +50,15 @@ SHAPES: dict[str, Shape] = {
     # tiny, but every matrix's row width a multiple of 256, so that --mix q4_k_m writes K-quants
     # everywhere (8 layers: a real mix of Q4_K/Q5_K/Q6_K), and nv != nk
     "qwen3.5-tiny-k": _qwen35(4096, 256, 8, 512, 4, 2, 2, 4, **{**_TINY, "ssm_head_dim": 64}),
+    # huggingface.co/Qwen/Qwen3.5-35B-A3B config.json (text_config): 40 layers of hidden 2048, every 4th full
+    # attention (16 heads of 256, 2 kv heads, partial rotary 0.25, mrope [11, 11, 10], rope_theta 1e7),
+    # DeltaNet 16 key / 32 value heads of 128; 256 experts of moe_intermediate_size 512, 8 per token, a
+    # shared expert of shared_expert_intermediate_size 512, no dense intermediate_size; tie_word_embeddings false
+    "qwen3.5-35b-a3b": _qwen35(QWEN35_VOCAB, 2048, 40, 0, 16, 2, 16, 32, output_type=Q8_0, **_QWEN35_MOE),
+    # the same structure tiny, nv != nk
+    "qwen3.5-35b-a3b-tiny": _qwen35(4096, 128, 4, 0, 4, 2, 2, 4, output_type=Q8_0,
+                                    **{**_TINY, **_QWEN35_MOE, "n_experts": 8, "n_experts_used": 2, "expert_ffn": 64,
+                                       "shared_ffn": 96}),
     # Embedding geometry only (vocab 4096, dim 256): for the embedding tests.
     "tiny": Shape(4096, 256, Q8_0, None),
     # huggingface.co/Qwen/Qwen3-0.6B and Qwen3-1.7B config.json: head_dim 128, rope_theta 1e6,

@@ -296,13 +296,14 @@ def shift_norms(maps: dict[str, TensorMap], suffixes: tuple[str, ...]) -> None:
             maps[name] = replace(tmap, to_gguf=plus_one, to_hf=minus_one)
 
 
-def decoder_metadata(arch: str, config: HFConfig, head_dim: int) -> dict[str, Any]:
-    """The GGUF keys every decoder architecture has, from config.json's usual names."""
+def decoder_metadata(arch: str, config: HFConfig, head_dim: int, ffn: bool = True) -> dict[str, Any]:
+    """The GGUF keys every decoder architecture has, from config.json's usual names; the dense
+    feed-forward width (intermediate_size) unless not `ffn` (a mixture of experts without one)."""
     n_heads = config.int("num_attention_heads")
     return {
         "general.architecture": arch,
         f"{arch}.block_count": config.int("num_hidden_layers"), f"{arch}.embedding_length": config.int("hidden_size"),
-        f"{arch}.feed_forward_length": config.int("intermediate_size"),
+        **({f"{arch}.feed_forward_length": config.int("intermediate_size")} if ffn else {}),
         f"{arch}.attention.head_count": n_heads, f"{arch}.attention.head_count_kv": config.int("num_key_value_heads", n_heads),
         f"{arch}.attention.key_length": head_dim,
         f"{arch}.attention.layer_norm_rms_epsilon": config.float("rms_norm_eps"),

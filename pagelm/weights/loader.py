@@ -14,6 +14,7 @@ int8-quantized activations (`quant.int8dot`: faster, not fp32-exact; prefill's l
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from collections.abc import Sequence
@@ -261,8 +262,9 @@ class WeightLoader:
                                        f"values, expected {rows} × {in_features}")
             return matrix
         info = tensor_info(self.file, name)
-        # a 3-D tensor (n_experts, rows, columns), one matrix per expert, is n_experts · rows rows
-        shape = info.shape if len(info.shape) != 3 else (info.shape[0] * info.shape[1], info.shape[2])
+        # a 3-D tensor (n_experts, rows, columns), one matrix per expert, is n_experts · rows rows; a
+        # vector is one row (llama.cpp's ffn_gate_inp_shexp)
+        shape = info.shape if len(info.shape) == 2 else (math.prod(info.shape[:-1]), info.shape[-1])
         if tuple(shape) != (rows, in_features):
             raise ModelFormatError(f"{self.name}: tensor '{name}' has shape {tuple(info.shape)} (numpy order), "
                                    f"expected {(rows, in_features)}")

@@ -33,6 +33,14 @@ def test_qwen35_verify_pass_rows_and_rewinds_are_one_token_decodes(qwen_tiny, we
     verify_together(model)
 
 
+@pytest.mark.parametrize("weights, dtype", [("mapped", "float32"), ("mapped", "bfloat16"), ("dense", "bfloat16")])
+def test_qwen35moe_verify_pass_rows_and_rewinds_are_one_token_decodes(qwen_moe_tiny, weights, dtype):
+    """A pass's rows go to their own experts, each row's product its own, as decoding it alone."""
+    model = _load(qwen_moe_tiny, weights, dtype)
+    verify_and_rewind(model)
+    verify_together(model)
+
+
 @pytest.mark.parametrize("weights, dtype", WEIGHTS)
 @pytest.mark.parametrize("fixture", ["qwen2_tiny_gguf", "qwen3_tiny_gguf"])
 def test_llama_family_verify_pass_rows_and_rewinds_are_one_token_decodes(request, fixture, weights, dtype):

@@ -1,7 +1,11 @@
-"""Tiny random transformers Qwen3.5 models and a converter to llama.cpp's `qwen35` GGUF form.
+"""Tiny random transformers Qwen3.5 models (dense, and the MoE members) and a converter to llama.cpp's
+`qwen35` / `qwen35moe` GGUF form.
 
 Test code only. The converter encodes the GGUF conventions of design/qwen35.md on its own (it
-shares nothing with pagelm.models.qwen35), so agreement between the two checks both.
+shares nothing with pagelm.models.qwen35), so agreement between the two checks both. A mixture of
+experts is written as llama.cpp's converter writes Qwen3.5-MoE: each layer's experts stacked into 3-D
+ffn_{gate,up,down}_exps, the router (ffn_gate_inp) and the shared expert's gate (ffn_gate_inp_shexp, a
+vector) F32, the shared expert ffn_{gate,up,down}_shexp.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
 from pagelm.formats.gguf import GGUFValueType, TensorToWrite, Typed, write_gguf
 from pagelm.quant import encode
@@ -35,6 +39,8 @@ class Variant:
     linear_dim: int  # key = value head dim (llama.cpp requires them equal)
     vocab: int = 512
     mrope_section: tuple[int, int, int] | None = None  # multimodal rope's (t, h, w) frequency pairs
+    # a mixture of experts (Qwen3_5MoeForCausalLM, untied head): (experts, per token, expert ffn, shared ffn)
+    experts: tuple[int, int, int, int] | None = None
 
 
 VARIANTS = {
@@ -49,11 +55,14 @@ VARIANTS = {
 }
 
 
-def hf_config(v: Variant) -> Qwen3_5TextConfig:
-    return Qwen3_5TextConfig(
+def hf_config(v: Variant) -> Qwen3_5TextConfig | Qwen3_5MoeTextConfig:
+    moe = {} if v.experts is None else dict(zip(("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                 "shared_expert_intermediate_size"), v.experts))
+    return (Qwen3_5TextConfig if v.experts is None else Qwen3_5MoeTextConfig)(
+        **moe,
+        **({"intermediate_size": v.ffn} if v.experts is None else {}),
         vocab_size=v.vocab,
         hidden_size=v.hidden,
-        intermediate_size=v.ffn,
         num_hidden_layers=v.layers,
         num_attention_heads=v.heads,
         num_key_value_heads=v.kv_heads,
@@ -68,18 +77,18 @@ def hf_config(v: Variant) -> Qwen3_5TextConfig:
         linear_num_key_heads=v.key_heads,
         linear_num_value_heads=v.value_heads,
         full_attention_interval=v.interval,
-        tie_word_embeddings=True,
+        tie_word_embeddings=v.experts is None,
         max_position_embeddings=4096,
     )
 
 
 @torch.no_grad()
-def build_hf_model(v: Variant, seed: int = 0) -> Qwen3_5ForCausalLM:
+def build_hf_model(v: Variant, seed: int = 0) -> Qwen3_5ForCausalLM | Qwen3_5MoeForCausalLM:
     """A random fp32 eager-attention model whose activations and logits are far from degenerate."""
     torch.manual_seed(seed)
     config = hf_config(v)
     config._attn_implementation = "eager"
-    model = Qwen3_5ForCausalLM(config).float().eval()
+    model = (Qwen3_5ForCausalLM if v.experts is None else Qwen3_5MoeForCausalLM)(config).float().eval()
     gen = torch.Generator().manual_seed(seed)
 
     def normal(shape, std):
@@ -98,14 +107,14 @@ def build_hf_model(v: Variant, seed: int = 0) -> Qwen3_5ForCausalLM:
             p.copy_(normal(p.shape, 1.0))
         elif name.endswith("conv1d.weight"):
             p.copy_(normal(p.shape, 0.5))
-        elif p.dim() == 2:
-            p.copy_(normal(p.shape, 1.0 / math.sqrt(p.shape[1])))
+        elif p.dim() in (2, 3) and not name.endswith("conv1d.weight"):  # 3-D: the experts, (E, rows, columns)
+            p.copy_(normal(p.shape, 1.0 / math.sqrt(p.shape[-1])))
         else:
             raise AssertionError(f"unexpected parameter {name}")
     return model
 
 
-def hf_logits(model: Qwen3_5ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """(T, vocab) fp32 logits of one sequence, no cache."""
     with torch.no_grad():
         return model(input_ids=ids[None], use_cache=False).logits[0].float()
@@ -127,12 +136,15 @@ def _reorder_heads(x: torch.Tensor, order: list[int], head: int, dim: int = 0) -
     return x.index_select(dim, index)
 
 
-def hf_to_gguf(model: Qwen3_5ForCausalLM, path, *, drop_keys: tuple[str, ...] = (),
-               drop_tensors: tuple[str, ...] = (), matrix_type: GGMLType = GGMLType.F32) -> None:
-    """Write `model` as a llama.cpp `qwen35` GGUF: F32 tensors (or `matrix_type` for the 2-D
-    layer matrices), tied token_embd and no output.weight. `drop_keys` / `drop_tensors` leave
-    metadata keys / tensors out (to test the reader's errors)."""
+def hf_to_gguf(model, path, *, drop_keys: tuple[str, ...] = (), drop_tensors: tuple[str, ...] = (),
+               matrix_type: GGMLType = GGMLType.F32, fused_gate_up: bool = False) -> None:
+    """Write `model` as a llama.cpp `qwen35` GGUF (`qwen35moe` for a Qwen3_5MoeForCausalLM): F32 tensors
+    (or `matrix_type` for the layer matrices, the experts' 3-D ones and an untied output.weight), a
+    tied token_embd and no output.weight where the model ties them. `drop_keys` / `drop_tensors` leave
+    metadata keys / tensors out (to test the reader's errors). `fused_gate_up`: each layer's experts' gate
+    and up rows in one ffn_gate_up_exps (transformers' gate_up_proj as it is), as newer llama.cpp writes."""
     c = model.config
+    moe = hasattr(c, "num_experts")
     sd = {k: t.detach().float() for k, t in model.state_dict().items()}
     nk, nv = c.linear_num_key_heads, c.linear_num_value_heads
     dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
@@ -147,17 +159,17 @@ def hf_to_gguf(model: Qwen3_5ForCausalLM, path, *, drop_keys: tuple[str, ...] = 
     mrope = c.rope_parameters.get("mrope_section")
     sections = [*mrope, 0] if mrope else [pairs - 2 * (pairs // 3), pairs // 3, pairs // 3, 0]
 
-    a = "qwen35."
+    arch = "qwen35moe" if moe else "qwen35"
+    a = arch + "."
     u32 = lambda x: Typed(GGUFValueType.UINT32, int(x))  # noqa: E731
     f32 = lambda x: Typed(GGUFValueType.FLOAT32, float(x))  # noqa: E731
     metadata = {
-        "general.architecture": "qwen35",
-        "general.name": "tiny-random-qwen35",
+        "general.architecture": arch,
+        "general.name": f"tiny-random-{arch}",
         a + "context_length": u32(c.max_position_embeddings),
         a + "block_count": u32(c.num_hidden_layers),
         a + "vocab_size": u32(c.vocab_size),
         a + "embedding_length": u32(c.hidden_size),
-        a + "feed_forward_length": u32(c.intermediate_size),
         a + "attention.head_count": u32(c.num_attention_heads),
         a + "attention.head_count_kv": u32(c.num_key_value_heads),
         a + "attention.key_length": u32(c.head_dim),
@@ -174,6 +186,12 @@ def hf_to_gguf(model: Qwen3_5ForCausalLM, path, *, drop_keys: tuple[str, ...] = 
         a + "full_attention_interval": u32(interval),
         "tokenizer.ggml.model": "none",  # token ids only; llama.cpp loads such a file
     }
+    if moe:  # no feed_forward_length: the config has no dense width
+        metadata.update({a + "expert_count": u32(c.num_experts), a + "expert_used_count": u32(c.num_experts_per_tok),
+                         a + "expert_feed_forward_length": u32(c.moe_intermediate_size),
+                         a + "expert_shared_feed_forward_length": u32(c.shared_expert_intermediate_size)})
+    else:
+        metadata[a + "feed_forward_length"] = u32(c.intermediate_size)
     for key in drop_keys:
         del metadata[key]
 
@@ -181,18 +199,34 @@ def hf_to_gguf(model: Qwen3_5ForCausalLM, path, *, drop_keys: tuple[str, ...] = 
 
     def add(name: str, t: torch.Tensor, matrix: bool = False) -> None:
         arr = np.ascontiguousarray(t.numpy(), dtype=np.float32)
-        ggml_type = matrix_type if matrix and arr.ndim == 2 else GGMLType.F32
-        data = arr if ggml_type == GGMLType.F32 else encode(arr, ggml_type)
+        ggml_type = matrix_type if matrix and arr.ndim in (2, 3) else GGMLType.F32
+        data = arr if ggml_type == GGMLType.F32 else encode(arr.reshape(-1, arr.shape[-1]), ggml_type)
         tensors.append(TensorToWrite(name, tuple(reversed(arr.shape)), ggml_type, [np.ascontiguousarray(data)]))
 
     add("token_embd.weight", sd["model.embed_tokens.weight"])
+    if not c.tie_word_embeddings:
+        add("output.weight", sd["lm_head.weight"], matrix=True)
     add("output_norm.weight", sd["model.norm.weight"] + 1.0)
     for i, kind in enumerate(c.layer_types):
         hf, p = f"model.layers.{i}.", f"blk.{i}."
         add(p + "attn_norm.weight", sd[hf + "input_layernorm.weight"] + 1.0)
         add(p + "post_attention_norm.weight", sd[hf + "post_attention_layernorm.weight"] + 1.0)
-        for proj, name in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
-            add(p + name + ".weight", sd[hf + f"mlp.{proj}.weight"], matrix=True)
+        if moe:
+            m = hf + "mlp."
+            gate, up = sd[m + "experts.gate_up_proj"].chunk(2, 1)  # (E, 2·ffn, hidden): gate rows, then up rows
+            add(p + "ffn_gate_inp.weight", sd[m + "gate.weight"])
+            if fused_gate_up:
+                add(p + "ffn_gate_up_exps.weight", sd[m + "experts.gate_up_proj"], matrix=True)
+            else:
+                add(p + "ffn_gate_exps.weight", gate, matrix=True)
+                add(p + "ffn_up_exps.weight", up, matrix=True)
+            add(p + "ffn_down_exps.weight", sd[m + "experts.down_proj"], matrix=True)
+            add(p + "ffn_gate_inp_shexp.weight", sd[m + "shared_expert_gate.weight"][0])  # ne = [hidden]
+            for proj, name in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"), ("down_proj", "ffn_down_shexp")):
+                add(p + name + ".weight", sd[m + f"shared_expert.{proj}.weight"], matrix=True)
+        else:
+            for proj, name in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+                add(p + name + ".weight", sd[hf + f"mlp.{proj}.weight"], matrix=True)
         if kind == "full_attention":
             s = hf + "self_attn."
             add(p + "attn_q.weight", sd[s + "q_proj.weight"], matrix=True)  # per head: query then gate

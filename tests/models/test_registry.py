@@ -16,7 +16,7 @@ from pagelm.models import VISION_ARCHITECTURES, architecture_module, hf_layouts
 MODELS = pathlib.Path(pagelm.models.__file__).parent
 ARCHITECTURES = {"llama": ("llama",), "qwen2": ("qwen2",), "qwen3": ("qwen3",), "qwen3moe": ("qwen3_moe",),
                  "gemma3": ("gemma3", "gemma3_text"),
-                 "qwen35": ("qwen3_5", "qwen3_5_text"), "lfm2": ("lfm2",)}
+                 "qwen35": ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), "lfm2": ("lfm2",)}
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -32,6 +32,8 @@ def _imports(path: pathlib.Path) -> set[str]:
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_each_architecture_is_found_by_its_names(arch):
     module = architecture_module(arch, "test")
+    if arch == "qwen35":  # the Qwen3.5 mixtures of experts are its other GGUF architecture
+        assert architecture_module("qwen35moe", "test") is module
     assert module.__name__ == f"pagelm.models.{arch}"
     assert all(hf_layouts(t, "test") is module for t in ARCHITECTURES[arch])
     assert callable(module.Config.from_loader) and callable(module.hf_layout) and hasattr(module.Model, "new_state")
@@ -39,7 +41,7 @@ def test_each_architecture_is_found_by_its_names(arch):
 
 def test_unknown_names_are_refused_with_the_supported_ones():
     with pytest.raises(UnsupportedError, match=r"x.gguf: architecture 'mamba' is not supported \(supported: "
-                       r"gemma-embedding, gemma3, lfm2, llama, qwen2, qwen3, qwen35, qwen3moe\)"):
+                       r"gemma-embedding, gemma3, lfm2, llama, qwen2, qwen3, qwen35, qwen35moe, qwen3moe\)"):
         architecture_module("mamba", "x.gguf")
     with pytest.raises(UnsupportedError, match="config.json: model_type 7 is not supported"):
         hf_layouts(7, "config.json")

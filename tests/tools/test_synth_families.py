@@ -1,7 +1,8 @@
-"""Synthetic models of the other families (qwen3, qwen3moe, qwen2, llama, lfm2, gemma-embedding): the plans
+"""Synthetic models of the other families (qwen3, qwen3moe, qwen35moe, qwen2, llama, lfm2, gemma-embedding): the plans
 at the real geometries, the tiny files read back by gguf-py and pagelm, and the ones pagelm runs."""
 
 import math
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -278,3 +279,58 @@ def test_cli_writes_a_family_shape(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "qwen3-tiny (qwen3), 2 layers" in result.stdout
     assert len(gguf.GGUFReader(path).tensors) == 24
+
+
+# ------------------------------------------------------------------------------ qwen35moe
+
+
+@pytest.mark.parametrize("shape", ["qwen3.5-35b-a3b", "qwen3.5-35b-a3b-tiny"])
+def test_qwen35moe_plan_is_qwen35s_mixers_and_llama_cpps_experts(shape):
+    """Each layer: qwen35's norms and mixers, as a dense Qwen3.5 of the same geometry has them (test_synth
+    checks those against llama.cpp's table), then the router, the 3-D experts and the shared expert as
+    llama.cpp's qwen35moe loader takes them; every name one gguf-py lists for qwen35moe."""
+    s = SHAPES[shape]
+    plan = _table(plan_model(s))
+    dense = _table(plan_model(replace(s, arch="qwen35", ffn=256)))
+    d, n, f, shared = s.hidden, s.n_experts, s.expert_ffn, s.shared_ffn
+    assert {k: v for k, v in plan.items() if "ffn_" not in k} == {k: v for k, v in dense.items() if "ffn_" not in k}
+    for i in range(s.n_layers):
+        b = f"blk.{i}."
+        assert {k: v for k, v in plan.items() if k.startswith(b + "ffn_")} == {
+            b + "ffn_gate_inp.weight": ((d, n), F32),
+            b + "ffn_gate_exps.weight": ((d, f, n), Q8_0), b + "ffn_up_exps.weight": ((d, f, n), Q8_0),
+            b + "ffn_down_exps.weight": ((f, d, n), Q8_0),
+            b + "ffn_gate_inp_shexp.weight": ((d,), F32),
+            b + "ffn_gate_shexp.weight": ((d, shared), Q8_0), b + "ffn_up_shexp.weight": ((d, shared), Q8_0),
+            b + "ffn_down_shexp.weight": ((shared, d), Q8_0)}
+    assert plan["output.weight"] == ((d, s.vocab), Q8_0)  # untied
+    known = {TENSOR_NAMES[t] for t in MODEL_TENSORS[gguf.MODEL_ARCH.QWEN35MOE]}
+    for name in plan:
+        parts = name.removesuffix(".weight").removesuffix(".bias").split(".")  # ssm_a has neither suffix
+        assert ".".join(["blk", "{bid}", *parts[2:]] if parts[0] == "blk" else parts) in known, name
+
+
+def test_qwen35moe_real_geometry_and_its_q4_k_m():
+    """qwen3.5-35b-a3b: 40 layers, 10 of them attention; ~34.4 GiB at Q8_0 (the real Q8_0 file: 36.9 GB) and
+    ~19.7 GiB at Q4_K_M: Q4_K experts, ffn_down_exps and ffn_down_shexp Q6_K where use_more_bits bumps
+    ffn_down, the router and the shared expert's gate F32, Q5_K attn_qkv, token_embd Q4_K beside a Q6_K
+    output; the experts' keys in the metadata, and no feed_forward_length (no dense feed-forward)."""
+    s = SHAPES["qwen3.5-35b-a3b"]
+    assert (s.hidden, s.n_layers, s.n_experts, s.n_experts_used, s.expert_ffn, s.shared_ffn, s.vocab) == \
+        (2048, 40, 256, 8, 512, 512, 248_320)
+    assert round(plan_nbytes(plan_model(s)) / 2**30, 1) == 34.4
+    plan = _table(plan_model(s, mix="q4_k_m"))
+    for x in ("exps", "shexp"):
+        bumped = [i for i in range(40) if plan[f"blk.{i}.ffn_down_{x}.weight"][1] == Q6_K]
+        assert bumped == [i for i in range(40) if i < 5 or i >= 35 or (i - 5) % 3 == 2]
+    assert plan["blk.0.ffn_gate_exps.weight"] == ((2048, 512, 256), Q4_K)
+    assert plan["blk.6.ffn_down_exps.weight"][1] == Q4_K
+    assert plan["blk.0.ffn_gate_inp.weight"][1] == plan["blk.0.ffn_gate_inp_shexp.weight"][1] == F32
+    assert plan["blk.0.attn_qkv.weight"][1] == GGMLType.Q5_K
+    assert plan["token_embd.weight"][1] == Q4_K and plan["output.weight"][1] == Q6_K
+    assert round(plan_nbytes(plan_model(s, mix="q4_k_m")) / 2**30, 1) == 19.7
+    md = model_metadata(s, mix="q4_k_m")
+    assert [md[f"qwen35moe.{k}"].value for k in ("expert_count", "expert_used_count", "expert_feed_forward_length",
+                                                 "expert_shared_feed_forward_length", "full_attention_interval")] \
+        == [256, 8, 512, 512, 4]
+    assert "qwen35moe.feed_forward_length" not in md and md["qwen35moe.rope.dimension_count"].value == 64

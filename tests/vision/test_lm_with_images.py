@@ -6,6 +6,7 @@ carrying the position offset, and text through the M-RoPE path bit for bit today
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -273,5 +274,41 @@ def test_a_tower_found_beside_a_model_it_does_not_fit_is_skipped(tmp_path, twins
 def test_only_qwen35_models_take_a_tower(tmp_path, smollm2_gguf):
     tower = str(tmp_path / "mmproj.gguf")
     write_mmproj(tower, TOWER)
-    with pytest.raises(UnsupportedError, match="reads images with qwen35 models"):
+    with pytest.raises(UnsupportedError, match="reads images with qwen35, qwen35moe models"):
         pagelm.load(smollm2_gguf, mmproj=tower)
+
+
+def test_a_mixture_of_experts_reads_images_as_transformers_does(tmp_path):
+    """qwen35moe (Qwen3_5MoeForConditionalGeneration's text model, the MoE member's own rope sections)
+    with a tower beside it: the logits of a prompt of text and both images, prefilled in two pieces."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    text = build_hf_model(dataclasses.replace(TEXT, ffn=0, experts=(4, 2, 32, 48)), seed=1)
+    tower = random_hf_model(TOWER, seed=2)
+    hf_to_gguf(text, str(tmp_path / "model.gguf"))
+    write_mmproj(str(tmp_path / "mmproj-model.gguf"), TOWER, values=tower_values(tower), matrix_type=GGMLType.F32)
+    config = Qwen3_5MoeConfig(text_config=text.config.to_dict(), vision_config=hf_vision_config(TOWER).to_dict(),
+                              tie_word_embeddings=False)
+    hf = Qwen3_5MoeForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        hf.model.language_model.load_state_dict(text.model.state_dict())
+        hf.model.visual.load_state_dict(tower.state_dict())
+        hf.lm_head.weight.copy_(text.lm_head.weight)
+    model = pagelm.load(str(tmp_path / "model.gguf"), dtype="float32")  # the mmproj beside it
+    assert model.loader.architecture == "qwen35moe" and model.tower is not None
+    images = [prepare_image(_png(w, h, seed=i), model.tower.config, min_tokens=4, max_tokens=64)
+              for i, (w, h) in enumerate(IMAGE_SIZES)]
+    twins = Twins(hf, model, images, _prompt(images))
+    with torch.no_grad():
+        ref = hf(**twins.hf_inputs()).logits[0]
+    session = model.session(256)
+    cut = twins.ids.index(VISION_END) + 1
+    assert _rel(session.prefill(twins.ids[:cut], images[:1]), ref[cut - 1]) < REL_TOL
+    assert _rel(session.prefill(twins.ids[cut:], images[1:]), ref[-1]) < REL_TOL
+    # the multimodal checkpoint as transformers saves it (text_config, model.language_model.*, model.visual.*)
+    # read in place as its text model
+    hf.save_pretrained(tmp_path / "hf")
+    text_ids = twins.ids[:7]
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([text_ids])).logits[0, -1].numpy()
+    assert _rel(pagelm.load(str(tmp_path / "hf"), dtype="float32").session(16).prefill(text_ids), want) < 1e-5
