@@ -1,10 +1,13 @@
-"""A mixture of experts' feed-forward: a softmax router picks each token's top-k experts, each a
-SiLU-gated MLP whose matrices stay where the loader put them (row ranges of the file's 3-D tensors).
+"""A mixture of experts' feed-forward: a router picks each token's top-k experts, each a gated MLP
+whose matrices stay where the loader put them (row ranges of the file's 3-D tensors).
 
-Owns routing and the combination of the routed experts' outputs; never loads weights. Only routed
-experts are multiplied, each once per call over the rows routed to it: in a decode step of several
-sequences (`alone`) those rows take the few-row kernels, each row's bits its own, and every row sums
-its experts in its own top-k order, so that a sequence's bits never depend on the others in the step.
+Owns routing and the combination of the routed experts' outputs; never loads weights. Two routers:
+qwen3moe's softmax over every expert, then the top k (optionally renormalized); gpt-oss's top k of
+the logits, then a softmax over those k. Two activations: SiLU-gated (`silu_glu`) and gpt-oss's
+clamped SwiGLU (`ClampedSwiglu`). Only routed experts are multiplied, each once per call over the
+rows routed to it: in a decode step of several sequences (`alone`) those rows take the few-row
+kernels, each row's bits its own, and every row sums its experts in its own top-k order, so that a
+sequence's bits never depend on the others in the step.
 """
 
 from __future__ import annotations
@@ -17,6 +20,25 @@ import torch.nn.functional as F
 from pagelm.weights.linear import Linear
 
 
+def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up (qwen3moe's experts), into gate's activation."""
+    return F.silu(gate).mul_(up)
+
+
+@dataclass(frozen=True)
+class ClampedSwiglu:
+    """gpt-oss's expert activation, transformers' GptOssExperts._apply_gate: gate clamped above at
+    `limit`, up clamped to ±limit, (up + 1) · gate · sigmoid(alpha · gate)."""
+
+    limit: float = 7.0
+    alpha: float = 1.702
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return (up.clamp(-self.limit, self.limit) + 1) * glu
+
+
 @dataclass
 class Experts:
     """One layer's mixture: its router and each expert's two operators, as the loader made them."""
@@ -25,23 +47,34 @@ class Experts:
     gate_up: list[Linear]  # per expert (2·ffn, hidden): its ffn_gate_exps rows, then its ffn_up_exps rows
     down: list[Linear]  # per expert (hidden, ffn)
     top_k: int
-    normalize: bool  # the top-k weights renormalized to sum to 1
+    normalize: bool  # the top-k weights renormalized to sum to 1 (softmax_first only)
+    softmax_first: bool = True  # softmax over every expert, then top-k; else top-k logits, then their softmax
+    activation: object = silu_glu  # (gate, up) -> the gated rows
+    router_bias: torch.Tensor | None = None  # (n_experts,) float32
+    gate_up_bias: torch.Tensor | None = None  # (n_experts, 2·ffn) float32, gate's then up's
+    down_bias: torch.Tensor | None = None  # (n_experts, hidden) float32
     # where a caller wants each call's choices: (rows, top_k) expert indices appended per call
     routes: list | None = None
 
     def route(self, y: torch.Tensor, alone: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights (n, top_k) float32, experts (n, top_k) int64) of rows y: the top-k of the softmax
-        of the router's logits, in float32, ties broken as torch.topk breaks them (as transformers)."""
-        probs = torch.softmax(self.router(y, alone).float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize:  # a sequential sum (cumsum), each row's alone
-            weights = weights / weights.cumsum(-1)[:, -1:]
+        """(weights (n, top_k) float32, experts (n, top_k) int64) of rows y, in float32, ties broken as
+        torch.topk breaks them (as transformers)."""
+        logits = self.router(y, alone).float()
+        if self.router_bias is not None:
+            logits = logits + self.router_bias
+        if self.softmax_first:
+            weights, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+            if self.normalize:  # a sequential sum (cumsum), each row's alone
+                weights = weights / weights.cumsum(-1)[:, -1:]
+        else:
+            top, chosen = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
         if self.routes is not None:
             self.routes.append(chosen.clone())
         return weights, chosen
 
     def __call__(self, y: torch.Tensor, alone: bool) -> torch.Tensor:
-        """The float32 sum over each row's top-k experts e of weight · down_e(silu(gate_e) · up_e) of
+        """The float32 sum over each row's top-k experts e of weight · down_e(act(gate_e, up_e)) of
         rows y (n, hidden): each expert once over the rows routed to it (the rows gathered by expert,
         a product per expert, put back in row order), then each row's experts added in its top-k order."""
         weights, chosen = self.route(y, alone)
@@ -62,9 +95,13 @@ class Experts:
         return total
 
     def _expert(self, e: int, y: torch.Tensor, alone: bool) -> torch.Tensor:
-        gate, up = self.gate_up[e](y, alone).chunk(2, -1)
+        both = self.gate_up[e](y, alone)
+        if self.gate_up_bias is not None:
+            both = both.float() + self.gate_up_bias[e]
+        gate, up = both.chunk(2, -1)
         if alone and y.shape[0] > 1:  # the activation of each row by itself (layers.gated_mlp's why)
-            gated = torch.cat([F.silu(gate[r : r + 1]) for r in range(y.shape[0])]).mul_(up)
+            gated = torch.cat([self.activation(gate[r : r + 1], up[r : r + 1]) for r in range(y.shape[0])])
         else:
-            gated = F.silu(gate).mul_(up)
-        return self.down[e](gated, alone)
+            gated = self.activation(gate, up)
+        out = self.down[e](gated, alone)
+        return out if self.down_bias is None else out.float() + self.down_bias[e]
