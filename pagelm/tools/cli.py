@@ -21,8 +21,9 @@ def _synth(args: argparse.Namespace) -> int:
     with a tied Q8_0 token_embd: qwen3-0.6b, qwen3-1.7b (qwen3, per-head q/k norms), qwen2.5-1.5b (qwen2,
     q/k/v biases), llama3.2-1b (llama, llama3 rope_freqs), lfm2-1.2b (lfm2: 6 attention and 10
     short-convolution layers), embeddinggemma-300m (gemma-embedding: bidirectional, mean pooling,
-    dense_2/dense_3), qwen3-30b-a3b (qwen3moe: 128 experts, 8 per token, an untied output head), and
-    FAMILY-tiny shapes of each for tests. Only the Qwen3.5 shapes of the real
+    dense_2/dense_3), qwen3-30b-a3b (qwen3moe: 128 experts, 8 per token, an untied output head),
+    gpt-oss-20b (gpt-oss: 32 MXFP4 experts, 4 per token, sinks, a sliding window every other layer,
+    YaRN, an untied output head), and FAMILY-tiny shapes of each for tests. Only the Qwen3.5 shapes of the real
     vocabulary size carry a tokenizer (the real Qwen3.5 one); every other shape is token ids only."""
     if args.seed < 0:
         raise PagelmError(f"--seed must be >= 0, got {args.seed}")

@@ -276,3 +276,56 @@ def _changed(checkpoints, tmp_path, change: dict, tensors: dict | None = None) -
 def test_a_directory_pagelm_cannot_read_as_it_says_is_refused_by_name(checkpoints, tmp_path, change, tensors, words):
     with pytest.raises(PagelmError, match=words):
         pagelm.load(_changed(checkpoints, tmp_path, change, tensors))
+
+
+def _transformers_of_gguf(path: str, shape):
+    """A transformers GptOssForCausalLM holding a synthetic gpt-oss GGUF's values as gguf-py decodes them
+    (llama.cpp's converter undone: gate and up interleaved again into gate_up_proj, transposed)."""
+    import transformers
+
+    values = {t.name: np.array(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+              for t in gguf.GGUFReader(path).tensors}
+    config = transformers.GptOssConfig(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.expert_ffn,
+        num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_head, num_key_value_heads=shape.n_head_kv,
+        head_dim=shape.head_dim, num_local_experts=shape.n_experts, num_experts_per_tok=shape.n_experts_used,
+        sliding_window=shape.sliding_window, rms_norm_eps=shape.rms_eps, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": shape.rope_theta, "factor": shape.yarn_rope[0],
+                         "original_max_position_embeddings": shape.yarn_rope[1], "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False})
+    config._experts_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    held = {"model.embed_tokens.weight": values["token_embd.weight"], "lm_head.weight": values["output.weight"],
+            "model.norm.weight": values["output_norm.weight"]}
+    names = {"attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+             "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp.weight": "mlp.router.weight",
+             "ffn_gate_inp.bias": "mlp.router.bias", "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+             **{f"attn_{x}.{kind}": f"self_attn.{y}_proj.{kind}" for x, y in (("q", "q"), ("k", "k"), ("v", "v"),
+                                                                              ("output", "o")) for kind in ("weight", "bias")}}
+    for i in range(shape.n_layers):
+        b, p = f"blk.{i}.", f"model.layers.{i}."
+        held.update({p + hf: values[b + name] for name, hf in names.items()})
+        gate, up = values[b + "ffn_gate_exps.weight"], values[b + "ffn_up_exps.weight"]  # (experts, ffn, hidden)
+        both = np.stack([gate, up], 2).reshape(gate.shape[0], -1, gate.shape[2])  # rows gate0, up0, gate1, ...
+        held[p + "mlp.experts.gate_up_proj"] = both.transpose(0, 2, 1)
+        held[p + "mlp.experts.gate_up_proj_bias"] = np.stack([values[b + "ffn_gate_exps.bias"],
+                                                              values[b + "ffn_up_exps.bias"]], 2).reshape(gate.shape[0], -1)
+        held[p + "mlp.experts.down_proj"] = values[b + "ffn_down_exps.weight"].transpose(0, 2, 1)
+    model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in held.items()})
+    return model
+
+
+def test_the_synthetic_tiny_file_matches_transformers_on_its_values(tmp_path):
+    """`pagelm synth --shape gpt-oss-20b-tiny` (MXFP4 experts from pagelm's own encoder, Q8_0 matrices)
+    in both weights modes against transformers on the values gguf-py decodes from it."""
+    from pagelm.tools.synth import SHAPES, write_model
+
+    shape = SHAPES["gpt-oss-20b-tiny"]
+    path = str(tmp_path / "tiny.gguf")
+    plan = {t.name: t.ggml_type for t in write_model(path, shape, seed=3)}
+    assert plan["blk.0.ffn_down_exps.weight"] == GGMLType.MXFP4 and plan["blk.0.attn_q.weight"] == GGMLType.Q8_0
+    reference = _transformers_of_gguf(path, shape)
+    prompt = PROMPT + [300, 4000, 17]  # longer than the window of 8
+    for weights in ("mapped", "dense"):
+        tokens, logits = greedy(pagelm.load(path, weights=weights, dtype="float32"), prompt, steps=8)
+        check_greedy(reference, prompt, tokens, logits, F32_REL_TOL)
