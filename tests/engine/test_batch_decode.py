@@ -78,13 +78,13 @@ def test_qwen35_k_quant_mix_batched_steps_are_each_sessions_own_bits(qwen_tiny_k
 @pytest.mark.parametrize("weights", ["mapped", "dense"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("fixture", ["smollm2_gguf", "gemma3_gguf", "qwen2_tiny_gguf", "qwen3_tiny_gguf",
-                                     "qwen3moe_tiny_gguf"])
+                                     "qwen3moe_tiny_gguf", "gpt_oss_tiny_gguf"])
 def test_llama_and_gemma3_batched_steps_are_each_sessions_own_bits(request, fixture, weights, dtype):
     joining_and_leaving(pagelm.load(request.getfixturevalue(fixture), weights=weights, dtype=dtype),
                         offset_rope=False)
 
 
-@pytest.mark.parametrize("fixture", ["qwen_tiny", "qwen3moe_tiny_gguf"])  # qwen3moe: up to MAX_BATCH rows an expert
+@pytest.mark.parametrize("fixture", ["qwen_tiny", "qwen3moe_tiny_gguf", "gpt_oss_tiny_gguf"])  # MoE: up to MAX_BATCH rows an expert
 def test_a_full_batch_of_sessions_at_different_lengths(request, fixture):
     model = pagelm.load(request.getfixturevalue(fixture), dtype="float32")
     pairs = [Pair(model, PROMPTS[i % 4][: 1 + i % 5] + [i]) for i in range(MAX_BATCH)]
