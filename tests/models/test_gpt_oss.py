@@ -4,7 +4,8 @@
 (F32; Q8_0; MXFP4 experts) against transformers on the values each holds: prefill and decode logits,
 32 greedy tokens, every token routed to transformers' experts; a batched decode whose sequences share
 experts and part ways is each one's own bits; checkpoints and the prefix cache are recomputing; the
-directory's transposed experts stay in its map; what pagelm cannot read is refused by name."""
+directory's transposed experts stay in its map; what pagelm cannot read is refused by name; pagelm's
+synthetic gpt-oss-20b-tiny matches transformers on its values, and its verify passes are one-token decodes."""
 
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ import torch
 
 import pagelm
 from pagelm.errors import PagelmError
+from pagelm.quant import int8dot
 from pagelm.formats.gguf import GGUFValueType, TensorToWrite, Typed, write_gguf
 from pagelm.quant.types import GGMLType
 from pagelm.serve.prefix_cache import PrefixCache
 from pagelm.weights.linear import TransposedLinear
 
 from hf_oracle import F32_REL_TOL, PROMPT, check_greedy, greedy, rel
+from rows_check import verify_and_rewind, verify_together
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/models/conftest.py
@@ -329,3 +332,14 @@ def test_the_synthetic_tiny_file_matches_transformers_on_its_values(tmp_path):
     for weights in ("mapped", "dense"):
         tokens, logits = greedy(pagelm.load(path, weights=weights, dtype="float32"), prompt, steps=8)
         check_greedy(reference, prompt, tokens, logits, F32_REL_TOL)
+
+
+@pytest.mark.parametrize("weights, dtype", [("mapped", "float32"), ("dense", "bfloat16"), ("mapped-int8", "bfloat16")])
+def test_verify_pass_rows_and_rewinds_are_one_token_decodes(gpt_oss_tiny_gguf, weights, dtype):
+    """Speculative decoding's verify pass over the synthetic gpt-oss-20b-tiny (tests/conftest.py),
+    past its window of 8: each row is a one-token decode's bits, and rewinds are exact."""
+    if weights == "mapped-int8" and not int8dot.available():
+        pytest.skip("mapped-int8 needs AVX2")
+    model = pagelm.load(gpt_oss_tiny_gguf, weights=weights, dtype=dtype)
+    verify_and_rewind(model)
+    verify_together(model)
