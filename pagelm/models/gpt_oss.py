@@ -19,7 +19,7 @@ import numpy as np
 
 from pagelm.errors import UnsupportedError
 from pagelm.models.llama_family import Family, FamilyConfig, family_module
-from pagelm.weights.hf import HFConfig, HFLayout, decoder_metadata, layer_period, tensor_maps
+from pagelm.weights.hf import HFConfig, HFLayout, decoder_hf_config, decoder_metadata, layer_period, tensor_maps
 
 GPT_OSS = Family("gpt-oss", "GptOssForCausalLM", qkv_bias=True, moe=True, hf_type="gpt_oss", out_bias=True,
                  sinks=True, swa_period=2, ffn_norm="post_attention_norm", oss_experts=True, yarn=True)
@@ -111,4 +111,15 @@ def hf_layout(config: HFConfig, hf_names: set[str] | None) -> HFLayout:
 
 def hf_config(c: FamilyConfig, tied: bool) -> dict:
     """config.json for a Hugging Face twin of a gpt-oss checkpoint with this config."""
-    raise UnsupportedError(f"writing a {ARCH} checkpoint as a Hugging Face directory is not supported")
+    config = {"architectures": [GPT_OSS.hf_class], "model_type": GPT_OSS.model_type, "attention_bias": True,
+              **decoder_hf_config(c, tied), "intermediate_size": c.expert_ffn, "num_local_experts": c.n_experts,
+              "num_experts_per_tok": c.n_experts_used, "sliding_window": c.sliding_window,
+              "layer_types": ["full_attention" if c.window(i) is None else "sliding_attention" for i in range(c.n_layers)],
+              **SWIGLU}
+    rope = {"rope_type": "default", "rope_theta": c.rope_base}
+    if c.yarn is not None:
+        y = c.yarn
+        rope.update(rope_type="yarn", factor=y.factor, original_max_position_embeddings=int(y.original_context),
+                    beta_fast=y.beta_fast, beta_slow=y.beta_slow, truncate=y.truncate)
+    config["rope_parameters"] = rope
+    return config

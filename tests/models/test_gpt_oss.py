@@ -343,3 +343,22 @@ def test_verify_pass_rows_and_rewinds_are_one_token_decodes(gpt_oss_tiny_gguf, w
     model = pagelm.load(gpt_oss_tiny_gguf, weights=weights, dtype=dtype)
     verify_and_rewind(model)
     verify_together(model)
+
+
+def test_the_ggufs_hugging_face_twin_is_read_by_transformers_the_same_way(checkpoints, tmp_path):
+    """pagelm's GGUF → Hugging Face writer interleaves ffn_gate_exps and ffn_up_exps back into the
+    transposed gate_up_proj (and their biases into gate_up_proj_bias) and writes gpt_oss's config."""
+    import transformers
+
+    from pagelm.tools.convert import write_directory
+
+    path, reference = checkpoints["mxfp4"]
+    twin = str(tmp_path / "twin")
+    write_directory(path, twin, "hf", quantized="f32")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    assert loaded.config.sliding_window == WINDOW and loaded.config.layer_types[:2] == ["sliding_attention",
+                                                                                         "full_attention"]
+    with torch.inference_mode():
+        want = reference(torch.tensor([PROMPT])).logits[0].numpy()
+        assert rel(loaded(torch.tensor([PROMPT])).logits[0].numpy(), want) <= F32_REL_TOL
+    assert rel(pagelm.load(twin, dtype="float32").session(32).prefill(PROMPT), want[-1]) <= F32_REL_TOL
