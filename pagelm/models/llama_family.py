@@ -14,7 +14,7 @@ GGUF conventions handled here:
   before rope (attn_{q,k}_norm.weight, head_dim values each); a mixture of experts as every layer's
   feed-forward (`models.moe`: ffn_gate_inp and the 3-D ffn_{gate,up,down}_exps), whose decode steps
   take `_token_layers` in numpy, not TokenLayers' compiled layers.
-- gpt-oss's switches: a bias on attn_output too; attention sinks (attn_sinks.weight, a logit per head
+- Optional per family as well: a bias on attn_output; attention sinks (attn_sinks.weight, a logit per head
   in each softmax: layers.sink_attention, whose decode goes through torch's path, not the one-token
   kernels); every other layer (0, 2, ...) attends within attention.sliding_window (a full-length KV
   cache masked to the window); the feed-forward's norm named post_attention_norm; experts with
