@@ -12,6 +12,7 @@ sequence's bits never depend on the others in the step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,7 @@ class Experts:
     top_k: int
     normalize: bool  # the top-k weights renormalized to sum to 1 (softmax_first only)
     softmax_first: bool = True  # softmax over every expert, then top-k; else top-k logits, then their softmax
-    activation: object = silu_glu  # (gate, up) -> the gated rows
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = silu_glu  # (gate, up) -> the gated rows
     router_bias: torch.Tensor | None = None  # (n_experts,) float32
     gate_up_bias: torch.Tensor | None = None  # (n_experts, 2·ffn) float32, gate's then up's
     down_bias: torch.Tensor | None = None  # (n_experts, hidden) float32
