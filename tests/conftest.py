@@ -78,6 +78,16 @@ def qwen3moe_tiny_gguf(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def gpt_oss_tiny_gguf(tmp_path_factory) -> str:
+    """pagelm's synthetic gpt-oss-20b-tiny (MXFP4 experts, Q8_0 matrices, a window of 8, token ids up to 4095)."""
+    from pagelm.tools.synth import SHAPES, write_model
+
+    path = str(tmp_path_factory.mktemp("gpt-oss") / "gpt-oss-tiny.gguf")
+    write_model(path, SHAPES["gpt-oss-20b-tiny"], seed=2)
+    return path
+
+
+@pytest.fixture(scope="session")
 def qwen35_chat_gguf(tmp_path_factory) -> str:
     """A synthetic Qwen3.5 with tiny layers and the real vocabulary, tokenizer and chat template."""
     from pagelm.tools.synth import SHAPES, write_model

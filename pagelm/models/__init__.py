@@ -10,7 +10,7 @@ architecture; adding one is adding its file. Importing this package loads no tor
 
 Shared pieces, each in one module: `layers` (norms, rope, attention over a KV cache, the gated
 MLP, KV state), `decoder` (the stack every architecture's `Model` is: segments, batches, pauses
-between layers), `llama_family` (the decoder llama, qwen2, qwen3 and qwen3moe share; each of their
+between layers), `llama_family` (the decoder llama, qwen2, qwen3, qwen3moe and gpt-oss share; each of their
 modules is its `Family`), `moe` (a mixture of experts' feed-forward), `norms`, `token_ops` and
 `token_layers` (one decode token's kernels), `delta_rule` (Qwen3.5's Gated DeltaNet kernels).
 

@@ -58,6 +58,19 @@ def inv_freq(base: float, dim: int, device=None, freq_factors: torch.Tensor | No
     return f if freq_factors is None else f / freq_factors.to(device=device, dtype=torch.float32)
 
 
+def yarn_inv_freq(base: float, dim: int, yarn, device=None) -> torch.Tensor:
+    """Rope inverse frequencies under YaRN scaling (`rope_scaling.YarnScaling`), in float32 as
+    transformers computes them: per pair, the interpolated frequency blended into the extrapolated
+    one by a ramp over the pairs."""
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    low, high = yarn.ramp_ends(base, dim)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
+    extrapolated = 1 - ramp
+    return 1.0 / (yarn.factor * pos_freqs) * (1 - extrapolated) + 1.0 / pos_freqs * extrapolated
+
+
 def rope_tables(inv: torch.Tensor, pos: int, T: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin (T, dim/2) fp32 for positions pos..pos+T-1 (divided by a linear scaling `scale`)."""
     positions = torch.arange(pos, pos + T, dtype=torch.float32, device=inv.device)
@@ -69,13 +82,14 @@ def rope_tables(inv: torch.Tensor, pos: int, T: int, scale: float = 1.0) -> tupl
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
               pos: int, scale: float, window: int | None = None,
-              views: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor:
+              views: tuple[np.ndarray, np.ndarray] | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """GQA attention of T new queries over the cache after writing the new keys and values.
 
     q (T, H, D), k and v (T, G, D) with rope already applied (any float dtype; stored in the
     cache's dtype). Query t (absolute position pos + t) sees keys j ≤ pos + t, and with `window`
     only those with pos + t − j < window (transformers' and llama.cpp's sliding window). One token
-    takes the kernel over the cache's `views` (KVState.views) when given.
+    takes the kernel over the cache's `views` (KVState.views) when given. `sinks` (H,) float32:
+    gpt-oss's attention sinks, a learned logit per head in each softmax's denominator (`sink_attention`).
     Returns (T, H·D) in the cache dtype, or float32 from the one-token kernel (token_ops.attend_token).
     """
     ck, cv = cache
@@ -84,13 +98,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[to
     end = pos + T
     # the first key any query can see
     lo = 0 if window is None else max(0, pos + 1 - window)
-    o = attend_token(q, k, v, views, pos, scale, lo) if T == 1 else None
+    o = attend_token(q, k, v, views, pos, scale, lo) if T == 1 and sinks is None else None
     if o is not None:
         return o
     ck[:, pos:end] = k.transpose(0, 1)
     cv[:, pos:end] = v.transpose(0, 1)
     keys, values = ck[None, :, lo:end], cv[None, :, lo:end]  # (1, G, S, D)
     q = q.to(ck.dtype).transpose(0, 1)  # (H, T, D)
+    if sinks is not None:
+        return sink_attention(q, keys[0], values[0], pos, lo, window, sinks, scale)
     if T == 1:  # the H/G query heads of one kv head form its query rows
         o = F.scaled_dot_product_attention(q.reshape(1, G, H // G, D), keys, values, scale=scale)
         return o.reshape(1, H * D)
@@ -104,6 +120,40 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple[to
             mask &= qi - kj < window
         o = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1).reshape(T, H * D)
+
+
+# Scores (float32) one chunk of sink_attention's queries holds at most (16 MiB)
+SINK_CHUNK_VALUES = 1 << 22
+
+
+def sink_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, lo: int, window: int | None,
+                   sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal GQA attention whose softmax has one more logit per head, `sinks[h]`, that weighs no value
+    (gpt-oss's attention sinks), as transformers' eager attention computes it: scores in float32, the
+    row's max subtracted, softmax, the sink's column dropped. q (H, T, D) at positions pos.., keys and
+    values (G, S, D) at positions lo..; query t sees keys j <= pos + t (and, with `window`, those with
+    pos + t - j < window). Queries go in chunks that bound the scores' memory. Returns (T, H·D)."""
+    H, T, D = q.shape
+    G, S, _ = keys.shape
+    r = H // G
+    out = torch.empty(T, H * D, dtype=values.dtype, device=q.device)
+    kj = torch.arange(lo, lo + S, device=q.device)[None, :]
+    step = max(1, SINK_CHUNK_VALUES // (H * S))
+    for a in range(0, T, step):
+        b = min(a + step, T)
+        t = b - a
+        scores = torch.matmul(q[:, a:b].reshape(G, r * t, D), keys.transpose(1, 2)).view(H, t, S).float() * scale
+        qi = torch.arange(pos + a, pos + b, device=q.device)[:, None]
+        hidden = kj > qi
+        if window is not None:
+            hidden |= qi - kj >= window
+        scores.masked_fill_(hidden, float("-inf"))
+        logits = torch.cat([scores, sinks.view(H, 1, 1).expand(H, t, 1)], -1)
+        logits = logits - logits.amax(-1, keepdim=True)
+        probs = torch.softmax(logits, -1)[..., :-1].to(values.dtype)
+        o = torch.matmul(probs.reshape(G, r * t, S), values).view(H, t, D)
+        out[a:b] = o.transpose(0, 1).reshape(t, H * D)
+    return out
 
 
 def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

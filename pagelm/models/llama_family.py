@@ -14,10 +14,18 @@ GGUF conventions handled here:
   before rope (attn_{q,k}_norm.weight, head_dim values each); a mixture of experts as every layer's
   feed-forward (`models.moe`: ffn_gate_inp and the 3-D ffn_{gate,up,down}_exps), whose decode steps
   take `_token_layers` in numpy, not TokenLayers' compiled layers.
+- Optional per family as well: a bias on attn_output; attention sinks (attn_sinks.weight, a logit per head
+  in each softmax: layers.sink_attention, whose decode goes through torch's path, not the one-token
+  kernels); every other layer (0, 2, ...) attends within attention.sliding_window (a full-length KV
+  cache masked to the window); the feed-forward's norm named post_attention_norm; experts with
+  biases, routed by the top k of the router's logits (with its bias) then a softmax over those k,
+  activated by the clamped SwiGLU (`models.moe`); YaRN rope scaling.
 - RMSNorm weights are used as stored (no +1); no embedding scale.
 - rope scaling: `<arch>.rope.scaling.type` none or linear, and the llama3-style per-pair
   frequency factors: GGUF's `rope_freqs.weight`, or computed from a Hugging Face config's llama3
-  numbers (`models.rope_scaling`); other scalings are refused.
+  numbers (`models.rope_scaling`); yarn where the family reads it (`Family.yarn`: factor,
+  original_context_length, llama.cpp's yarn_beta_fast / yarn_beta_slow, and pagelm's yarn_truncate,
+  false when absent as gpt-oss's config says); other scalings are refused.
 """
 
 from __future__ import annotations
@@ -34,10 +42,10 @@ import numpy as np
 
 from pagelm.errors import ModelFormatError, UnsupportedError
 from pagelm.models.decoder import Decoder, Span, advance, per_sequence
-from pagelm.models.moe import Experts
+from pagelm.models.moe import ClampedSwiglu, Experts
 from pagelm.models.layers import (KVState, apply_rope_, check_config, attend_spans, attention, gated_mlp, inv_freq, rms_norm,
-                                  rope_tables)
-from pagelm.models.rope_scaling import Llama3Scaling
+                                  rope_tables, yarn_inv_freq)
+from pagelm.models.rope_scaling import Llama3Scaling, YarnScaling
 from pagelm.models.token_layers import K_NORM, TokenLayers
 from pagelm.models.token_ops import RopeRows, TokenStep, token_ropes
 from pagelm.weights.hf import (LLAMA3_KEYS, HFConfig, HFLayout, decoder_hf_config, decoder_metadata, expert_tensor,
@@ -59,10 +67,24 @@ class Family:
     qk_norm: bool = False  # q and k are RMS-normed per head before rope
     moe: bool = False  # the feed-forward is a mixture of experts (models.moe): ffn_gate_inp, ffn_{gate,up,down}_exps
     hf_type: str | None = None  # config.json's model_type where it is not `arch`
+    out_bias: bool = False  # attn_output has a bias
+    sinks: bool = False  # attn_sinks.weight: each head's softmax has that logit more (layers.sink_attention)
+    swa_period: int = 0  # layer i attends within attention.sliding_window unless i % swa_period == swa_period - 1
+    ffn_norm: str = "ffn_norm"  # the GGUF name of the norm before the feed-forward
+    # gpt-oss's experts: ffn_gate_inp.bias and ffn_{gate,up,down}_exps.bias, the top k of the logits then
+    # their softmax, the clamped SwiGLU (models.moe)
+    oss_experts: bool = False
+    yarn: bool = False  # rope.scaling.type yarn is read (models.rope_scaling.YarnScaling)
 
     @property
     def model_type(self) -> str:
         return self.hf_type or self.arch
+
+    @property
+    def token_step(self) -> bool:
+        """Whether a decode step may take `_token_layers` (token_ops.TokenStep): its one-token kernels
+        have no attention sinks, windows or output bias; such a family's decode is torch's `_layers`."""
+        return not (self.sinks or self.swa_period or self.out_bias)
 
 
 @dataclass(frozen=True)
@@ -86,6 +108,8 @@ class FamilyConfig:
     n_experts_used: int = 0
     expert_ffn: int = 0
     expert_norm: bool = True
+    sliding_window: int = 0  # family.swa_period's windowed layers' attention.sliding_window
+    yarn: YarnScaling | None = None
 
     @classmethod
     def from_loader(cls, model: WeightLoader) -> FamilyConfig:
@@ -112,12 +136,19 @@ class FamilyConfig:
             raise UnsupportedError(f"{model.name}: partial rope ({i('rope.dimension_count')} of {head_dim} dims) is not supported")
         scaling = opt("rope.scaling.type")
         rope_scale, llama3 = 1.0, None
+        yarn = None
         if scaling == "llama3":  # a Hugging Face config's numbers (a GGUF carries rope_freqs.weight)
             llama3 = Llama3Scaling(*(model.get_float(f"{name}.rope.scaling.{key}") for key in ("factor", *LLAMA3_KEYS)))
+        elif scaling == "yarn" and cls.family.yarn:
+            yarn = YarnScaling(model.get_float(f"{name}.rope.scaling.factor"),
+                               model.get_float(f"{name}.rope.scaling.original_context_length"),
+                               *(model.get_float(f"{name}.rope.scaling.{key}") if opt(f"rope.scaling.{key}") is not None
+                                 else default for key, default in (("yarn_beta_fast", 32.0), ("yarn_beta_slow", 1.0))),
+                               bool(opt("rope.scaling.yarn_truncate") or False))
         elif scaling not in (None, "none"):
             if scaling != "linear":
                 raise UnsupportedError(f"{model.name}: rope scaling {scaling!r:.40} is not supported (none, linear, "
-                                       f"llama3 are)")
+                                       f"llama3{', yarn' if cls.family.yarn else ''} are)")
             rope_scale = model.get_float(f"{name}.rope.scaling.factor")
         n_kv = i("attention.head_count_kv") if opt("attention.head_count_kv") is not None else n_heads
         config = cls(
@@ -132,6 +163,8 @@ class FamilyConfig:
             rms_eps=model.get_float(f"{name}.attention.layer_norm_rms_epsilon"),
             vocab=embd[1],
             llama3=llama3,
+            yarn=yarn,
+            sliding_window=i("attention.sliding_window") if cls.family.swa_period else 0,
         )
         if cls.family.moe:
             norm = opt("expert_weights_norm")
@@ -144,8 +177,8 @@ class FamilyConfig:
         where = where or f"{self.family.arch} config"
         moe = ("n_experts", "n_experts_used", "expert_ffn")
         counts = {name: value for name, value in vars(self).items()
-                  if name not in ("rope_base", "rope_scale", "rms_eps", "llama3", "expert_norm")
-                  and (self.family.moe or name not in moe)}
+                  if name not in ("rope_base", "rope_scale", "rms_eps", "llama3", "expert_norm", "yarn")
+                  and (self.family.moe or name not in moe) and (self.family.swa_period or name != "sliding_window")}
         check_config(where, counts, (
             (self.n_heads % self.n_kv_heads == 0, f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}"),
             (self.head_dim % 2 == 0, f"head dim {self.head_dim} must be even"),
@@ -154,7 +187,14 @@ class FamilyConfig:
             (self.rms_eps > 0, f"attention.layer_norm_rms_epsilon {self.rms_eps} must be > 0"),
             (self.n_experts_used <= self.n_experts,
              f"expert_used_count {self.n_experts_used} exceeds expert_count {self.n_experts}"),
+            (self.yarn is None or self.yarn.factor > 0 and self.yarn.original_context > 0,
+             f"rope.scaling.factor and original_context_length must be > 0, got {self.yarn}"),
         ))
+
+    def window(self, i: int) -> int | None:
+        """Layer i's attention window (None: every earlier key)."""
+        p = self.family.swa_period
+        return self.sliding_window if p and i % p != p - 1 else None
 
 
 @dataclass
@@ -169,6 +209,8 @@ class FamilyLayer:
     qkv_bias: torch.Tensor | None = None  # (H·D + 2·G·D,) fp32, qkv's rows' order
     q_norm: torch.Tensor | None = None  # (D,) fp32
     k_norm: torch.Tensor | None = None
+    out_bias: torch.Tensor | None = None  # (hidden,) fp32
+    sinks: torch.Tensor | None = None  # (H,) fp32
 
 
 def load_layer(c: FamilyConfig, model: WeightLoader, i: int) -> FamilyLayer:
@@ -185,27 +227,29 @@ def load_layer(c: FamilyConfig, model: WeightLoader, i: int) -> FamilyLayer:
         attn_norm=model.tensor(p + "attn_norm.weight", (c.hidden,)),
         qkv=model.linear(c.hidden, *qkv),
         out=model.linear(hd, (p + "attn_output.weight", c.hidden)),
-        ffn_norm=model.tensor(p + "ffn_norm.weight", (c.hidden,)),
+        ffn_norm=model.tensor(p + f.ffn_norm + ".weight", (c.hidden,)),
         gate_up=None if f.moe else model.linear(c.hidden, (p + "ffn_gate.weight", c.ffn), (p + "ffn_up.weight", c.ffn)),
         down=None if f.moe else model.linear(c.ffn, (p + "ffn_down.weight", c.hidden)),
-        experts=load_experts(c, model, p) if f.moe else None,
+        experts=load_experts(c, model, p, oss=f.oss_experts) if f.moe else None,
         qkv_bias=bias,
         q_norm=model.tensor(p + "attn_q_norm.weight", (c.head_dim,)) if f.qk_norm else None,
         k_norm=model.tensor(p + "attn_k_norm.weight", (c.head_dim,)) if f.qk_norm else None,
+        out_bias=model.tensor(p + "attn_output.bias", (c.hidden,)) if f.out_bias else None,
+        sinks=model.tensor(p + "attn_sinks.weight", (c.n_heads,)) if f.sinks else None,
     )
 
 
-def load_experts(c, model: WeightLoader, p: str, shared_ffn: int = 0) -> Experts:
+def load_experts(c, model: WeightLoader, p: str, shared_ffn: int = 0, oss: bool = False) -> Experts:
     """The mixture of the layer whose names start with `p`, of a config with hidden, n_experts,
     n_experts_used, expert_ffn and expert_norm (FamilyConfig's, qwen35moe's); with `shared_ffn`, a
     shared expert of that width (ffn_{gate,up,down}_shexp) whose gate (ffn_gate_inp_shexp, one row)
-    is the router's last row."""
+    is the router's last row; `oss`: gpt-oss's experts (top-k then softmax, biases, clamped SwiGLU)."""
     shared = [(p + "ffn_gate_inp_shexp.weight", 1)] if shared_ffn else []
     # newer llama.cpp files may hold each expert's gate and up rows in one tensor, ffn_gate_up_exps (gate first)
     fused = p + "ffn_gate_up_exps.weight"
     gate_up = [(fused, 2 * c.expert_ffn)] if model.has_tensor(fused) else \
         [(p + "ffn_gate_exps.weight", c.expert_ffn), (p + "ffn_up_exps.weight", c.expert_ffn)]
-    return Experts(  # the experts first: an expert count unlike their tensors' is named by the 3-D tensor
+    experts = Experts(  # the experts first: an expert count unlike their tensors' is named by the 3-D tensor
         gate_up=model.experts(c.hidden, c.n_experts, *gate_up),
         down=model.experts(c.expert_ffn, c.n_experts, (p + "ffn_down_exps.weight", c.hidden)),
         router=model.linear(c.hidden, (p + "ffn_gate_inp.weight", c.n_experts), *shared),
@@ -213,6 +257,14 @@ def load_experts(c, model: WeightLoader, p: str, shared_ffn: int = 0) -> Experts
         shared=(model.linear(c.hidden, (p + "ffn_gate_shexp.weight", shared_ffn), (p + "ffn_up_shexp.weight", shared_ffn)),
                 model.linear(shared_ffn, (p + "ffn_down_shexp.weight", c.hidden))) if shared_ffn else None,
     )
+    if not oss:
+        return experts
+    E, F_ = c.n_experts, c.expert_ffn
+    return replace(experts, softmax_first=False, activation=ClampedSwiglu(),
+                   router_bias=model.tensor(p + "ffn_gate_inp.bias", (E,)),
+                   gate_up_bias=torch.cat([model.tensor(p + "ffn_gate_exps.bias", (E, F_)),
+                                           model.tensor(p + "ffn_up_exps.bias", (E, F_))], 1),
+                   down_bias=model.tensor(p + "ffn_down_exps.bias", (E, c.hidden)))
 
 
 class FamilyModel(Decoder):
@@ -235,22 +287,34 @@ class FamilyModel(Decoder):
             factors = model.tensor("rope_freqs.weight", (config.head_dim // 2,))
         elif config.llama3 is not None:
             factors = torch.tensor(config.llama3.factors(config.rope_base, config.head_dim), dtype=torch.float32)
-        self.inv_freq = inv_freq(config.rope_base, config.head_dim, self.device, factors)
-        self.token_rope = RopeRows(lambda pos: rope_tables(self.inv_freq, pos, 1, self.config.rope_scale))
+        if config.yarn is not None:
+            self.inv_freq = yarn_inv_freq(config.rope_base, config.head_dim, config.yarn, self.device)
+        else:
+            self.inv_freq = inv_freq(config.rope_base, config.head_dim, self.device, factors)
+        self.token_rope = RopeRows(lambda pos: self._rope(pos, 1))
         self._compiled: TokenLayers | bool | None = None  # the one-token layers as compiled calls; False: not taken
 
     def new_state(self, max_len: int) -> KVState:
         c = self.config
         return KVState(c.n_layers, c.n_kv_heads, c.head_dim, max_len, self.dtype, self.device)
 
+    def _rope(self, pos: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions pos..pos+T-1, times YaRN's attention factor where the rope has one."""
+        cos, sin = rope_tables(self.inv_freq, pos, T, self.config.rope_scale)
+        if self.config.yarn is not None:
+            factor = self.config.yarn.attention_factor
+            cos, sin = cos * factor, sin * factor
+        return cos, sin
+
     def _layers(self, x: torch.Tensor, spans: list[Span], alone: bool) -> Generator:
         c, T = self.config, x.shape[0]
         H, G, D = c.n_heads, c.n_kv_heads, c.head_dim
-        ropes = [self.token_rope(s.state.pos) if s.hi - s.lo == 1 else
-                 rope_tables(self.inv_freq, s.state.pos, s.hi - s.lo, c.rope_scale) for s in spans]
+        ropes = [self.token_rope(s.state.pos) if s.hi - s.lo == 1 else self._rope(s.state.pos, s.hi - s.lo)
+                 for s in spans]
         scale = D**-0.5
         tokens = token_ropes(ropes) if T == len(spans) else None  # one token each: the batched kernels
-        step = None if tokens is None else TokenStep.of(x, [s.state for s in spans], [tokens], scale, H, G, D)
+        step = None if tokens is None or not c.family.token_step \
+            else TokenStep.of(x, [s.state for s in spans], [tokens], scale, H, G, D)
         if step is not None:
             return (yield from self._token_layers(step, spans, alone))
         h = x.to(device=self.device, dtype=torch.float32, copy=True)
@@ -267,15 +331,18 @@ class FamilyModel(Decoder):
                 q = rms_norm(q.contiguous() if alone_rows else q, w.q_norm, c.rms_eps, tokens_alone=alone_rows)
                 k = rms_norm(k.contiguous() if alone_rows else k, w.k_norm, c.rms_eps, tokens_alone=alone_rows)
 
+            window = c.window(i)
+
             def attend(s: Span, rope) -> torch.Tensor:
                 qs, ks = q[s.lo : s.hi], k[s.lo : s.hi]
                 apply_rope_(qs, *rope)
                 apply_rope_(ks, *rope)
                 kv = s.state
-                return attention(qs, ks, v[s.lo : s.hi], kv.layers[i], kv.pos, scale, views=kv.views[i])
+                return attention(qs, ks, v[s.lo : s.hi], kv.layers[i], kv.pos, scale, window, kv.views[i], w.sinks)
 
-            o = None if tokens is None else attend_spans(q, k, v, spans, i, tokens, scale)
-            h += w.out(per_sequence(attend, spans, ropes) if o is None else o, alone)
+            o = None if tokens is None or w.sinks is not None else attend_spans(q, k, v, spans, i, tokens, scale, window)
+            o = w.out(per_sequence(attend, spans, ropes) if o is None else o, alone)
+            h += o if w.out_bias is None else o.float() + w.out_bias
             y = rms_norm(h, w.ffn_norm, c.rms_eps)
             h += gated_mlp(w.gate_up, w.down, y, F.silu, alone, spans) if w.experts is None else w.experts(y, alone)
             yield

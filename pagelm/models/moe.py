@@ -1,21 +1,44 @@
-"""A mixture of experts' feed-forward: a softmax router picks each token's top-k experts, each a
-SiLU-gated MLP whose matrices stay where the loader put them (row ranges of the file's 3-D tensors);
-optionally a shared expert every token takes, behind a sigmoid gate (Qwen3.5-MoE's).
+"""A mixture of experts' feed-forward: a router picks each token's top-k experts, each a gated MLP
+whose matrices stay where the loader put them (row ranges of the file's 3-D tensors); optionally a
+shared expert every token takes, behind a sigmoid gate (Qwen3.5-MoE's).
 
-Owns routing and the combination of the routed experts' outputs; never loads weights. Only routed
-experts are multiplied, each once per call over the rows routed to it: in a decode step of several
-sequences (`alone`) those rows take the few-row kernels, each row's bits its own, and every row sums
-its experts in its own top-k order, so that a sequence's bits never depend on the others in the step.
+Owns routing and the combination of the routed experts' outputs; never loads weights. Two routers:
+qwen3moe's softmax over every expert, then the top k (optionally renormalized); gpt-oss's top k of
+the logits, then a softmax over those k. Two activations: SiLU-gated (`silu_glu`) and gpt-oss's
+clamped SwiGLU (`ClampedSwiglu`). Only routed experts are multiplied, each once per call over the
+rows routed to it: in a decode step of several sequences (`alone`) those rows take the few-row
+kernels, each row's bits its own, and every row sums its experts in its own top-k order, so that a
+sequence's bits never depend on the others in the step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from pagelm.weights.linear import Linear
+
+
+def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up (qwen3moe's and qwen35moe's experts), into gate's activation."""
+    return F.silu(gate).mul_(up)
+
+
+@dataclass(frozen=True)
+class ClampedSwiglu:
+    """gpt-oss's expert activation, transformers' GptOssExperts._apply_gate: gate clamped above at
+    `limit`, up clamped to ±limit, (up + 1) · gate · sigmoid(alpha · gate)."""
+
+    limit: float = 7.0
+    alpha: float = 1.702
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return (up.clamp(-self.limit, self.limit) + 1) * glu
 
 
 @dataclass
@@ -28,25 +51,36 @@ class Experts:
     gate_up: list[Linear]  # per expert (2·ffn, hidden): its ffn_gate_exps rows, then its ffn_up_exps rows
     down: list[Linear]  # per expert (hidden, ffn)
     top_k: int
-    normalize: bool  # the top-k weights renormalized to sum to 1
+    normalize: bool  # the top-k weights renormalized to sum to 1 (softmax_first only)
     # the shared expert's (gate_up, down), as an expert's (ffn_{gate,up,down}_shexp), or None
     shared: tuple[Linear, Linear] | None = None
+    softmax_first: bool = True  # softmax over every expert, then top-k; else top-k logits, then their softmax
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = silu_glu  # (gate, up) -> the gated rows
+    router_bias: torch.Tensor | None = None  # (n_experts,) float32
+    gate_up_bias: torch.Tensor | None = None  # (n_experts, 2·ffn) float32, gate's then up's
+    down_bias: torch.Tensor | None = None  # (n_experts, hidden) float32
     # where a caller wants each call's choices: (rows, top_k) expert indices appended per call
     routes: list | None = None
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights (n, top_k) float32, experts (n, top_k) int64) of the router's logits (n, n_experts):
-        the top-k of their softmax in float32, ties broken as torch.topk breaks them (as transformers)."""
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize:  # a sequential sum (cumsum), each row's alone
-            weights = weights / weights.cumsum(-1)[:, -1:]
+        """(weights (n, top_k) float32, experts (n, top_k) int64) of the router's logits (n, n_experts),
+        in float32, ties broken as torch.topk breaks them (as transformers)."""
+        logits = logits.float()
+        if self.router_bias is not None:
+            logits = logits + self.router_bias
+        if self.softmax_first:
+            weights, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+            if self.normalize:  # a sequential sum (cumsum), each row's alone
+                weights = weights / weights.cumsum(-1)[:, -1:]
+        else:
+            top, chosen = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
         if self.routes is not None:
             self.routes.append(chosen.clone())
         return weights, chosen
 
     def __call__(self, y: torch.Tensor, alone: bool) -> torch.Tensor:
-        """The float32 sum over each row's top-k experts e of weight · down_e(silu(gate_e) · up_e) of
+        """The float32 sum over each row's top-k experts e of weight · down_e(act(gate_e, up_e)) of
         rows y (n, hidden): each expert once over the rows routed to it (the rows gathered by expert,
         a product per expert, put back in row order), then each row's experts added in its top-k order;
         then the shared expert's output times the sigmoid of its gate, where there is one."""
@@ -61,27 +95,36 @@ class Experts:
         done = torch.empty(n * k, y.shape[1], dtype=torch.float32, device=y.device)
         lo = 0
         for e, count in zip(experts.tolist(), counts.tolist()):
-            done[lo : lo + count] = _gated(self.gate_up[e], self.down[e], rows[lo : lo + count], alone)
+            done[lo : lo + count] = self._expert(e, rows[lo : lo + count], alone)
             lo += count
         outs = done[torch.argsort(slots)].view(n, k, -1).mul_(weights[:, :, None])
         total = outs[:, 0].clone()
         for j in range(1, k):
             total += outs[:, j]
         if self.shared is not None:
-            gate = _each_row(torch.sigmoid, logits[:, n_routed:].float(), alone)
+            gate = _each_row(torch.sigmoid, logits[:, n_routed:].float(), alone=alone)
             total += _gated(*self.shared, y, alone).float().mul_(gate)
         return total
 
-
-def _each_row(fn, x: torch.Tensor, alone: bool) -> torch.Tensor:
-    """fn(x); with `alone`, of each row by itself (layers.gated_mlp's why: a transcendental's bits
-    depend on how many values a call has)."""
-    if alone and x.shape[0] > 1:
-        return torch.cat([fn(x[r : r + 1]) for r in range(x.shape[0])])
-    return fn(x)
+    def _expert(self, e: int, y: torch.Tensor, alone: bool) -> torch.Tensor:
+        bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
+        out = _gated(self.gate_up[e], self.down[e], y, alone, self.activation, bias)
+        return out if self.down_bias is None else out.float() + self.down_bias[e]
 
 
-def _gated(gate_up: Linear, down: Linear, y: torch.Tensor, alone: bool) -> torch.Tensor:
-    """down(silu(gate) · up) of rows y, gate and up the halves of gate_up(y)."""
-    gate, up = gate_up(y, alone).chunk(2, -1)
-    return down(_each_row(F.silu, gate, alone).mul_(up), alone)
+def _each_row(fn, *xs: torch.Tensor, alone: bool) -> torch.Tensor:
+    """fn(*xs) of rows; with `alone`, of each row by itself (layers.gated_mlp's why: a transcendental's
+    bits depend on how many values a call has)."""
+    if alone and xs[0].shape[0] > 1:
+        return torch.cat([fn(*(x[r : r + 1] for x in xs)) for r in range(xs[0].shape[0])])
+    return fn(*xs)
+
+
+def _gated(gate_up: Linear, down: Linear, y: torch.Tensor, alone: bool, activation=silu_glu,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """down(activation(gate, up)) of rows y, gate and up the halves of gate_up(y) (+ bias)."""
+    both = gate_up(y, alone)
+    if bias is not None:
+        both = both.float() + bias
+    gate, up = both.chunk(2, -1)
+    return down(_each_row(activation, gate, up, alone=alone), alone)

@@ -35,3 +35,33 @@ class Llama3Scaling:
                     self.high_freq_factor - self.low_freq_factor)
                 out.append(1 / ((1 - smooth) / self.factor + smooth))
         return tuple(out)
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """`rope_scaling` of type yarn (gpt-oss): each rope pair's frequency a blend, by a linear ramp over
+    the pairs, of the extrapolated base frequency and the interpolated one (divided by `factor`), and
+    cos and sin multiplied by `attention_factor`, as transformers' `_compute_yarn_parameters`.
+    `truncate`: the ramp's ends rounded out to whole pairs (transformers' default; gpt-oss's config
+    says false)."""
+
+    factor: float
+    original_context: float
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = False
+
+    @property
+    def attention_factor(self) -> float:
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+    def ramp_ends(self, base: float, head_dim: int) -> tuple[float, float]:
+        """(low, high): the pair indices between which the ramp rises from 0 to 1."""
+
+        def pair(rotations: float) -> float:
+            return head_dim * math.log(self.original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = pair(self.beta_fast), pair(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        return max(low, 0), min(high, head_dim - 1)

@@ -23,7 +23,8 @@ def _synth(args: argparse.Namespace) -> int:
     short-convolution layers), embeddinggemma-300m (gemma-embedding: bidirectional, mean pooling,
     dense_2/dense_3), qwen3-30b-a3b (qwen3moe: 128 experts, 8 per token, an untied output head),
     qwen3.5-35b-a3b (qwen35moe: the Qwen3.5 hybrid with 256 experts, 8 per token, and a shared expert; an
-    untied output head), and FAMILY-tiny shapes of each for tests. Only the Qwen3.5 shapes of the real
+    untied output head), gpt-oss-20b (gpt-oss: 32 MXFP4 experts, 4 per token, sinks, a sliding window every
+    other layer, YaRN, an untied output head), and FAMILY-tiny shapes of each for tests. Only the Qwen3.5 shapes of the real
     vocabulary size carry a tokenizer (the real Qwen3.5 one); every other shape is token ids only."""
     if args.seed < 0:
         raise PagelmError(f"--seed must be >= 0, got {args.seed}")

@@ -78,6 +78,45 @@ def _expert_parts(name: str, rows: int, maps: dict[str, TensorMap]) -> list[tupl
     return []
 
 
+def _fused_producer(file: GGUFFile, parts: list[tuple[str, TensorMap]], shape: tuple[int, ...],
+                    dtype: str) -> Callable[[], np.ndarray]:
+    """The values of one Hugging Face tensor that several GGUF tensors are columns of (gpt-oss's
+    gate_up_proj: its even columns ffn_gate_exps' rows, transposed, its odd ones ffn_up_exps'; its
+    bias likewise), as each part's TensorMap says (`transposed` with `rows`, or `columns`)."""
+    def produce() -> np.ndarray:
+        out = np.empty(shape, np.float32)
+        for name, tmap in parts:
+            values = dequantize_tensor(file, name).numpy()
+            if tmap.transposed:  # (experts, rows, in) into columns `rows` of (experts, in, columns)
+                out[:, :, np.arange(values.shape[1]) if tmap.rows is None else tmap.rows] = values.transpose(0, 2, 1)
+            else:
+                out[..., np.arange(values.shape[-1]) if tmap.columns is None else tmap.columns] = values
+        return f32_to_bf16(out) if dtype == "BF16" else out.astype(np.float16 if dtype == "F16" else np.float32)
+    return produce
+
+
+def _fused(file: GGUFFile, maps: dict[str, TensorMap], quantized: Quantized) -> tuple[list[TensorToWrite], set[str]]:
+    """The Hugging Face tensors that several GGUF tensors, or one transposed, are written into (the
+    tensors), and those GGUF tensors' names."""
+    groups: dict[str, list[tuple[str, TensorMap]]] = {}
+    for name, tmap in maps.items():
+        if name in file.tensors:
+            groups.setdefault(tmap.hf, []).append((name, tmap))
+    out, names = [], set()
+    for hf, parts in groups.items():
+        if len(parts) == 1 and not parts[0][1].transposed:
+            continue
+        infos = [file.tensors[name] for name, _ in parts]
+        if parts[0][1].transposed:  # numpy (experts, rows, in) each
+            shape = (*infos[0].shape[:-2], infos[0].shape[-1], sum(i.shape[-2] for i in infos))
+        else:
+            shape = (*infos[0].shape[:-1], sum(i.shape[-1] for i in infos))
+        dtype = "BF16" if quantized == "bf16" and len(shape) == 3 else "F32"
+        out.append(TensorToWrite(hf, dtype, shape, _fused_producer(file, parts, shape, dtype)))
+        names.update(name for name, _ in parts)
+    return out, names
+
+
 def _tile_kind(file: GGUFFile, name: str, tmap: TensorMap, flm_version: str) -> TileKind | None:
     """The tiles a FastFlowLM directory holds matrix `name` in, or None (written as floats)."""
     info = file.tensors[name]
@@ -134,8 +173,11 @@ def write_directory(gguf_path: str, out_dir: str, container: Container = "hf", q
             maps = flm_layout(module, HFConfig(hf_config, CONFIG_NAME), None).tensors
         else:
             maps = module.hf_layout(HFConfig(hf_config, CONFIG_NAME), None).tensors
-        tensors, tiled = [], []
+        tensors, fused = _fused(file, maps, quantized) if container == "hf" else ([], set())
+        tiled = []
         for name, info in file.tensors.items():
+            if name in fused:
+                continue
             tmap = maps.get(name)
             parts = _expert_parts(name, info.shape[1], maps) if tmap is None else []
             if parts:  # a 3-D expert tensor: one tensor per expert (and per half of ffn_gate_up_exps)

@@ -114,6 +114,8 @@ class Shape:
     n_experts_used: int = 0
     expert_ffn: int = 0
     shared_ffn: int = 0
+    # gpt-oss: YaRN rope scaling (factor, original context length); its sliding window is sliding_window
+    yarn_rope: tuple[float, int] | None = None
 
     @property
     def dim(self) -> int:
@@ -245,6 +247,28 @@ def _experts(s: Shape, b: str, matrix: Matrix, residual: float) -> list[PlannedT
             experts("ffn_down_exps.weight", f, d, residual / _BRANCH_RMS)]
 
 
+def _gpt_oss_layer(s: Shape, i: int, matrix: Matrix, residual: float) -> list[PlannedTensor]:
+    """gpt-oss: attention with q/k/v/o biases and a sink logit per head, then the router (F32, with a
+    bias) and the experts' 3-D tensors in MXFP4 whatever the other matrices' type (as every published
+    gpt-oss GGUF holds them), each with a bias per expert ne = [n_out, n_experts]."""
+    b, d, f, n = f"blk.{i}.", s.hidden, s.expert_ffn, s.n_experts
+
+    def experts(name: str, n_in: int, n_out: int, gain: float = 1.0) -> list[PlannedTensor]:
+        weight = replace(matrix(b + name + ".weight", n_in, n_out, gain), dims=(n_in, n_out, n),
+                         ggml_type=GGMLType.MXFP4)
+        return [weight, PlannedTensor(b + name + ".bias", (n_out, n), F32, normal(_BIAS_RMS))]
+
+    return ([_vector(b + "attn_norm.weight", d, norm())]
+            + _attention(s, b, matrix, residual / _ATTN_BRANCH_RMS, biases=True)
+            + [_vector(b + "attn_output.bias", d, normal(_BIAS_RMS)),
+               _vector(b + "attn_sinks.weight", s.n_head, normal(1.0)),
+               _vector(b + "post_attention_norm.weight", d, norm()),
+               PlannedTensor(b + "ffn_gate_inp.weight", (d, n), F32, normal(1 / math.sqrt(d))),
+               _vector(b + "ffn_gate_inp.bias", n, normal(_BIAS_RMS))]
+            + experts("ffn_gate_exps", d, f) + experts("ffn_up_exps", d, f)
+            + experts("ffn_down_exps", f, d, residual / _BRANCH_RMS))
+
+
 def _lfm2_layer(s: Shape, i: int, matrix: Matrix, residual: float) -> list[PlannedTensor]:
     """Attention (q/k norms) or a gated short convolution: in_proj's rows are B, C and x; the
     depthwise taps ne = [l_cache, hidden]."""
@@ -336,6 +360,15 @@ def _qwen35moe_keys(s: Shape) -> dict:
     return {**_qwen35_keys(s), **_expert_keys(s), "expert_shared_feed_forward_length": u32(s.shared_ffn)}
 
 
+def _gpt_oss_keys(s: Shape) -> dict:
+    """llama.cpp's converter's: the experts', the sliding window (every other layer, from the first,
+    by llama.cpp's fixed pattern) and YaRN's (its betas llama.cpp's defaults)."""
+    factor, original = s.yarn_rope
+    return {**_moe_keys(s), "attention.sliding_window": u32(s.sliding_window), "rope.scaling.type": "yarn",
+            "rope.scaling.factor": Typed(GGUFValueType.FLOAT32, factor),
+            "rope.scaling.original_context_length": u32(original)}
+
+
 def _lfm2_keys(s: Shape) -> dict:
     return {"attention.head_count_kv": i32_array([s.n_head_kv if i in s.attention_layers else 0
                                                  for i in range(s.n_layers)]),
@@ -372,6 +405,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3": Architecture(_decoder_layer(qk_norms=True), _rope_keys),
     "llama": Architecture(_decoder_layer(), _rope_keys, _llama_extra),
     "qwen3moe": Architecture(_moe_layer, _moe_keys),
+    "gpt-oss": Architecture(_gpt_oss_layer, _gpt_oss_keys),
     "lfm2": Architecture(_lfm2_layer, _lfm2_keys, output_norm="token_embd_norm.weight"),
     "gemma-embedding": Architecture(_gemma_layer, _gemma_embedding_keys, _gemma_embedding_extra),
 }

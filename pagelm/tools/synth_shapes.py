@@ -88,6 +88,14 @@ SHAPES: dict[str, Shape] = {
     # max_position_embeddings 40960, tie_word_embeddings false
     "qwen3-30b-a3b": _decoder("qwen3moe", 151_936, 2048, 48, 6144, 32, 4, 128, 40_960, 1e6, output_type=Q8_0,
                               n_experts=128, n_experts_used=8, expert_ffn=768),
+    # huggingface.co/openai/gpt-oss-20b config.json: 24 layers, hidden 2880, 64 heads of 64, 8 kv heads,
+    # 32 experts (num_local_experts) of intermediate_size 2880, 4 per token, sliding_window 128 on every
+    # other layer, rope_theta 150000 with yarn factor 32 over original_max_position_embeddings 4096,
+    # max_position_embeddings 131072, rms_norm_eps 1e-5, vocab 201088, tie_word_embeddings false; the
+    # experts MXFP4 (synth_arch), the other matrices Q8_0 as ggml-org's gpt-oss-20b-mxfp4.gguf
+    "gpt-oss-20b": _decoder("gpt-oss", 201_088, 2880, 24, 2880, 64, 8, 64, 131_072, 150_000.0, 1e-5, output_type=Q8_0,
+                            n_experts=32, n_experts_used=4, expert_ffn=2880, sliding_window=128,
+                            yarn_rope=(32.0, 4096)),
     # tiny shapes of the same structure, for tests
     "qwen3-tiny": _decoder("qwen3", 4096, 128, 2, 256, 4, 2, 64, 4096, 1e6),
     "qwen2.5-tiny": _decoder("qwen2", 4096, 128, 2, 256, 4, 2, 32, 4096, 1e6),
@@ -96,6 +104,9 @@ SHAPES: dict[str, Shape] = {
                           conv_kernel=3),
     "qwen3-30b-a3b-tiny": _decoder("qwen3moe", 4096, 128, 2, 256, 4, 2, 32, 4096, 1e6, output_type=Q8_0,
                                    n_experts=8, n_experts_used=2, expert_ffn=64),
+    "gpt-oss-20b-tiny": _decoder("gpt-oss", 4096, 128, 3, 128, 4, 2, 32, 4096, 150_000.0, 1e-5, output_type=Q8_0,
+                                 n_experts=8, n_experts_used=2, expert_ffn=64, sliding_window=8,
+                                 yarn_rope=(32.0, 4096)),
     "embeddinggemma-tiny": _decoder("gemma-embedding", 4096, 128, 6, 192, 2, 1, 64, 2048, 1e6,
                                     sliding_window=8, dense=(256, 128)),
 }

@@ -34,8 +34,10 @@ HF_DTYPES = {"F32": GGMLType.F32, "F16": GGMLType.F16, "BF16": GGMLType.BF16}
 @dataclass(frozen=True)
 class TensorMap:
     """How GGUF tensor values are read from one Hugging Face tensor: GGUF row i is HF row
-    `rows[i]`, GGUF column j is HF column `columns[j]`; `to_gguf` / `to_hf` convert the values
-    of a small tensor (norm offsets, A_log) both ways."""
+    `rows[i]`, GGUF column j is HF column `columns[j]` (for a small tensor possibly a subset: one of
+    an interleaved pair's halves); `to_gguf` / `to_hf` convert the values of a small tensor (norm
+    offsets, A_log) both ways. `transposed`: HF holds each matrix transposed, (experts, in, out) (gpt-oss's
+    fused experts), and GGUF row i of expert e's matrix is HF column rows[i] of its (`WeightLoader.experts`)."""
 
     hf: str
     rows: np.ndarray | None = None
@@ -43,6 +45,7 @@ class TensorMap:
     to_gguf: Callable[[np.ndarray], np.ndarray] | None = None
     to_hf: Callable[[np.ndarray], np.ndarray] | None = None
     hf_shape: tuple[int, ...] | None = None  # where HF's shape has more (size-1) dims than GGUF's
+    transposed: bool = False
 
 
 @dataclass

@@ -292,3 +292,33 @@ class ColumnOrder(Linear):
 
     def __call__(self, x: torch.Tensor, alone: bool = False) -> torch.Tensor:
         return self.inner(x[:, self.gather], alone)
+
+
+class TransposedLinear(Linear):
+    """W read in place from a float matrix stored transposed, `stored` (in_features, columns) (Hugging
+    Face's fused experts, gpt-oss's gate_up_proj and down_proj): W's row i is stored column order[i].
+    x·Wᵀ is x times the stored matrix (BLAS reads it as it lies), then its columns in `order`; where
+    `stored` is of another dtype than `dtype`, a tile of columns at a time is converted. Rows `alone`
+    are each a product of one row, as a row by itself is."""
+
+    def __init__(self, stored: torch.Tensor, order: np.ndarray, dtype: torch.dtype):
+        self.stored, self.dtype = stored, dtype
+        self.in_features, self.out_features = stored.shape[0], len(order)
+        whole = np.array_equal(order, np.arange(stored.shape[1]))
+        self.order = None if whole else torch.from_numpy(np.asarray(order, np.int64))
+
+    def __call__(self, x: torch.Tensor, alone: bool = False) -> torch.Tensor:
+        x = x.to(self.dtype)
+        full = torch.cat([self._product(x[r : r + 1]) for r in range(x.shape[0])]) if alone and x.shape[0] > 1 \
+            else self._product(x)
+        return full if self.order is None else full[:, self.order]
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stored.dtype == self.dtype:
+            return x @ self.stored
+        columns = self.stored.shape[1]
+        step = max(1, TILE_VALUES // self.in_features)
+        out = torch.empty(x.shape[0], columns, dtype=self.dtype)
+        for lo in range(0, columns, step):
+            out[:, lo : lo + step] = x @ self.stored[:, lo : lo + step].to(self.dtype)
+        return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Literal
 
@@ -25,14 +26,15 @@ import torch
 
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.formats.gguf import GGUFArray, GGUFFile, GGUFValueType, TensorInfo
-from pagelm.quant import DECODABLE, decode_f32
+from pagelm.quant import DECODABLE, GGMLType, decode_f32
 from pagelm.quant import head, int8dot, matmul, tiles
 from pagelm.quant.precompile import compile_missing, model_jobs
 from pagelm.runtime.threads import kernel_threads
 from pagelm.weights.embedding import EmbeddingMode, OutputHead, RowFormat, TokenEmbedding, load_output_head, load_token_embedding
 from pagelm.weights.flm import FLMCheckpoint, TiledMatrix, is_flm_directory
 from pagelm.weights.hf import HFCheckpoint, HFLayouts, expert_tensor, is_hf_directory
-from pagelm.weights.linear import ColumnOrder, DenseLinear, Linear, MappedLinear, RowGroup, Scratch, TiledPart
+from pagelm.weights.linear import (ColumnOrder, DenseLinear, Linear, MappedLinear, RowGroup, Scratch, TiledPart,
+                                   TransposedLinear)
 from pagelm.weights.mapped import MappedTensor, tiled_matrices
 
 Checkpoint = GGUFFile | HFCheckpoint | FLMCheckpoint
@@ -47,6 +49,7 @@ _INT_TYPES = (
     GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64,
 )
 _FLOAT_TYPES = (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64)
+_TORCH_FLOATS = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
 
 
 def open_checkpoint(path: str, hf_layouts: HFLayouts | None = None) -> Checkpoint:
@@ -207,15 +210,21 @@ class WeightLoader:
 
     def tensor(self, name: str, shape: Sequence[int]) -> torch.Tensor:
         """A small tensor (norms, biases, conv taps) as float32 on the device, numpy-order `shape`."""
-        t = dequantize_tensor(self.file, name, torch.float32, shape=shape)
         conversion = self.file.conversion(name)
+        picked = conversion is not None and conversion.columns is not None  # some of the HF tensor's columns
+        t = dequantize_tensor(self.file, name, torch.float32, shape=None if picked else shape)
         if conversion is not None:
             values = t.numpy()
             if conversion.rows is not None:
                 values = values[conversion.rows]
+            if picked:
+                values = values[..., conversion.columns]
             if conversion.to_gguf is not None:
                 values = conversion.to_gguf(values)
             t = torch.from_numpy(np.ascontiguousarray(values, np.float32))
+            if tuple(t.shape) != tuple(shape):
+                raise ModelFormatError(f"{self.name}: tensor '{conversion.hf}' gives '{name}' the shape "
+                                       f"{tuple(t.shape)}, expected {tuple(shape)}")
         t = t.to(self.device)
         self._small_nbytes += t.numel() * t.element_size()
         return t
@@ -226,6 +235,9 @@ class WeightLoader:
         the OS for the tensors' pages now, in the background."""
         sources, columns = [], []
         for name, rows, *order in parts:
+            if getattr(self.file.conversion(name), "transposed", False):
+                raise UnsupportedError(f"{self.name}: tensor '{name}' is stored transposed, which pagelm reads "
+                                       f"only as experts")
             source = self._matrix(name, rows, in_features)
             rows_of = np.arange(rows, dtype=np.int64) if not order else np.asarray(order[0], np.int64)
             conversion = self.file.conversion(name)
@@ -245,13 +257,51 @@ class WeightLoader:
         `rows` rows of the expert tensor `name` ((n_experts, rows, in_features) in numpy order, GGUF's
         3-D ffn_*_exps), stacked in order; in mapped mode row ranges of the tensor read in place. A
         checkpoint that stores each expert's matrix apart (Hugging Face's) holds them as
-        `expert_tensor(name, e)`. Nothing is prefetched: a token reads only its experts' pages."""
+        `expert_tensor(name, e)`; one that stores them transposed in one 3-D tensor (gpt-oss's fused
+        gate_up_proj, down_proj: TensorMap.transposed), as `TransposedLinear`s over it. Nothing is
+        prefetched: a token reads only its experts' pages."""
+        if any(getattr(self.file.conversion(name), "transposed", False) for name, _ in parts):
+            return self._transposed_experts(in_features, n_experts, parts)
         for name, rows in parts:
             if name in self.file.tensors:
                 tensor_info(self.file, name, (n_experts, rows, in_features))
         return [self.linear(in_features, *(
             (name, n_experts * rows, np.arange(e * rows, (e + 1) * rows)) if name in self.file.tensors
             else (expert_tensor(name, e), rows) for name, rows in parts), prefetch=False) for e in range(n_experts)]
+
+    def _transposed_experts(self, in_features: int, n_experts: int, parts: tuple) -> list[Linear]:
+        """experts() of parts that are columns of one tensor (n_experts, in_features, columns) holding
+        each expert's matrix transposed: in place (mapped) or unpacked (dense)."""
+        maps = [self.file.conversion(name) for name, _ in parts]
+        name = parts[0][0]
+        if any(m is None or not m.transposed or m.hf != maps[0].hf for m in maps):
+            raise UnsupportedError(f"{self.name}: the parts of '{name}' are not columns of one transposed tensor")
+        info = tensor_info(self.file, name)
+        if len(info.shape) != 3 or tuple(info.shape[:2]) != (n_experts, in_features):
+            raise ModelFormatError(f"{self.name}: tensor '{maps[0].hf}' has shape {tuple(info.shape)}, expected "
+                                   f"({n_experts}, {in_features}, columns)")
+        if info.ggml_type not in _TORCH_FLOATS:
+            raise UnsupportedError(f"{self.name}: tensor '{maps[0].hf}' has type {info.ggml_type.name}; transposed "
+                                   f"experts are read as F32, F16 or BF16")
+        order = np.concatenate([np.arange(rows) if m.rows is None else np.asarray(m.rows, np.int64)
+                                for (_, rows), m in zip(parts, maps)])
+        if len(order) != sum(rows for _, rows in parts) or order.max() >= info.shape[2]:
+            raise ModelFormatError(f"{self.name}: tensor '{maps[0].hf}' of {info.shape[2]} columns does not hold "
+                                   f"the rows of {', '.join(n for n, _ in parts)}")
+        raw = self.file.tensor_data(name).view(np.int16 if info.ggml_type != GGMLType.F32 else np.float32)
+        with warnings.catch_warnings():  # the map is read-only, and no operator writes it
+            warnings.simplefilter("ignore", UserWarning)
+            stored = torch.from_numpy(raw)
+        stored = stored.view(_TORCH_FLOATS[info.ggml_type]).view(info.shape)
+        ops: list[Linear] = []
+        for e in range(n_experts):
+            if self.weights == "dense":
+                op = DenseLinear(stored[e].T[torch.from_numpy(order)].to(self.dtype).contiguous().to(self.device))
+            else:
+                op = TransposedLinear(stored[e], order, self.dtype)
+            self._operators.append(op)
+            ops.append(op)
+        return ops
 
     def _matrix(self, name: str, rows: int, in_features: int) -> TensorInfo | TiledMatrix:
         """Matrix `name` of (rows, in_features) values: a tiled one, or the info of a GGML one."""

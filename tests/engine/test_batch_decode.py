@@ -83,14 +83,14 @@ def test_qwen35moe_batched_steps_are_each_sessions_own_bits(qwen_moe_tiny, weigh
 @pytest.mark.parametrize("weights", ["mapped", "dense"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("fixture", ["smollm2_gguf", "gemma3_gguf", "qwen2_tiny_gguf", "qwen3_tiny_gguf",
-                                     "qwen3moe_tiny_gguf"])
+                                     "qwen3moe_tiny_gguf", "gpt_oss_tiny_gguf"])
 def test_llama_and_gemma3_batched_steps_are_each_sessions_own_bits(request, fixture, weights, dtype):
     joining_and_leaving(pagelm.load(request.getfixturevalue(fixture), weights=weights, dtype=dtype),
                         offset_rope=False)
 
 
 # the mixtures of experts: up to MAX_BATCH rows an expert
-@pytest.mark.parametrize("fixture", ["qwen_tiny", "qwen3moe_tiny_gguf", "qwen_moe_tiny"])
+@pytest.mark.parametrize("fixture", ["qwen_tiny", "qwen3moe_tiny_gguf", "qwen_moe_tiny", "gpt_oss_tiny_gguf"])
 def test_a_full_batch_of_sessions_at_different_lengths(request, fixture):
     model = pagelm.load(request.getfixturevalue(fixture), dtype="float32")
     pairs = [Pair(model, PROMPTS[i % 4][: 1 + i % 5] + [i]) for i in range(MAX_BATCH)]
