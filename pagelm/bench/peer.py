@@ -40,8 +40,10 @@ def _figures(ttft: float, decode_seconds: float, tokens: list[int]) -> dict:
 
 def run_pagelm(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: int, weights: str) -> dict:
     import pagelm
+    from pagelm.models.moe import track
 
     model = pagelm.load(path, weights=weights, threads=threads)
+    traffic = track(model.network)
     warm = model.session(max_len=WARMUP_TOKENS + 4)
     warm.decode(int(np.argmax(warm.prefill(prompt_tokens(WARMUP_TOKENS)))))
     del warm
@@ -49,10 +51,15 @@ def run_pagelm(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: int
     start = time.perf_counter()
     tokens = [int(np.argmax(session.prefill(prompt_tokens(n_prompt))))]
     ttft = time.perf_counter() - start
+    if traffic is not None:
+        traffic.reset()
     start = time.perf_counter()
     while len(tokens) < n_tokens:
         tokens.append(int(np.argmax(session.decode(tokens[-1]))))
-    return _figures(ttft, time.perf_counter() - start, tokens)
+    figures = _figures(ttft, time.perf_counter() - start, tokens)
+    if traffic is not None:
+        figures.update(expert_bytes=traffic.expert_bytes, expert_bytes_per_token=traffic.per_token)
+    return figures
 
 
 def run_llama_cpp(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: int) -> dict:
@@ -137,6 +144,12 @@ class PeerReport:
                          f"TTFT {both[1] / both[0]:.2f}× as fast, anonymous memory "
                          f"{self.median('pagelm', 'anonymous') / self.median('llama.cpp', 'anonymous'):.2f}×")
             lines.append(f"same greedy tokens: {self.same_tokens()} of {self.tokens} before the first difference")
+        touched = self.median("pagelm", "expert_bytes_per_token") if any(
+            "expert_bytes" in run for run in self.runs["pagelm"]) else None
+        if touched is not None:
+            held = self.median("pagelm", "expert_bytes")
+            lines.append(f"experts: {held / MIB:.0f} MiB in the file, {touched / MIB:.1f} MiB read per decoded token "
+                         f"({touched / held:.1%})")
         lines += [f"{runtime}: {error}" for runtime, error in self.errors().items()]
         return "\n".join(lines)
 

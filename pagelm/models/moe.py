@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,27 @@ class ClampedSwiglu:
 
 
 @dataclass
+class ExpertTraffic:
+    """What a model's mixtures read in decode steps (calls whose rows are each a sequence's next
+    token: `alone`, or one row), summed: the weight bytes of the experts each call multiplied (each
+    once, however many rows it took; the shared expert's too) and the rows (tokens) the calls took,
+    over `layers` mixtures."""
+
+    layers: int
+    expert_bytes: int  # every expert's, routed and shared, of every layer: what the model holds in experts
+    bytes: int = 0
+    rows: int = 0
+
+    @property
+    def per_token(self) -> float:
+        """Expert bytes read per token, all layers: a decode step of one sequence reads this much."""
+        return self.bytes * self.layers / self.rows if self.rows else 0.0
+
+    def reset(self) -> None:
+        self.bytes = self.rows = 0
+
+
+@dataclass
 class Experts:
     """One layer's mixture: its router and each expert's two operators, as the loader made them."""
 
@@ -61,6 +83,12 @@ class Experts:
     down_bias: torch.Tensor | None = None  # (n_experts, hidden) float32
     # where a caller wants each call's choices: (rows, top_k) expert indices appended per call
     routes: list | None = None
+    traffic: ExpertTraffic | None = None  # where a caller counts the expert bytes read (`track`)
+
+    @cached_property
+    def expert_nbytes(self) -> list[int]:
+        """Each routed expert's weight bytes (its gate, up and down rows)."""
+        return [g.weight_nbytes + d.weight_nbytes for g, d in zip(self.gate_up, self.down)]
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights (n, top_k) float32, experts (n, top_k) int64) of the router's logits (n, n_experts),
@@ -97,6 +125,11 @@ class Experts:
         for e, count in zip(experts.tolist(), counts.tolist()):
             done[lo : lo + count] = self._expert(e, rows[lo : lo + count], alone)
             lo += count
+        if self.traffic is not None and (alone or n == 1):
+            read = sum(self.expert_nbytes[e] for e in experts.tolist())
+            if self.shared is not None:
+                read += self.shared[0].weight_nbytes + self.shared[1].weight_nbytes
+            self.traffic.bytes, self.traffic.rows = self.traffic.bytes + read, self.traffic.rows + n
         outs = done[torch.argsort(slots)].view(n, k, -1).mul_(weights[:, :, None])
         total = outs[:, 0].clone()
         for j in range(1, k):
@@ -128,3 +161,21 @@ def _gated(gate_up: Linear, down: Linear, y: torch.Tensor, alone: bool, activati
         both = both.float() + bias
     gate, up = both.chunk(2, -1)
     return down(_each_row(activation, gate, up, alone=alone), alone)
+
+
+def mixtures(network) -> list[Experts]:
+    """A network's mixtures of experts, each found among its layer's weights."""
+    return [v for layer in getattr(network, "layers", ()) for v in vars(layer).values() if isinstance(v, Experts)]
+
+
+def track(network) -> ExpertTraffic | None:
+    """One ExpertTraffic counting every mixture of `network` from now on; None where it has none."""
+    found = mixtures(network)
+    if not found:
+        return None
+    held = sum(sum(e.expert_nbytes) + (e.shared[0].weight_nbytes + e.shared[1].weight_nbytes if e.shared else 0)
+               for e in found)
+    traffic = ExpertTraffic(len(found), held)
+    for experts in found:
+        experts.traffic = traffic
+    return traffic

@@ -28,6 +28,7 @@ from pagelm.chat.grammar import Grammar, GrammarError
 from pagelm.engine.embed import Embedder
 from pagelm.engine.warm import run_first_step
 from pagelm.measure.memory import read_memory
+from pagelm.models.moe import ExpertTraffic, track
 from pagelm.quant.compile_progress import CompileProgress
 from pagelm.weights.pooling import embedding_head
 from pagelm.engine.sampling import SamplingParams
@@ -103,6 +104,7 @@ class Server:
         self.load_error: Exception | None = None
         self.load_s = 0.0
         self.compiling: CompileProgress | None = None  # while loading: what /health says is happening
+        self.expert_traffic: ExpertTraffic | None = None  # a mixture of experts' bytes read per decoded token
         self.started = time.time()
         self.on_load = lambda error: None  # called from the loading thread: None on success
         self._grammars: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
@@ -118,6 +120,7 @@ class Server:
                                       image_cache_mib=s.image_cache_mib, image_tokens=s.image_tokens)
                 if self.compiling.compiled and embedding_head(chat.model.loader) is None:
                     run_first_step(chat.model)  # a cold cache: not inside the first request
+            self.expert_traffic = track(chat.model.network)
             head = embedding_head(chat.model.loader)
             if head is not None:
                 self.embedder = Embedder(chat.model, head)
@@ -348,12 +351,19 @@ class Server:
             "speculation": {"drafted_tokens": w.speculation.drafted, "accepted_tokens": w.speculation.accepted,
                             "verify_passes": w.speculation.passes} if w else {},
             "histograms": w.histograms.snapshot() if w else {},
+            **({"experts": self._expert_stats()} if self.expert_traffic is not None else {}),
             "memory": {"anonymous_bytes": memory.anonymous, "rss_bytes": memory.rss,
                        "file_rss_bytes": memory.file_rss, "peak_rss_bytes": memory.peak_rss,
                        "weights_anonymous_bytes": self.chat.model.weights_nbytes if self.chat else 0,
                        "tokenizer_anonymous_bytes": self.chat.tokenizer_anonymous_bytes if self.chat else 0,
                        "state_bytes": w.slot_stats()["state_bytes"] if w else 0},
         }
+
+
+    def _expert_stats(self) -> dict:
+        t = self.expert_traffic
+        return {"expert_bytes": t.expert_bytes, "layers": t.layers, "decoded_tokens": t.rows // t.layers,
+                "touched_bytes_per_token": round(t.per_token)}
 
 
 def _hex_id() -> str:

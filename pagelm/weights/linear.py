@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from pagelm.quant.int8dot import INT8_TYPES, Int8Row, bound_rows_matmul_int8
 from pagelm.quant.matmul import MAX_GEMV_ROWS, bound_rows_matmul, rows_dequantize
 from pagelm.quant.tiles import ROWS, tile_dequantize, tile_matmul
+from pagelm.quant.types import row_nbytes
 
 # Weights per row tile of a many-row product: bounds the mapped mode's one reused scratch
 # (8 MiB in bf16) while keeping each GEMM large enough to run at full speed.
@@ -84,6 +85,11 @@ class Linear:
     def nbytes(self) -> int:
         """Anonymous bytes this operator holds."""
         return 0
+
+    @property
+    def weight_nbytes(self) -> int:
+        """The bytes of W a product reads, wherever they lie (the file map, or anonymous memory)."""
+        return self.nbytes
 
     def _tile(self, lo: int, hi: int) -> torch.Tensor:
         """Rows lo:hi of W in `dtype`, contiguous."""
@@ -181,6 +187,10 @@ class RowGroup:
     def takes_int8(self) -> bool:
         return self._int8 is not None
 
+    @property
+    def weight_nbytes(self) -> int:
+        return self.rows * row_nbytes(self.ggml_type, self.width)
+
     def matmul(self, xs: np.ndarray, out: np.ndarray, row: Int8Row | None = None) -> None:
         """xs: C-contiguous float32 (n <= MAX_GEMV_ROWS, width); out: float32 (n, operator's rows), its
         columns of these rows written; row: xs[0] quantized, or None."""
@@ -207,6 +217,10 @@ class TiledPart:
     @property
     def rows(self) -> int:
         return len(self.order)
+
+    @property
+    def weight_nbytes(self) -> int:  # a product reads the whole matrix's groups
+        return self.matrix.nbytes
 
     def matmul(self, xs: np.ndarray, out: np.ndarray, row: Int8Row | None = None) -> None:
         self.product(xs, out)
@@ -262,6 +276,10 @@ class MappedLinear(Linear):
 
     few_rows_dtype = torch.float32
 
+    @property
+    def weight_nbytes(self) -> int:
+        return sum(p.weight_nbytes for p in self.parts)
+
     def _gemm_tile(self, lo: int, hi: int, gemm: torch.dtype) -> torch.Tensor:
         tile = self._tile(lo, hi)
         return tile if tile.dtype == gemm else self.scratch.widen(tile, gemm)
@@ -290,6 +308,10 @@ class ColumnOrder(Linear):
     def few_rows_dtype(self) -> torch.dtype:
         return self.inner.few_rows_dtype
 
+    @property
+    def weight_nbytes(self) -> int:
+        return self.inner.weight_nbytes
+
     def __call__(self, x: torch.Tensor, alone: bool = False) -> torch.Tensor:
         return self.inner(x[:, self.gather], alone)
 
@@ -306,6 +328,10 @@ class TransposedLinear(Linear):
         self.in_features, self.out_features = stored.shape[0], len(order)
         whole = np.array_equal(order, np.arange(stored.shape[1]))
         self.order = None if whole else torch.from_numpy(np.asarray(order, np.int64))
+
+    @property
+    def weight_nbytes(self) -> int:  # its columns' share of the stored matrix
+        return self.in_features * self.out_features * self.stored.element_size()
 
     def __call__(self, x: torch.Tensor, alone: bool = False) -> torch.Tensor:
         x = x.to(self.dtype)

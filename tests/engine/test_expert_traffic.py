@@ -1,0 +1,47 @@
+"""The expert bytes a mixture-of-experts model reads, counted as it runs (models.moe.track): each call
+reads its routed experts' bytes once, however many rows took them, and the shared expert's; summed
+against the file's own tensor sizes and the routes the layers took."""
+
+import pytest
+
+import pagelm
+from pagelm.formats.gguf import GGUFFile
+from pagelm.models.moe import mixtures, track
+
+
+def _expert_bytes(path: str, n_experts: int) -> tuple[dict[int, int], int]:
+    """(bytes of one routed expert, per layer; the shared expert's bytes, per layer) from the file."""
+    with GGUFFile.open(path) as f:
+        infos = f.tensors
+        routed, shared = {}, 0
+        for name, info in infos.items():
+            layer = int(name.split(".")[1]) if name.startswith("blk.") else None
+            if "_exps.weight" in name:
+                routed[layer] = routed.get(layer, 0) + info.nbytes // n_experts
+            elif "_shexp.weight" in name and "gate_inp" not in name:
+                shared += info.nbytes
+        return routed, shared // max(1, len(routed))
+
+
+@pytest.mark.parametrize("fixture", ["qwen3moe_tiny_gguf", "qwen_moe_tiny", "gpt_oss_tiny_gguf"])
+def test_a_step_reads_its_routed_experts_bytes_once_each(request, fixture):
+    path = request.getfixturevalue(fixture)
+    model = pagelm.load(path)
+    found = mixtures(model.network)
+    routed, shared = _expert_bytes(path, len(found[0].gate_up))
+    traffic = track(model.network)
+    assert traffic.layers == len(found) == len(routed) > 0
+    for experts in found:
+        experts.routes = []
+    sessions = [model.session(32) for _ in range(3)]
+    for i, s in enumerate(sessions):
+        s.prefill([5 + i, 9, 11 + 7 * i])
+    traffic.reset()
+    for e in found:
+        e.routes.clear()
+    model.decode_batch(sessions, [17, 301, 17])  # two sequences alike: experts they share are read once
+    want = sum(len(set(e.routes[0].reshape(-1).tolist())) * routed[layer] + shared
+               for layer, e in zip(sorted(routed), found))
+    assert traffic.bytes == want and traffic.rows == 3 * len(found)
+    assert traffic.per_token == pytest.approx(want / 3)
+    assert traffic.expert_bytes == sum(routed.values()) * len(found[0].gate_up) + shared * len(found)
