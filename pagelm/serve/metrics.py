@@ -89,7 +89,7 @@ def prometheus_text(stats: dict) -> str:
     lines = []
     for prefix, label, figures in [("pagelm", "", stats)] + [
             ("pagelm_replica", f'{{replica="{r["replica"]}"}}', r) for r in stats.get("replicas", ())]:
-        for group in ("prefix_cache", "image_cache", "requests", "memory", "slots", "speculation"):
+        for group in ("prefix_cache", "image_cache", "requests", "memory", "slots", "speculation", "experts"):
             for key, value in figures.get(group, {}).items():
                 if isinstance(value, (bool, int, float)):
                     lines.append(f"{prefix}_{group}_{key}{label} {int(value) if isinstance(value, bool) else value}")

@@ -45,3 +45,11 @@ def test_a_step_reads_its_routed_experts_bytes_once_each(request, fixture):
     assert traffic.bytes == want and traffic.rows == 3 * len(found)
     assert traffic.per_token == pytest.approx(want / 3)
     assert traffic.expert_bytes == sum(routed.values()) * len(found[0].gate_up) + shared * len(found)
+
+
+def test_the_traffic_reaches_metrics_as_prometheus_lines():
+    from pagelm.serve.metrics import prometheus_text
+
+    text = prometheus_text({"experts": {"expert_bytes": 1 << 30, "layers": 40, "decoded_tokens": 12,
+                                        "touched_bytes_per_token": 123456}})
+    assert "pagelm_experts_touched_bytes_per_token 123456\n" in text and "pagelm_experts_layers 40\n" in text
