@@ -35,6 +35,7 @@ def load_model(path: str, embedding: EmbeddingMode = "mapped", weights: WeightsM
         raise PagelmError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     threads = threads_module.configure(threads)
     heap.map_large_blocks()
+    heap.bound_gemm_cache()
     loader = WeightLoader.open(path, weights, DTYPES[dtype], device, hf_layouts)
     module = architecture_module(loader.architecture, loader.name)
     config = module.Config.from_loader(loader)

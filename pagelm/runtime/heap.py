@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 from functools import lru_cache
 
 # Prefills shorter than this leave too little behind to be worth a trim.
@@ -25,6 +26,19 @@ MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 1 << 30
 _M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers in glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
+
+
+# oneDNN (torch's CPU GEMMs) keeps the last 1,024 GEMM primitives it made, each with buffers of its
+# own. A mixture of experts' prefill makes one per expert and row count: after a 500-token prompt on
+# the Qwen3-30B-A3B geometry they held 216 MiB (694 MiB anonymous in all, 478 with 16 kept, the TTFT
+# the same); 64 keep what a dense model's prefill reuses (the Qwen3.5 0.8B's TTFT unchanged).
+GEMM_PRIMITIVES = 64
+
+
+def bound_gemm_cache() -> None:
+    """Keep at most GEMM_PRIMITIVES oneDNN primitives (before the first GEMM; a setting the user
+    made in the environment stays)."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(GEMM_PRIMITIVES))
 
 
 @lru_cache(maxsize=1)

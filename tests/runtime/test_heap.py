@@ -44,3 +44,12 @@ def test_large_temporaries_reuse_the_heap_and_trim_gives_it_back():
     assert mapped_faults > 18 * 4096  # the contrast: each temporary's pages faulted in again
     assert faults < 4096  # none of the 20 temporaries faulted in again
     assert released >= 12  # the 16 MiB left free in the heap went back to the OS
+
+
+def test_loading_a_model_bounds_onednns_primitive_cache_unless_the_user_set_it(smollm2_gguf):
+    script = f"import os, pagelm; pagelm.load({smollm2_gguf!r}); print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    ours = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True, env=env).stdout
+    theirs = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
+                            env={**env, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "7"}).stdout
+    assert (int(ours), int(theirs)) == (heap.GEMM_PRIMITIVES, 7)
