@@ -437,21 +437,34 @@ def _enc_q6_k(b: np.ndarray, o: np.ndarray) -> None:
     o[:, 208:210] = d_bytes
 
 
-_MXFP4_CHUNK = 1 << 14  # blocks a step: bounds the (blocks, 32, 16) distances to every code
+_MXFP4_CHUNK = 1 << 14  # blocks a step: bounds the temporaries
+# the codes' magnitudes (twice E2M1's) in index order 0..7, and the midpoints between neighbours
+_MXFP4_MIDS = ((MXFP4_VALUES[1:8] + MXFP4_VALUES[:7]) / 2).astype(np.float32)
 
 
 def _enc_mxfp4(b: np.ndarray, o: np.ndarray) -> None:
     """ggml's choice: the scale exponent floor(log2 max|x|) - 2 (so 6 · 2^e' reaches up to 1.5 · 2^k of
-    a block whose largest magnitude is in [2^k, 2^(k+1))), each value the nearest code, the first on ties."""
+    a block whose largest magnitude is in [2^k, 2^(k+1))), each value the nearest code, the first on ties.
+
+    The nearest code by the midpoints between the magnitudes, a tie going to the smaller one (the
+    code of lower index, for either sign): the distances to two neighbouring codes are exact in
+    float32 (each code at most twice the one below, Sterbenz), so this is their argmin's choice; a
+    block whose scale is subnormal (e < 3) takes the distances themselves."""
     codes = MXFP4_VALUES.astype(np.float32)
     for lo in range(0, len(b), _MXFP4_CHUNK):
         x = b[lo : lo + _MXFP4_CHUNK]
         amax = np.abs(x).max(axis=1, keepdims=True)
         with np.errstate(divide="ignore"):
             e = np.where(amax > 0, np.floor(np.log2(amax)) - 2 + 127, 0).clip(0, 255).astype(np.uint8)
-        distance = np.abs(mxfp4_scale(e)[:, :, None] * codes - x[:, :, None])
+        scale = mxfp4_scale(e)
+        magnitude = (np.abs(x)[:, :, None] > scale[:, :, None] * _MXFP4_MIDS).sum(axis=2, dtype=np.uint8)
+        q = np.where((x < 0) & (magnitude > 0), magnitude + 8, magnitude).astype(np.uint8)
+        tiny = np.flatnonzero(e[:, 0] < 3)
+        if tiny.size:
+            distance = np.abs(scale[tiny][:, :, None] * codes - x[tiny][:, :, None])
+            q[tiny] = distance.argmin(axis=2).astype(np.uint8)
         o[lo : lo + len(x), :1] = e
-        _pack_nibbles(distance.argmin(axis=2).astype(np.uint8), o[lo : lo + len(x), 1:])
+        _pack_nibbles(q, o[lo : lo + len(x), 1:])
 
 
 _ENCODERS = {_T.Q8_0: _enc_q8_0, _T.Q4_0: _enc_q4_0, _T.Q4_1: _enc_q4_1,
