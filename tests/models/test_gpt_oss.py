@@ -23,9 +23,9 @@ from pagelm.errors import PagelmError
 from pagelm.quant import int8dot
 from pagelm.formats.gguf import GGUFValueType, TensorToWrite, Typed, write_gguf
 from pagelm.quant.types import GGMLType
-from pagelm.serve.prefix_cache import PrefixCache
 from pagelm.weights.linear import TransposedLinear
 
+from moe_checks import check_restores, check_routes, check_sharing_and_parting
 from hf_oracle import F32_REL_TOL, PROMPT, check_greedy, greedy, rel
 from rows_check import verify_and_rewind, verify_together
 
@@ -160,11 +160,6 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoints, name, weights)
     assert max(rel(row, r) for row, r in zip(rows, ref[2:])) <= F32_REL_TOL
 
 
-def _routes(model) -> list[list]:
-    """Each layer's list of the expert choices its calls make, recorded from now on."""
-    for w in model.network.layers:
-        w.experts.routes = []
-    return [w.experts.routes for w in model.network.layers]
 
 
 @pytest.mark.parametrize("name", ["hf", "mxfp4"])
@@ -172,69 +167,20 @@ def test_every_token_is_routed_as_transformers_routes_it(checkpoints, name):
     """The prefill's tokens and each decoded one go to the top k of transformers' router logits
     (with their bias), in its order."""
     path, reference = checkpoints[name]
-    model = pagelm.load(path, dtype="float32")
-    routes = _routes(model)
-    tokens, _ = greedy(model, PROMPT, steps=8)
-    ids = PROMPT + tokens
-    with torch.inference_mode():
-        logits = reference(torch.tensor([ids]), output_router_logits=True).router_logits
-    k = reference.config.num_experts_per_tok
-    for layer, (ours, theirs) in enumerate(zip(routes, logits)):
-        want = torch.topk(theirs.float(), k, -1).indices
-        got = torch.cat(ours)
-        assert got.shape == want.shape == (len(ids), k)
-        assert torch.equal(got, want), f"layer {layer}"
-    assert len({tuple(r) for r in torch.cat(routes[0]).tolist()}) > 3  # the tokens do not all go one way
+    check_routes(pagelm.load(path, dtype="float32"), reference, PROMPT, softmax_first=False)
 
-
-def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
 @pytest.mark.parametrize("name, weights", [("mxfp4", "mapped"), ("f32", "dense"), ("hf", "mapped")])
 def test_sequences_sharing_and_parting_experts_decode_their_own_bits(checkpoints, name, weights):
     """Sequences on both sides of the window, in one batch, each decode their bits alone."""
-    model = pagelm.load(checkpoints[name][0], weights=weights, dtype="float32")
-    prompts = [PROMPT, PROMPT[:4], [9, 200], [77]]
-    batched, alone = ([model.session(32) for _ in prompts] for _ in range(2))
-    for b, a, p in zip(batched, alone, prompts):
-        b.prefill(p)
-        a.prefill(p)
-    routes = _routes(model)
-    shared = parted = False
-    for _ in range(5):
-        tokens = [int(np.argmax(s.logits)) for s in alone]
-        before = len(routes[0])
-        rows = model.decode_batch(batched, tokens)
-        for calls in routes:  # the batched call's choices per layer: is an expert shared, a pair disjoint?
-            sets = [set(r) for r in calls[before].tolist()]
-            pairs = [(a, b) for i, a in enumerate(sets) for b in sets[i + 1 :]]
-            shared |= any(a & b for a, b in pairs)
-            parted |= any(not a & b for a, b in pairs)
-        for row, session, token in zip(rows, alone, tokens):
-            assert _same_bits(row, session.decode(token))
-    assert shared and parted
+    check_sharing_and_parting(pagelm.load(checkpoints[name][0], weights=weights, dtype="float32"), PROMPT)
 
 
 def test_a_restored_checkpoint_and_the_prefix_cache_are_recomputing(checkpoints):
     """A session brought back from a detour past the window, and one the prefix cache restores a
     prompt into, decode the bits of a session that computed the prompt itself."""
-    model = pagelm.load(checkpoints["mxfp4"][0], dtype="float32")
-    session, fresh = model.session(64), model.session(64)
-    session.prefill(PROMPT)
-    checkpoint = session.checkpoint()
-    cache = PrefixCache(slots=2, max_bytes=1 << 24)
-    entry = cache.store(session, whole=True)
-    session.prefill([1, 2, 3, 4, 5, 6, 7])  # a detour longer than the window
-    session.decode(6)
-    session.restore(checkpoint)
-    restored = model.session(64)
-    restored.prefill([11, 12, 13])
-    cache.restore(entry, restored)
-    assert _same_bits(session.logits, fresh.prefill(PROMPT))
-    for token in (9, 99, 199, 3, 4, 5):
-        want = fresh.decode(token)
-        assert _same_bits(session.decode(token), want) and _same_bits(restored.decode(token), want)
+    check_restores(pagelm.load(checkpoints["mxfp4"][0], dtype="float32"), PROMPT, [1, 2, 3, 4, 5, 6, 7], (9, 99, 199, 3, 4, 5))
 
 
 def test_the_directorys_experts_are_read_in_place(checkpoints):

@@ -20,11 +20,11 @@ import torch
 import pagelm
 from pagelm.errors import ModelFormatError, PagelmError
 from pagelm.quant.types import GGMLType
-from pagelm.serve.prefix_cache import PrefixCache
 from pagelm.tools.convert import write_directory
 from pagelm.tools.synth import SHAPES, write_model
 from pagelm.weights.linear import MappedLinear
 
+from moe_checks import check_restores, check_routes, check_sharing_and_parting, same_bits
 from hf_oracle import F32_REL_TOL, PROMPT, check_greedy, greedy, rel
 
 pytest.importorskip("transformers")
@@ -74,11 +74,6 @@ def checkpoints(tmp_path_factory):
             "gguf": (str(root / "f32.gguf"), model), "q8_0": (str(root / "q8_0.gguf"), q8)}
 
 
-def _routes(model) -> list[list]:
-    """Each layer's list of the expert choices its calls make, recorded from now on."""
-    for w in model.network.layers:
-        w.mlp.routes = []
-    return [w.mlp.routes for w in model.network.layers]
 
 
 @pytest.mark.parametrize("name, weights", [("hf", "mapped"), ("hf", "dense"), ("hf-bf16", "mapped"),
@@ -101,48 +96,13 @@ def test_logits_and_greedy_tokens_are_transformers(checkpoints, name, weights):
 def test_every_token_is_routed_as_transformers_routes_it(checkpoints, name):
     """The prefill's tokens and each decoded one go to transformers' top-k experts, in its order."""
     path, reference = checkpoints[name]
-    model = pagelm.load(path, dtype="float32")
-    routes = _routes(model)
-    tokens, _ = greedy(model, PROMPT, steps=8)
-    ids = PROMPT + tokens  # greedy decodes each token it picks
-    with torch.inference_mode():
-        logits = reference(torch.tensor([ids]), output_router_logits=True).router_logits
-    k = reference.config.num_experts_per_tok
-    assert len(logits) == len(routes) == TINY.layers
-    for layer, (ours, theirs) in enumerate(zip(routes, logits)):
-        want = torch.topk(torch.softmax(theirs.float(), -1), k, -1).indices
-        got = torch.cat(ours)
-        assert got.shape == want.shape == (len(ids), k)
-        assert torch.equal(got, want), f"layer {layer}"
-    assert len({tuple(r) for r in torch.cat(routes[0]).tolist()}) > 3  # the tokens do not all go one way
+    check_routes(pagelm.load(path, dtype="float32"), reference, PROMPT, layers=TINY.layers)
 
-
-def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
 @pytest.mark.parametrize("name, weights", [("gguf", "mapped"), ("gguf", "dense"), ("q8_0", "mapped-int8")])
 def test_sequences_sharing_and_parting_experts_decode_their_own_bits(checkpoints, name, weights):
-    model = pagelm.load(checkpoints[name][0], weights=weights, dtype="float32")
-    prompts = [PROMPT, PROMPT[:4], [9, 200], [77]]
-    batched, alone = ([model.session(32) for _ in prompts] for _ in range(2))
-    for b, a, p in zip(batched, alone, prompts):
-        b.prefill(p)
-        a.prefill(p)
-    routes = _routes(model)
-    shared = parted = False
-    for _ in range(5):
-        tokens = [int(np.argmax(s.logits)) for s in alone]
-        before = len(routes[0])
-        rows = model.decode_batch(batched, tokens)
-        for calls in routes:  # the batched call's choices per layer: is an expert shared, a pair disjoint?
-            sets = [set(r) for r in calls[before].tolist()]
-            pairs = [(a, b) for i, a in enumerate(sets) for b in sets[i + 1 :]]
-            shared |= any(a & b for a, b in pairs)
-            parted |= any(not a & b for a, b in pairs)
-        for row, session, token in zip(rows, alone, tokens):
-            assert _same_bits(row, session.decode(token))
-    assert shared and parted
+    check_sharing_and_parting(pagelm.load(checkpoints[name][0], weights=weights, dtype="float32"), PROMPT)
 
 
 def test_experts_gate_and_up_in_one_tensor_are_the_same_model(checkpoints, tmp_path):
@@ -154,9 +114,9 @@ def test_experts_gate_and_up_in_one_tensor_are_the_same_model(checkpoints, tmp_p
     fused, apart = (pagelm.load(p, dtype="float32") for p in (path, checkpoints["q8_0"][0]))
     assert "blk.0.ffn_gate_up_exps.weight" in fused.loader.file.tensors
     a, b = fused.session(32), apart.session(32)
-    assert _same_bits(a.prefill(PROMPT), b.prefill(PROMPT))
+    assert same_bits(a.prefill(PROMPT), b.prefill(PROMPT))
     for token in (5, 50, 150):
-        assert _same_bits(a.decode(token), b.decode(token))
+        assert same_bits(a.decode(token), b.decode(token))
     from safetensors.numpy import load_file  # their Hugging Face twins: the same tensors
 
     twins = []
@@ -170,22 +130,7 @@ def test_experts_gate_and_up_in_one_tensor_are_the_same_model(checkpoints, tmp_p
 def test_a_restored_checkpoint_and_the_prefix_cache_are_recomputing(checkpoints):
     """A session brought back from a detour, and one the prefix cache restores a prompt into, decode
     the bits of a session that computed the prompt itself."""
-    model = pagelm.load(checkpoints["gguf"][0], dtype="float32")
-    session, fresh = model.session(64), model.session(64)
-    session.prefill(PROMPT)
-    checkpoint = session.checkpoint()
-    cache = PrefixCache(slots=2, max_bytes=1 << 24)
-    entry = cache.store(session, whole=True)
-    session.prefill([1, 2, 3, 4, 5])  # a detour through other experts and other DeltaNet states
-    session.decode(6)
-    session.restore(checkpoint)
-    restored = model.session(64)
-    restored.prefill([11, 12, 13])
-    cache.restore(entry, restored)
-    assert _same_bits(session.logits, fresh.prefill(PROMPT))
-    for token in (9, 99, 199):
-        want = fresh.decode(token)
-        assert _same_bits(session.decode(token), want) and _same_bits(restored.decode(token), want)
+    check_restores(pagelm.load(checkpoints["gguf"][0], dtype="float32"), PROMPT, [1, 2, 3, 4, 5])
 
 
 def test_the_experts_are_read_in_place(checkpoints):

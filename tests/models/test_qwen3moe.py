@@ -21,13 +21,13 @@ import torch
 import pagelm
 from pagelm.errors import ModelFormatError, PagelmError
 from pagelm.quant.types import GGMLType
-from pagelm.serve.prefix_cache import PrefixCache
 from pagelm.tools.convert import write_directory
 from pagelm.tools.synth import SHAPES, write_model
 from pagelm.weights.linear import MappedLinear
 from pagelm.weights.mapped import MappedTensor
 
 from hf_gguf import tiny_decoder, write_decoder_gguf
+from moe_checks import check_restores, check_routes, check_sharing_and_parting
 from hf_oracle import F32_REL_TOL, PROMPT, check_greedy, greedy, rel
 
 pytest.importorskip("transformers")
@@ -51,11 +51,6 @@ def checkpoints(tmp_path_factory):
             "gguf": (str(root / "f32.gguf"), gguf)}
 
 
-def _routes(model) -> list[list]:
-    """Each layer's list of the expert choices its calls make, recorded from now on."""
-    for w in model.network.layers:
-        w.experts.routes = []
-    return [w.experts.routes for w in model.network.layers]
 
 
 @pytest.mark.parametrize("name, weights", [("hf", "mapped"), ("hf", "dense"), ("hf-bf16", "mapped")])
@@ -75,68 +70,19 @@ def test_the_directory_in_place_matches_transformers(checkpoints, name, weights)
 def test_every_token_is_routed_as_transformers_routes_it(checkpoints, name):
     """The prefill's tokens and each decoded one go to transformers' top-k experts, in its order."""
     path, reference = checkpoints[name]
-    model = pagelm.load(path, dtype="float32")
-    routes = _routes(model)
-    tokens, _ = greedy(model, PROMPT, steps=8)
-    ids = PROMPT + tokens  # greedy decodes each token it picks
-    with torch.inference_mode():
-        logits = reference(torch.tensor([ids]), output_router_logits=True).router_logits
-    k = reference.config.num_experts_per_tok
-    for layer, (ours, theirs) in enumerate(zip(routes, logits)):
-        want = torch.topk(torch.softmax(theirs.float(), -1), k, -1).indices
-        got = torch.cat(ours)
-        assert got.shape == want.shape == (len(ids), k)
-        assert torch.equal(got, want), f"layer {layer}"
-    assert len({tuple(r) for r in torch.cat(routes[0]).tolist()}) > 3  # the tokens do not all go one way
+    check_routes(pagelm.load(path, dtype="float32"), reference, PROMPT)
 
-
-def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
 @pytest.mark.parametrize("weights, dtype", [("mapped", "float32"), ("dense", "float32")])
 def test_sequences_sharing_and_parting_experts_decode_their_own_bits(checkpoints, weights, dtype):
-    model = pagelm.load(checkpoints["gguf"][0], weights=weights, dtype=dtype)
-    prompts = [PROMPT, PROMPT[:4], [9, 200], [77]]
-    batched, alone = ([model.session(32) for _ in prompts] for _ in range(2))
-    for b, a, p in zip(batched, alone, prompts):
-        b.prefill(p)
-        a.prefill(p)
-    routes = _routes(model)
-    shared = parted = False
-    for _ in range(5):
-        tokens = [int(np.argmax(s.logits)) for s in alone]
-        before = len(routes[0])
-        rows = model.decode_batch(batched, tokens)
-        for calls in routes:  # the batched call's choices per layer: is an expert shared, a pair disjoint?
-            sets = [set(r) for r in calls[before].tolist()]
-            pairs = [(a, b) for i, a in enumerate(sets) for b in sets[i + 1 :]]
-            shared |= any(a & b for a, b in pairs)
-            parted |= any(not a & b for a, b in pairs)
-        for row, session, token in zip(rows, alone, tokens):
-            assert _same_bits(row, session.decode(token))
-    assert shared and parted
+    check_sharing_and_parting(pagelm.load(checkpoints["gguf"][0], weights=weights, dtype=dtype), PROMPT)
 
 
 def test_a_restored_checkpoint_and_the_prefix_cache_are_recomputing(checkpoints):
     """A session brought back from a detour, and one the prefix cache restores a prompt into, decode
     the bits of a session that computed the prompt itself."""
-    model = pagelm.load(checkpoints["gguf"][0], dtype="float32")
-    session, fresh = model.session(64), model.session(64)
-    session.prefill(PROMPT)
-    checkpoint = session.checkpoint()
-    cache = PrefixCache(slots=2, max_bytes=1 << 24)
-    entry = cache.store(session, whole=True)
-    session.prefill([1, 2, 3, 4, 5])  # a detour through other experts
-    session.decode(6)
-    session.restore(checkpoint)
-    restored = model.session(64)
-    restored.prefill([11, 12, 13])
-    cache.restore(entry, restored)
-    assert _same_bits(session.logits, fresh.prefill(PROMPT))
-    for token in (9, 99, 199):
-        want = fresh.decode(token)
-        assert _same_bits(session.decode(token), want) and _same_bits(restored.decode(token), want)
+    check_restores(pagelm.load(checkpoints["gguf"][0], dtype="float32"), PROMPT, [1, 2, 3, 4, 5])
 
 
 def test_the_experts_are_read_in_place(checkpoints, monkeypatch):
