@@ -1,7 +1,7 @@
 """Greedy generations of the new families' synthetic files against llama.cpp (optional: skipped
 when llama-cpp-python is not installed, as in CI). F32 weights, so that llama.cpp's products are
 float32 as pagelm's are (its quantized ones multiply 8-bit activations): Qwen3, Qwen3-MoE, Qwen2.5,
-Llama 3.2 (its rope scaled by rope_freqs) and LFM2 (convolutions and attention) give the same 32 tokens.
+Llama 3.2 (its rope scaled by rope_freqs), LFM2 (convolutions and attention) and Qwen3.5-MoE give the same 32 tokens.
 (With a Q8_0 token_embd, as these files had until the writer's F32 was taken for "not given", LFM2's
 logits were 0.7 % off llama.cpp's from the first token: its head's 8-bit activations.)"""
 
@@ -21,7 +21,8 @@ NEW_TOKENS = 32
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
 
 
-@pytest.mark.parametrize("shape", ["qwen3-tiny", "qwen3-30b-a3b-tiny", "qwen2.5-tiny", "llama3.2-tiny", "lfm2-tiny"])
+@pytest.mark.parametrize("shape", ["qwen3-tiny", "qwen3-30b-a3b-tiny", "qwen2.5-tiny", "llama3.2-tiny", "lfm2-tiny",
+                                   "qwen3.5-35b-a3b-tiny"])
 def test_greedy_tokens_match_llama_cpp(tmp_path, shape):
     path = str(tmp_path / f"{shape}.gguf")
     untied = SHAPES[shape].output_type is not None  # an F32 head too (qwen3moe's is untied)
