@@ -65,10 +65,6 @@ class HarmonySplitter:
         self._plain = False  # not harmony: everything is content
         self._done = False
 
-    @property
-    def in_reasoning(self) -> bool:
-        return self._header is None and self._kind == "reasoning"
-
     def push(self, delta: str) -> tuple[str, str]:
         if self._done:
             raise ValueError("push() after finish()")

@@ -75,7 +75,7 @@ _GPT2_PRE: dict[str, tuple[str, bool, bool, bool]] = {
 # Control tokens that end a turn, added to eos_ids when the vocabulary has them. In a harmony
 # vocabulary (gpt-oss's) `<|end|>` ends a message, not the answer: there `<|return|>` and `<|call|>` do.
 _END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
-_HARMONY_END_OF_TURN = ("<|im_end|>", "<|endoftext|>", *harmony.STOP_TOKENS)
+_HARMONY_END_OF_TURN = ("<|endoftext|>", *harmony.STOP_TOKENS)
 
 
 def default_cache_dir() -> str:

@@ -116,48 +116,28 @@ class Experts:
         n_routed = len(self.gate_up)
         weights, chosen = self.route(logits[:, :n_routed])
         n, k = chosen.shape
-        total = self._one_row(y, weights, chosen, alone) if n == 1 else self._rows(y, weights, chosen, alone)
-        if self.shared is not None:
-            gate = _each_row(torch.sigmoid, logits[:, n_routed:].float(), alone=alone)
-            total += _gated(*self.shared, y, alone).float().mul_(gate)
-        return total
-
-    def _one_row(self, y: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, alone: bool) -> torch.Tensor:
-        """_rows' sum for one row (a decode step of one sequence), its bits, without gathering rows:
-        each weighted expert output added in top-k order."""
-        routed = chosen[0].tolist()
-        total = self._expert(routed[0], y, alone).float().mul_(weights[:, :1])
-        for j in range(1, len(routed)):
-            total += self._expert(routed[j], y, alone).float().mul_(weights[:, j : j + 1])
-        self._count(sorted(set(routed)), 1)
-        return total
-
-    def _rows(self, y: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, alone: bool) -> torch.Tensor:
-        n, k = chosen.shape
         flat = chosen.reshape(-1)  # slot t·k + j: row t's j-th expert
         slots = torch.argsort(flat, stable=True)  # the slots grouped by expert
         experts, counts = torch.unique_consecutive(flat[slots], return_counts=True)
         rows = y.index_select(0, slots // k)
         done = torch.empty(n * k, y.shape[1], dtype=torch.float32, device=y.device)
-        lo = 0
-        for e, count in zip(experts.tolist(), counts.tolist()):
+        lo, routed = 0, experts.tolist()
+        for e, count in zip(routed, counts.tolist()):
             done[lo : lo + count] = self._expert(e, rows[lo : lo + count], alone)
             lo += count
-        if alone:
-            self._count(experts.tolist(), n)
+        if self.traffic is not None and (alone or n == 1):  # a decode step's
+            read = sum(self.expert_nbytes[e] for e in routed)
+            if self.shared is not None:
+                read += self.shared[0].weight_nbytes + self.shared[1].weight_nbytes
+            self.traffic.bytes, self.traffic.rows = self.traffic.bytes + read, self.traffic.rows + n
         outs = done[torch.argsort(slots)].view(n, k, -1).mul_(weights[:, :, None])
         total = outs[:, 0].clone()
         for j in range(1, k):
             total += outs[:, j]
+        if self.shared is not None:
+            gate = _each_row(torch.sigmoid, logits[:, n_routed:].float(), alone=alone)
+            total += _gated(*self.shared, y, alone).float().mul_(gate)
         return total
-
-    def _count(self, experts: list[int], rows: int) -> None:
-        """A decode step's experts and rows into the traffic, where it is counted."""
-        if self.traffic is not None:
-            read = sum(self.expert_nbytes[e] for e in experts)
-            if self.shared is not None:
-                read += self.shared[0].weight_nbytes + self.shared[1].weight_nbytes
-            self.traffic.bytes, self.traffic.rows = self.traffic.bytes + read, self.traffic.rows + rows
 
     def _expert(self, e: int, y: torch.Tensor, alone: bool) -> torch.Tensor:
         bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
