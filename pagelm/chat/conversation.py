@@ -61,7 +61,7 @@ class Conversation:
         Speculator.of(speculate)  # checks the mode
         self.speculate = speculate  # engine.speculate.MODES: the same answers, drafts checked or not
         # drafts from a smaller model (ChatModel.open_draft), whose session follows the conversation
-        self.draft = None if draft is None else DraftModel.of(draft, model.head.vocab_size, max_len)
+        self.draft = None if draft is None or speculate == "off" else DraftModel.of(draft, model.head.vocab_size, max_len)
         self.system = system
         self.think = think
         self.messages: list[dict] = []

@@ -444,7 +444,8 @@ class Worker:
         if job.prediction is not None:
             r.speculator = Speculator(Prediction(job.prediction))
         else:
-            draft = None if self.draft is None else DraftModel.of(self.draft, self.model.head.vocab_size, self.ctx_len)
+            draft = None if self.draft is None or self.speculate == "off" else \
+                DraftModel.of(self.draft, self.model.head.vocab_size, self.ctx_len)
             r.speculator = Speculator.of(self.speculate, draft)
         r.decoder = StreamDecoder(self.tokenizer)
         r.result.finish_reason = "length"
