@@ -86,3 +86,15 @@ def check_routes(model, reference, prompt: list[int], softmax_first: bool = True
         assert got.shape == want.shape == (len(ids), k)
         assert torch.equal(got, want), f"layer {layer}"
     assert len({tuple(r) for r in torch.cat(chosen[0]).tolist()}) > 3  # the tokens do not all go one way
+
+
+def changed_directory(source, tmp_path, change: dict):
+    """A copy of the checkpoint directory `source` with `change` merged into its config.json."""
+    import json
+    import shutil
+
+    directory = tmp_path / "changed"
+    shutil.copytree(source, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **change}))
+    return directory

@@ -10,8 +10,6 @@ synthetic gpt-oss-20b-tiny matches transformers on its values, and its verify pa
 from __future__ import annotations
 
 import copy
-import json
-import shutil
 
 import gguf
 import numpy as np
@@ -25,7 +23,7 @@ from pagelm.formats.gguf import GGUFValueType, TensorToWrite, Typed, write_gguf
 from pagelm.quant.types import GGMLType
 from pagelm.weights.linear import TransposedLinear
 
-from moe_checks import check_restores, check_routes, check_sharing_and_parting
+from moe_checks import changed_directory, check_restores, check_routes, check_sharing_and_parting
 from hf_oracle import F32_REL_TOL, PROMPT, check_greedy, greedy, rel
 from rows_check import verify_and_rewind, verify_together
 
@@ -201,10 +199,7 @@ def test_the_directorys_experts_are_read_in_place(checkpoints):
 
 
 def _changed(checkpoints, tmp_path, change: dict, tensors: dict | None = None) -> str:
-    directory = tmp_path / "changed"
-    shutil.copytree(checkpoints["hf"][0], directory)
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, **change}))
+    directory = changed_directory(checkpoints["hf"][0], tmp_path, change)
     if tensors:
         from safetensors.torch import load_file, save_file
 

@@ -9,8 +9,6 @@ refused by name."""
 from __future__ import annotations
 
 import copy
-import json
-import shutil
 
 import gguf
 import numpy as np
@@ -24,7 +22,7 @@ from pagelm.tools.convert import write_directory
 from pagelm.tools.synth import SHAPES, write_model
 from pagelm.weights.linear import MappedLinear
 
-from moe_checks import check_restores, check_routes, check_sharing_and_parting, same_bits
+from moe_checks import changed_directory, check_restores, check_routes, check_sharing_and_parting, same_bits
 from hf_oracle import F32_REL_TOL, PROMPT, check_greedy, greedy, rel
 
 pytest.importorskip("transformers")
@@ -213,12 +211,8 @@ def test_expert_counts_unlike_the_file_are_named(checkpoints, tmp_path, key, val
     ({"shared_expert_intermediate_size": "wide"}, "key 'shared_expert_intermediate_size' is \"wide\""),
 ])
 def test_a_directory_that_disagrees_with_itself_is_refused_by_name(checkpoints, tmp_path, change, words):
-    directory = tmp_path / "changed"
-    shutil.copytree(checkpoints["hf"][0], directory)
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(PagelmError, match=words):
-        pagelm.load(str(directory))
+        pagelm.load(str(changed_directory(checkpoints["hf"][0], tmp_path, change)))
 
 
 def test_the_real_config_is_llama_cpps_metadata_and_the_synthetic_shapes():

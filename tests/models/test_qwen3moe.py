@@ -8,8 +8,6 @@ GGUF's Hugging Face twin is transformers'; files that disagree with themselves a
 from __future__ import annotations
 
 import copy
-import json
-import shutil
 from dataclasses import replace
 
 import gguf
@@ -27,7 +25,7 @@ from pagelm.weights.linear import MappedLinear
 from pagelm.weights.mapped import MappedTensor
 
 from hf_gguf import tiny_decoder, write_decoder_gguf
-from moe_checks import check_restores, check_routes, check_sharing_and_parting
+from moe_checks import changed_directory, check_restores, check_routes, check_sharing_and_parting
 from hf_oracle import F32_REL_TOL, PROMPT, check_greedy, greedy, rel
 
 pytest.importorskip("transformers")
@@ -188,9 +186,5 @@ def test_expert_counts_unlike_the_file_are_named(tmp_path, key, value, words):
     ({"norm_topk_prob": "yes"}, "key 'norm_topk_prob' is 'yes', expected true or false"),
 ])
 def test_a_directory_pagelm_cannot_read_as_it_says_is_refused_by_name(checkpoints, tmp_path, change, words):
-    directory = tmp_path / "changed"
-    shutil.copytree(checkpoints["hf"][0], directory)
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(PagelmError, match=words):
-        pagelm.load(str(directory))
+        pagelm.load(str(changed_directory(checkpoints["hf"][0], tmp_path, change)))
