@@ -23,9 +23,11 @@ def pytest_configure(config):
     """Compile every kernel once, on two processes, before any test (or xdist worker) needs one:
     otherwise each worker and each server process compiles what it needs first, one at a time."""
     if not hasattr(config, "workerinput"):
+        from pagelm.quant.compile_progress import CompileProgress
         from pagelm.quant.precompile import precompile
 
-        precompile()
+        with CompileProgress(live=False):
+            precompile()
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Code generation helpers the numba kernels share: the decorator of per-type kernels, function
 attributes, prefetch hints, stack buffers kept in registers, and the fp16 table. No kernel of its own.
-Every kernel module imports it, so it is where reading numba's cache is made to survive damaged entries."""
+Every kernel module imports it, so it is where reading numba's cache is made to survive damaged entries,
+and numba's inlining made to copy each inlined function once (runtime.numba_inline)."""
 
 import numpy as np
 from llvmlite import ir
@@ -8,9 +9,10 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from pagelm.runtime import kernel_cache
+from pagelm.runtime import kernel_cache, numba_inline
 
 kernel_cache.tolerate_damaged_entries()
+numba_inline.copy_scopes_once()
 
 
 def kernel_of(name: str, **options):
