@@ -45,7 +45,7 @@ def load_model(path: str, embedding: EmbeddingMode = "mapped", weights: WeightsM
     network = module.Model(config, loader)
     tower, tower_loader, mmproj = _open_tower(path, mmproj, loader.architecture, config.hidden, config.vocab,
                                               weights, dtype, device)
-    loader.warmup()
+    loader.warmup(network.kernel_jobs())
     if tower_loader is not None:
         tower_loader.warmup()
     heap.trim()  # what decoding the small tensors and unpacking (dense) left on the heap

@@ -160,6 +160,11 @@ class Decoder:
 
     segment: int
 
+    def kernel_jobs(self) -> list:
+        """Worker jobs (quant.precompile.Job) compiling this network's own one-token kernels where they do not
+        depend on the block types' kernels, so that they compile at load beside those: none by default."""
+        return []
+
     def _check_input(self, x: torch.Tensor) -> None:
         hidden = self.config.hidden
         if x.dim() != 2 or x.shape[1] != hidden:

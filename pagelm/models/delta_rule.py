@@ -16,6 +16,7 @@ from numba import carray, njit, prange
 
 from pagelm.models.token_ops import pointer
 from pagelm.quant.codegen import fma
+from pagelm.quant.precompile import Job
 
 
 @njit(cache=True)
@@ -153,6 +154,21 @@ def deltanet_tokens(proj: torch.Tensor, convs: list[torch.Tensor], conv_w: torch
             dt_bias.numpy(), norm_w.numpy(), np.array([s.data_ptr() for s in states], np.int64), nk, dk, dv,
             np.float32(eps), np.float32(l2_eps), out.numpy())
     return out
+
+
+def warmup_job() -> Job:
+    """The worker job (quant.precompile.Job) of `warmup`."""
+    return Job(__name__, "warmup", (), (_tokens,), "", cost=4.0)
+
+
+def warmup() -> None:
+    """Compiles (or loads) deltanet_tokens' kernel: one token of one sequence with one head of 2, as a decode
+    step calls it."""
+    nk, dk, dv, taps = 1, 2, 2, 4
+    channels = 2 * nk * dk + dv
+    if deltanet_tokens(torch.zeros(1, channels + dv + 2), [torch.zeros(taps - 1, channels)], torch.zeros(taps, channels),
+                       torch.zeros(1), torch.zeros(1), torch.ones(dv), [torch.zeros(1, dk, dv)], nk, 1e-6, 1e-6) is None:
+        raise AssertionError("deltanet_tokens did not take its warmup token")
 
 
 def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -36,7 +36,7 @@ from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.models.decoder import Decoder, Span, advance, per_sequence
 from pagelm.models.layers import (KVState, apply_rope_, attend_spans, attention, bidirectional_attention, check_config,
                                   gated_mlp, inv_freq, rms_norm, rope_tables)
-from pagelm.models.token_layers import NORMS, TokenLayers
+from pagelm.models.token_layers import NORMS, TokenLayers, warmup_jobs
 from pagelm.models.token_ops import RopeRows, TokenStep, token_ropes
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, hf_rope, layer_period,
                                rope_scaling, shift_norms, tensor_maps)
@@ -242,6 +242,9 @@ class Gemma3Model(Decoder):
     def new_state(self, max_len: int) -> KVState:
         c = self.config
         return KVState(c.n_layers, c.n_kv_heads, c.head_dim, max_len, self.dtype, self.device)
+
+    def kernel_jobs(self) -> list:
+        return warmup_jobs(self.layers, self.dtype)
 
     def _layers(self, x: torch.Tensor, spans: list[Span], alone: bool) -> Generator:
         c, T = self.config, x.shape[0]

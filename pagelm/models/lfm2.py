@@ -30,7 +30,7 @@ from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.models.decoder import Decoder, Span, advance, keep, nbytes, per_sequence, waves
 from pagelm.models.layers import (KVCheckpoint, KVState, apply_rope_, attend_spans, attention, causal_conv1d,
                                   check_config, gated_mlp, inv_freq, rms_norm, rope_tables)
-from pagelm.models.token_layers import K_NORM, TokenLayers
+from pagelm.models.token_layers import K_NORM, TokenLayers, warmup_jobs
 from pagelm.models.token_ops import RopeRows, TokenStep, conv_tokens, token_ropes
 from pagelm.weights.hf import HFConfig, HFLayout, decoder_hf_config, hf_rope, rope_scaling, tensor_maps
 from pagelm.weights.linear import Linear
@@ -257,6 +257,9 @@ class Lfm2Model(Decoder):
 
     def new_state(self, max_len: int) -> Lfm2State:
         return Lfm2State(self.config, max_len, self.dtype, self.device)
+
+    def kernel_jobs(self) -> list:
+        return warmup_jobs([_token_layer(w) for w in self.layers], self.dtype)
 
     def _layers(self, x: torch.Tensor, spans: list[Span], alone: bool) -> Generator:
         c = self.config

@@ -46,7 +46,7 @@ from pagelm.models.moe import ClampedSwiglu, Experts
 from pagelm.models.layers import (KVState, apply_rope_, check_config, attend_spans, attention, gated_mlp, inv_freq, rms_norm,
                                   rope_tables, yarn_inv_freq)
 from pagelm.models.rope_scaling import Llama3Scaling, YarnScaling
-from pagelm.models.token_layers import K_NORM, TokenLayers
+from pagelm.models.token_layers import K_NORM, TokenLayers, warmup_jobs
 from pagelm.models.token_ops import RopeRows, TokenStep, token_ropes
 from pagelm.weights.hf import (LLAMA3_KEYS, HFConfig, HFLayout, decoder_hf_config, decoder_metadata, expert_tensor,
                                hf_rope, rope_scaling, tensor_maps)
@@ -297,6 +297,9 @@ class FamilyModel(Decoder):
     def new_state(self, max_len: int) -> KVState:
         c = self.config
         return KVState(c.n_layers, c.n_kv_heads, c.head_dim, max_len, self.dtype, self.device)
+
+    def kernel_jobs(self) -> list:
+        return [] if self.config.family.moe else warmup_jobs(self.layers, self.dtype)
 
     def _rope(self, pos: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of positions pos..pos+T-1, times YaRN's attention factor where the rope has one."""

@@ -23,11 +23,13 @@ import torch.nn.functional as F
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.models.decoder import Decoder, Span, advance, keep, nbytes, per_sequence, per_wave
 from pagelm.models.delta_rule import delta_rule_step, deltanet_tokens
+from pagelm.models.delta_rule import warmup_job as deltanet_warmup_job
 from pagelm.models.llama_family import expert_names, load_experts, moe_metadata
 from pagelm.models.moe import Experts
 from pagelm.models.layers import (apply_rope_, attention, causal_conv1d, check_config, gated_mlp, inv_freq, rms_norm,
                                   rope_tables)
 from pagelm.models.token_ops import RopeRows, attend_tokens, cache_views, token_ropes
+from pagelm.models.token_ops import warmup_job as attention_warmup_job
 from pagelm.runtime.pages import ZeroedTensors
 from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, heads_tiled, hf_rope,
                                layer_period, rope_scaling, shift_norms, tensor_maps)
@@ -495,6 +497,9 @@ class Qwen35Model(Decoder):
 
     def new_state(self, max_len: int) -> Qwen35State:
         return Qwen35State(self.config, max_len, self.dtype, self.device)
+
+    def kernel_jobs(self) -> list:
+        return [deltanet_warmup_job(), attention_warmup_job(self.dtype)]
 
     def _rope(self, s: Span) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (rows, rope_dim / 2) of a span's positions."""

@@ -15,12 +15,14 @@ its attention layers.
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numba import from_dtype, njit, typed, typeof, types
 
 from pagelm.models.norms import rms_rows
-from pagelm.models.token_ops import TokenStep, attend_heads, conv_tokens, gated_rows, rope_heads
+from pagelm.models.token_ops import TokenStep, attend_heads, conv_tokens, gated_rows, rope_heads, view_dtype
 from pagelm.quant.codegen import F16_TO_F32
 from pagelm.quant.matmul import gemv_kernels, readonly
+from pagelm.quant.precompile import Job
 from pagelm.runtime.threads import kernel_threads
 from pagelm.weights.linear import MappedLinear, RowGroup
 
@@ -118,6 +120,35 @@ def last_down(gemv, datas, offsets, parts, f16, threads, span, act, r, h, norm, 
     _down(gemv, datas, offsets, parts, f16, threads, span, act, r, h, norm, norms, post, eps, y)
 
 
+def _attend_kind(like: np.dtype) -> types.FunctionType:
+    """attend_heads' type as TokenLayers calls it, over KV caches whose kernel views are of dtype `like`."""
+    return types.FunctionType(types.void(_HEADS, _HEADS, _HEADS, _INTS, _INTS, types.Array(from_dtype(like), 3, "C"),
+                                         _INTS, _INTS, _INTS, types.float32, _ROWS))
+
+
+def warmup(like: str) -> None:
+    """Compiles (or loads) TokenLayers' kernels that no block type decides, for KV caches whose kernel views are
+    of numpy dtype `like` (uint16: bf16 bits; float32): the builders of its typed lists of every item type it
+    lists, its norm, rope and attention functions. What is left compiles at the first step: the layers'
+    own calls (to_activation, last_down), which need the block types' GEMVs first."""
+    for items in ([readonly(np.zeros(1, np.uint8))], [readonly(np.zeros(1, np.int64))], [np.zeros(1, np.float32)],
+                  [np.zeros((1, 1), np.float32)]):
+        _arrays(items)
+    _empty(_GEMV)
+    _append.compile((types.ListType(_GEMV), _GEMV))
+    _functions(_NORM, rms_rows)
+    _functions(_ROPE, rope_heads)
+    _functions(_attend_kind(np.dtype(like)), attend_heads)
+
+
+def warmup_jobs(layers: list, kv_dtype: torch.dtype) -> list[Job]:
+    """The worker job of `warmup` for layers TokenLayers takes, with KV caches of `kv_dtype` (none otherwise),
+    run at load beside the block types' (weights.loader.WeightLoader.warmup)."""
+    if not TokenLayers.take(layers):
+        return []
+    return [Job(__name__, "warmup", (view_dtype(kv_dtype),), (_empty, _append, rms_rows, rope_heads, attend_heads), "", cost=4.0)]
+
+
 _NO_CONV = np.zeros((0, 0), np.int64)  # conv windows' addresses of a model without conv layers
 
 
@@ -211,14 +242,19 @@ class TokenLayers:
         self.norm, self.rope = _functions(_NORM, rms_rows), _functions(_ROPE, rope_heads)
         self._attend = {}
 
+    @staticmethod
+    def take(layers: list) -> bool:
+        """Whether every product of the layers is GGML rows read in place without int8 (what TokenLayers runs)."""
+        linears = [linear for w in layers for linear in (w.qkv, w.out, w.gate_up, w.down)]
+        return all(isinstance(m, MappedLinear) and all(type(p) is RowGroup and not p.takes_int8 for p in m.parts)
+                   for m in linears)
+
     @classmethod
     def of(cls, layers: list, per: int = 2, kinds: list[int] | None = None,
            slots: list[int] | None = None) -> TokenLayers | None:
-        """The layers' calls (kinds: default all 0; slots: default each layer's index), or None where a
-        product is not GGML rows read in place without int8."""
-        linears = [linear for w in layers for linear in (w.qkv, w.out, w.gate_up, w.down)]
-        if not all(isinstance(m, MappedLinear) and all(type(p) is RowGroup and not p.takes_int8 for p in m.parts)
-                   for m in linears):
+        """The layers' calls (kinds: default all 0; slots: default each layer's index), or None where they do not
+        `take` them."""
+        if not cls.take(layers):
             return None
         return cls(layers, per, [0] * len(layers) if kinds is None else kinds,
                    list(range(len(layers))) if slots is None else slots)
@@ -226,10 +262,7 @@ class TokenLayers:
     def _attend_function(self, like: np.ndarray) -> typed.List:
         fn = self._attend.get(like.dtype)
         if fn is None:
-            kind = types.FunctionType(types.void(_HEADS, _HEADS, _HEADS, _INTS, _INTS,
-                                                 types.Array(from_dtype(like.dtype), 3, "C"), _INTS, _INTS, _INTS,
-                                                 types.float32, _ROWS))
-            fn = self._attend[like.dtype] = _functions(kind, attend_heads)
+            fn = self._attend[like.dtype] = _functions(_attend_kind(like.dtype), attend_heads)
         return fn
 
     def run(self, step: TokenStep, H: int, G: int, D: int, eps: float, activation, windows: tuple = (None,),

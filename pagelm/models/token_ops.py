@@ -24,6 +24,7 @@ from numba.extending import intrinsic, overload
 from pagelm.models.norms import MAX_ROWS, norm_rows  # MAX_ROWS: rows (tokens × heads) of one decode step take the kernels
 from pagelm.quant.codegen import fma
 from pagelm.quant.matmul import bf16_bits, u32_as_f32
+from pagelm.quant.precompile import Job
 from pagelm.weights.linear import as_float32
 
 
@@ -293,6 +294,25 @@ class TokenRows:
             out = np.empty((qn.shape[0], qn.shape[1] * qn.shape[2]), np.float32)
         attend_heads(qn, kn, vn, k_at, v_at, self.like, self.lens, self.positions, self.los, self.scale, out)
         return out
+
+
+def view_dtype(kv_dtype: torch.dtype) -> str:
+    """The numpy dtype of the kernels' views of a KV cache of `kv_dtype` (bf16 as its uint16 bits)."""
+    return "uint16" if kv_dtype == torch.bfloat16 else "float32"
+
+
+def warmup_job(kv_dtype: torch.dtype) -> Job:
+    """The worker job (quant.precompile.Job) of `warmup` for KV caches of `kv_dtype`."""
+    return Job(__name__, "warmup", (view_dtype(kv_dtype),), (attend_heads, rope_heads), "", cost=2.0)
+
+
+def warmup(like: str) -> None:
+    """Compiles (or loads) attend_tokens' kernels, rope included, for KV caches whose kernel views are of numpy
+    dtype `like` (uint16: bf16 bits; float32): one token on a tiny cache, as a decode step calls them."""
+    cache = [torch.zeros(1, 2, 2, dtype=torch.bfloat16 if like == "uint16" else torch.float32) for _ in range(2)]
+    q, k, v = (torch.zeros(1, 1, 2) for _ in range(3))
+    if attend_tokens(q, k, v, [cache_views(*cache)], [0], 1.0, [0], (torch.ones(1, 1), torch.zeros(1, 1))) is None:
+        raise AssertionError("attend_tokens did not take its warmup token")
 
 
 def attend_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, views: CacheViews | None,

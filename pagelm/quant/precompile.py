@@ -28,8 +28,8 @@ DONE = b"pagelm-precompile: job done\n"  # a worker's line after each job (anyth
 @dataclasses.dataclass(frozen=True)
 class Job:
     """One warmup call (`module.function(*args)`) that compiles or loads whole kernel functions, `kernels` (their
-    dispatchers, to tell whether the cache holds them); `label`: the block type or tile kind they are for; `cost`:
-    its compile time relative to the others' (the longest start first). Two jobs never fill one kernel function:
+    dispatchers, to tell whether the cache holds them); `label`: the block type or tile kind they are for (empty
+    for a network's own kernels); `cost`: its compile time relative to the others' (the longest start first). Two jobs never fill one kernel function:
     two processes adding to one numba index at once lose an entry."""
 
     module: str
@@ -112,7 +112,7 @@ def compile_missing(jobs: list[Job], workers: int) -> None:
     workers = min(workers, len(missing))
     if workers < 2:
         return
-    progress = announce(list(dict.fromkeys(job.label for job in missing)), len(missing))
+    progress = announce(list(dict.fromkeys(job.label for job in missing if job.label)), len(missing))
     pending = sorted(missing, key=lambda job: -job.cost)
     with selectors.DefaultSelector() as ready:
         for _ in range(workers):

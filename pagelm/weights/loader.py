@@ -28,7 +28,7 @@ from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
 from pagelm.formats.gguf import GGUFArray, GGUFFile, GGUFValueType, TensorInfo
 from pagelm.quant import DECODABLE, GGMLType, decode_f32
 from pagelm.quant import head, int8dot, matmul, tiles
-from pagelm.quant.precompile import compile_missing, model_jobs
+from pagelm.quant.precompile import Job, compile_missing, model_jobs
 from pagelm.runtime.threads import kernel_threads
 from pagelm.weights.embedding import EmbeddingMode, OutputHead, RowFormat, TokenEmbedding, load_output_head, load_token_embedding
 from pagelm.weights.flm import FLMCheckpoint, TiledMatrix, is_flm_directory
@@ -381,9 +381,11 @@ class WeightLoader:
         self._head = load_output_head(self.file, int8=self.weights == "mapped-int8")
         return self._head
 
-    def warmup(self) -> None:
+    def warmup(self, jobs: list[Job] = ()) -> None:
         """Load the compiled kernels this model uses now rather than inside the first request: those of its
-        block types (the head's and token_embd's too), tiles and weights mode, the dequantizers to its dtype."""
+        block types (the head's and token_embd's too), tiles and weights mode, the dequantizers to its dtype;
+        what the cache lacks of them and of `jobs` (the network's own, which load when first used) compiles
+        in worker processes first."""
         tables = {self.file.tensors[name].ggml_type for name in ("token_embd.weight", "output.weight")
                   if name in self.file.tensors}
         dequantize_to = (np.uint16,) if self.dtype == torch.bfloat16 else (np.float32,)
@@ -393,7 +395,8 @@ class WeightLoader:
         int8_types = types | {getattr(head_table, "ggml_type", None)} if self.weights == "mapped-int8" else set()
         kinds = {m.kind for m in self.tiles.values()}
         # what the cache lacks compiled in processes of their own at once, then loaded here
-        compile_missing(model_jobs(types, tables, kinds, int8_types - {None}, dequantize_to), kernel_threads())
+        compile_missing(model_jobs(types, tables, kinds, int8_types - {None}, dequantize_to) + list(jobs),
+                        kernel_threads())
         head.warmup(tables)
         if types:
             matmul.warmup(types, dequantize_to=dequantize_to)
