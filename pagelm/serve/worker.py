@@ -13,10 +13,10 @@ request again), stop strings and the reasoning split. HTTP shapes belong to the 
 Answers do not depend on the load: a prompt is also cut every `prefill_chunk` tokens counted from
 its start, the same places whatever else runs, and a decode step gives each sequence bit for bit
 the logits it would get alone (`pagelm.engine.batch.decode_batch`). With one slot, prompts are not
-chunked: today's arithmetic. While other slots decode, a segment of a long prompt is computed a few
-layers per step (`Session.prefill_layers`), about as long as the step's decode took, so that a long
-prompt arriving slows the running streams' tokens by a bounded factor; where a segment pauses
-changes no bit.
+chunked: today's arithmetic. While other slots decode, a segment of a prompt is computed a few
+layers per step (`Session.prefill_layers`), a share of the step's decode time (three times it for a
+prompt of up to 512 tokens, as long as it for a longer one), so that a prompt arriving slows the
+running streams' tokens by a bounded factor; where a segment pauses changes no bit.
 
 After a chat answer has gone out, the cache keeps the answer as the next request will render it
 (`Prompt.answered`), not as it was generated: Qwen3.5's template writes a past answer without the
@@ -62,10 +62,14 @@ log = logging.getLogger("pagelm.serve")
 # every matrix once: on the 0.8B, 64-token segments prefilled 118-120 tok/s, 128-token ones 149-159,
 # 256-token ones 164-183 (its temporaries at their peak: +23, +41, +90 MiB).
 PREFILL_CHUNK = 128
-PREFILL_SHARE = 1.0  # a step's prefill time while slots decode, over the step's decode time
-# Prompts up to this long run a whole segment a step: they delay the streams a few steps and start
-# decoding (joining the batch) sooner; longer ones would stall the streams for many steps, so they share.
-SHARED_PROMPT_TOKENS = 512
+# A step's prefill time while slots decode, over the step's decode time: a prompt's segment pauses between
+# layers once it has had that share, so that a prompt arriving slows the running streams' tokens by a
+# bounded factor (1 + the share). Prompts up to SHORT_PROMPT_TOKENS take a larger share: they delay the
+# streams a few steps and start decoding (joining the batch) sooner; a whole 128-token segment between two
+# steps made one step in seven of SmolLM2's at 4 clients ~10x as long as the others (issue 53's stutter).
+PREFILL_SHARE = 1.0
+SHORT_PROMPT_SHARE = 3.0
+SHORT_PROMPT_TOKENS = 512
 
 
 @dataclass
@@ -311,7 +315,7 @@ class Worker:
     def _step(self) -> None:
         self._admit()
         decode_s = self._decode()
-        self._prefill(decode_s * PREFILL_SHARE if decode_s else None)
+        self._prefill(decode_s or None)
         if not self._busy and not self._waiting:
             if self._kept:
                 self._keep_answer(self._kept.pop())
@@ -381,9 +385,9 @@ class Worker:
             cuts.update(p for p in range(first, end, self.prefill_chunk) if not prompt.cuts_image(p))
         return sorted(cuts) + ([end] if start < end else []), stores
 
-    def _prefill(self, allowance: float | None) -> None:
-        """About `allowance` seconds (None: all) of the current segment of the prompt of the
-        earliest-admitted slot still prefilling (those cancelled end first, whatever their turn)."""
+    def _prefill(self, decode_s: float | None) -> None:
+        """The current segment of the prompt of the earliest-admitted slot still prefilling (those cancelled end
+        first, whatever their turn): its share of a step that decoded for `decode_s` seconds (None: all of it)."""
         prefilling = [(s.job.submitted, i) for i, s in enumerate(self._slots) if s is not None and not s.decoding]
         for submitted, index in list(prefilling):
             r = self._slots[index]
@@ -401,7 +405,8 @@ class Worker:
                 prompt, cursor = r.job.prompt, len(r.session.tokens)
                 r.segment = r.session.prefill_layers(prompt.tokens[cursor:r.cuts[0]], prompt.images_in(cursor, r.cuts[0]))
                 r.segment_s = 0.0
-            if not self._advance(r, allowance if len(r.job.prompt.tokens) > SHARED_PROMPT_TOKENS else None):
+            share = SHORT_PROMPT_SHARE if len(r.job.prompt.tokens) <= SHORT_PROMPT_TOKENS else PREFILL_SHARE
+            if not self._advance(r, None if decode_s is None else decode_s * share):
                 return
             point, r.segment = r.cuts.pop(0), None
             self.histograms.prefill_segment_seconds.observe(r.segment_s)

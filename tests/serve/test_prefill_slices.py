@@ -1,8 +1,11 @@
-"""A long prompt arriving while another stream decodes is prefilled a few layers per step, beside
-that stream's decode steps (in process, on the engine worker): with the prefill's share of a step
-set to nothing, one layer per step; both answers are still each one's alone."""
+"""A prompt arriving while another stream decodes is prefilled a few layers per step, beside that stream's
+decode steps (in process, on the engine worker): with the prefill's share of a step set to nothing, one
+layer per step, whether the prompt is long (its share) or short (up to 512 tokens: its own share); both
+answers are still each one's alone."""
 
 import asyncio
+
+import pytest
 
 from pagelm.chat.model import Prompt
 from pagelm.engine.sampling import SamplingParams
@@ -38,9 +41,11 @@ async def _alone_then_together(worker: Worker, story: list[int], long: list[int]
     return alone, together, worker.histograms.prefill_slice_seconds.snapshot()["count"] - slices_before
 
 
-def test_a_long_prompt_beside_a_decoding_stream_is_prefilled_a_layer_a_step(smollm2_chat, monkeypatch):
-    monkeypatch.setattr(worker_module, "PREFILL_SHARE", 0.0)
-    monkeypatch.setattr(worker_module, "SHARED_PROMPT_TOKENS", 100)
+@pytest.mark.parametrize("share", [{"PREFILL_SHARE": 0.0, "SHORT_PROMPT_TOKENS": 100},  # a long prompt's share
+                                   {"SHORT_PROMPT_SHARE": 0.0}])  # a short one's (up to 512 tokens)
+def test_a_prompt_beside_a_decoding_stream_is_prefilled_a_layer_a_step(smollm2_chat, monkeypatch, share):
+    for name, value in share.items():
+        monkeypatch.setattr(worker_module, name, value)
     tokenizer = smollm2_chat.tokenizer
     story, long = tokenizer.encode(STORY), tokenizer.encode(LONG)
     assert len(long) > 2 * CHUNK and len(story) < 100 < len(long)
