@@ -247,13 +247,13 @@ class LlamaServer(ServerProcess):
     its prompt caches off as pagelm's prefix cache is: a level after the first would otherwise find
     every prompt already processed."""
 
-    def __init__(self, model_path: str, parallel: int, ctx_len: int, threads: int):
+    def __init__(self, model_path: str, parallel: int, ctx_len: int, threads: int, extra_flags: tuple[str, ...] = ()):
         self.model_path, self.config = model_path, ServerConfig()
         self.port = free_port()
         self._log = tempfile.TemporaryFile(mode="w+")
         command = [shutil.which("llama-server"), "-m", model_path, "--host", "127.0.0.1", "--port", str(self.port),
                    "-np", str(parallel), "-c", str(ctx_len * parallel), "-t", str(threads),
-                   "--no-cache-prompt", "--cache-ram", "0"]
+                   "--no-cache-prompt", "--cache-ram", "0", *extra_flags]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self._log)
         self.load_s = 0.0
 

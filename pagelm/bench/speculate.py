@@ -1,6 +1,7 @@
 """`pagelm bench speculate`: plain against speculative decoding on built-in tasks made of texts that
 ship with Python (its source and docstrings), in process: tokens per second, tokens kept per verify
-pass, and whether any speculative answer differs from its plain one (it must not).
+pass, and whether any speculative answer differs from its plain one (it must not); with a `llama-server`
+on PATH, llama.cpp's own n-gram speculation on the same file and prompt tokens beside it.
 
 Owns the tasks and the measurement; the decoding is `Session.generate`'s, speculate off or on.
 """
@@ -11,6 +12,7 @@ import argparse
 import inspect
 import json
 import os
+import shutil
 import statistics
 import sys
 import textwrap
@@ -61,12 +63,27 @@ class Row:
 
 
 @dataclass
+class PeerRow:
+    """llama-server's greedy decode tokens per second on one task, plain and with LLAMA_SPECULATION."""
+
+    task: str
+    plain_tok_s: list[float] = field(default_factory=list)
+    spec_tok_s: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)  # the share of its drafted tokens kept, where it reports it
+
+
+# llama.cpp's drafts from the context itself (llama-server --help: `ngram-simple`), as prompt lookup drafts
+LLAMA_SPECULATION = ("--spec-type", "ngram-simple")
+
+
+@dataclass
 class SpeculateReport:
     model: str
     tokens: int
     runs: int
     rows: list[Row]
     draft: str | None = None  # the draft model's name; None: prompt lookup
+    peer: list[PeerRow] = field(default_factory=list)  # llama-server's, where it ran
 
     @property
     def differing(self) -> int:
@@ -83,8 +100,48 @@ class SpeculateReport:
                  table, ""]
         lines += [f"{r.task}{'' if r.sampling == 'greedy' else ' ' + r.sampling}: {r.ratio:.2f}× plain"
                   for r in self.rows]
+        lines += self._peer_lines()
         lines.append(f"differing answers: {self.differing} of {sum(r.answers for r in self.rows)}")
         return "\n".join(lines)
+
+
+    def _peer_lines(self) -> list[str]:
+        if not self.peer:
+            return ["llama-server: not on PATH, not compared"] if self.draft is None else []
+        ours = {r.task: r for r in self.rows if r.sampling == "greedy"}
+        table = markdown_table(
+            ["task", "llama.cpp plain tok/s", f"llama.cpp {LLAMA_SPECULATION[1]} tok/s", "drafts kept",
+             "pagelm speculative / llama.cpp's"],
+            [[p.task, f"{statistics.median(p.plain_tok_s):.1f}", f"{statistics.median(p.spec_tok_s):.1f}",
+              f"{statistics.median(p.accepted):.0%}" if p.accepted else "-",
+              f"{statistics.median(ours[p.task].spec_tok_s) / statistics.median(p.spec_tok_s):.2f}"]
+             for p in self.peer], "lrrrr")
+        return ["", f"llama-server on the same file and prompt tokens, greedy, its speculation "
+                    f"`{' '.join(LLAMA_SPECULATION)}`:", "", table, ""]
+
+
+def _llama_server_rows(path: str, prompts: dict[str, list[int]], tokens: int, runs: int, threads: int) -> list[PeerRow]:
+    """llama-server's greedy decode tokens per second (its own timings) on each task's prompt tokens, plain and with
+    LLAMA_SPECULATION, each server in turn, --runs times, prompt caching off."""
+    from pagelm.bench.concurrency import LlamaServer
+
+    rows = {task: PeerRow(task) for task in prompts}
+    ctx_len = max(len(ids) for ids in prompts.values()) + tokens + 16
+    for flags in ((), LLAMA_SPECULATION):
+        with LlamaServer(path, 1, ctx_len, threads, flags) as server:
+            for task, ids in prompts.items():
+                for run in range(runs):
+                    print(f"llama-server{' ' + flags[1] if flags else ''} {task}: run {run + 1} of {runs}",
+                          file=sys.stderr, flush=True)
+                    reply = server.post("/completion", {"prompt": ids, "n_predict": tokens, "temperature": 0,
+                                                        "top_k": 1, "cache_prompt": False})
+                    if reply.status != 200:
+                        raise RuntimeError(f"llama-server answered {reply.status}: {reply.body}")
+                    timings = reply.body["timings"]
+                    (rows[task].spec_tok_s if flags else rows[task].plain_tok_s).append(timings["predicted_per_second"])
+                    if flags and timings.get("draft_n"):
+                        rows[task].accepted.append(timings["draft_n_accepted"] / timings["draft_n"])
+    return list(rows.values())
 
 
 def _timed(session, checkpoint, params, speculate) -> tuple[list[int], float]:
@@ -108,14 +165,15 @@ def run_speculate(name: str, path: str, names: list[str], tokens: int, runs: int
     from pagelm.chat.model import ChatModel
     from pagelm.engine.sampling import SamplingParams
     from pagelm.engine.speculate import DraftModel, Prediction, PromptLookup, Speculator
+    from pagelm.runtime.threads import kernel_threads
 
     chat = ChatModel.open(path, name=name)
     draft_model = None if draft is None else chat.open_draft(draft)
     samplings = {"greedy": SamplingParams(max_tokens=tokens),
                  "seeded": SamplingParams(temperature=0.7, seed=1, max_tokens=tokens)}
-    rows = []
+    rows, prompts = [], {}
     for task in (tasks()[n] for n in names):
-        prompt = chat.chat_prompt([{"role": "user", "content": task.message}], think=False).tokens
+        prompt = prompts[task.name] = chat.chat_prompt([{"role": "user", "content": task.message}], think=False).tokens
         session = chat.model.session(len(prompt) + tokens + 1)
         session.prefill(prompt)
         checkpoint = session.checkpoint()
@@ -140,4 +198,6 @@ def run_speculate(name: str, path: str, names: list[str], tokens: int, runs: int
                 row.differing += spec != plain
                 row.answers += 1
             rows.append(row)
-    return SpeculateReport(name, tokens, runs, rows, None if draft is None else os.path.basename(draft))
+    peer = _llama_server_rows(path, prompts, tokens, runs, kernel_threads()) \
+        if draft is None and shutil.which("llama-server") else []
+    return SpeculateReport(name, tokens, runs, rows, None if draft is None else os.path.basename(draft), peer)

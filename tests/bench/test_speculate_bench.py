@@ -15,6 +15,7 @@ def test_bench_speculate_prints_its_lines_and_no_differing_answer(smollm2_gguf, 
     assert re.search(r"^differing answers: 0 of 5$", out, re.M)
     passes = re.search(r"^\| edit \+ prediction \| greedy \|(?: [\d.]+ \|){2} ([\d.]+) \|", out, re.M)
     assert float(passes.group(1)) > 1  # the prediction's drafts were kept
+    assert re.search(r"^llama-server: not on PATH, not compared$|^\| edit \|(?: [\d.]+ \|){2} ", out, re.M)
 
 
 def test_bench_speculate_refuses_unknown_tasks(capsys):
