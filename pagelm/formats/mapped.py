@@ -18,16 +18,19 @@ class MappedFile:
 
     expected = "a header"  # what an empty file lacks, for its error message
 
-    def __init__(self, buf: memoryview, name: str, mm: mmap.mmap | None = None, path: str | None = None):
+    def __init__(self, buf: memoryview, name: str, mm: mmap.mmap | None = None, path: str | None = None,
+                 size: int | None = None):
         self.name, self.path, self.mmap, self._buf = name, path, mm, buf
-        self.file_size = len(buf)
+        self.file_size = len(buf) if size is None else size
         self._parse()
 
     def _parse(self) -> None:
         raise NotImplementedError
 
     @classmethod
-    def open(cls, path: str | os.PathLike):
+    def open(cls, path: str | os.PathLike, size: int | None = None):
+        """The file at `path`; `size`: the whole file's size where `path` holds only its beginning (a download
+        in progress): the header is parsed (an error if it has not all arrived), no tensor data may be read."""
         name = os.fspath(path)
         with open(name, "rb") as fh:
             if os.fstat(fh.fileno()).st_size == 0:
@@ -35,7 +38,7 @@ class MappedFile:
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         buf = memoryview(mm)
         try:
-            return cls(buf, name, mm, name)
+            return cls(buf, name, mm, name, size)
         except BaseException:
             release(buf, mm)
             raise

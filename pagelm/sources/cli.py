@@ -10,6 +10,7 @@ import sys
 from tqdm import tqdm
 
 from pagelm.errors import PagelmError
+from pagelm.sources.kernels_ahead import KernelsAhead
 
 def pull_with_progress(name: str):
     from pagelm.sources import store
@@ -36,37 +37,14 @@ def locate(name: str):
 def _pull_hub(args: argparse.Namespace) -> int:
     from pagelm.sources import hub
 
-    located = hub.pull(args.model, token=args.token, mmproj=args.mmproj, no_mmproj=args.no_mmproj)
+    kernels = KernelsAhead()
+    located = hub.pull(args.model, token=args.token, mmproj=args.mmproj, no_mmproj=args.no_mmproj,
+                       on_bytes=kernels.arrived)
     print(f"{located.name}: {located.path} ({located.size} bytes, revision {located.commit})")
     if located.tower:
         print(f"  tower: {located.tower} ({located.tower.stat().st_size} bytes)")
-    compile_kernels(located.path)
+    kernels.finish(located.path)
     return 0
-
-
-def compile_kernels(path) -> None:
-    """After a pull: the kernels of the GGUF file's block types that the cache lacks, compiled now (in a process of
-    their own: pull imports no numba), so that the first run loads them. A failure is a warning: that run compiles."""
-    import subprocess
-
-    from pagelm.formats.gguf import GGUFFile
-    from pagelm.quant.codecs import DECODABLE
-
-    if not str(path).lower().endswith(".gguf"):
-        return
-    try:
-        with GGUFFile.open(str(path)) as model:
-            tensors = model.tensors
-        types = {t.ggml_type for t in tensors.values() if len(t.dims) >= 2 and t.ggml_type in DECODABLE}
-        tables = {tensors[n].ggml_type for n in ("token_embd.weight", "output.weight") if n in tensors}
-        done = subprocess.run([sys.executable, "-m", "pagelm.quant.precompile", "--types",
-                               ",".join(sorted(t.name for t in types)), "--tables", ",".join(sorted(t.name for t in tables)),
-                               "--dtype", "bfloat16"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        failed = done.returncode != 0 and f"exit status {done.returncode}"
-    except (OSError, PagelmError) as e:
-        failed = str(e)
-    if failed:
-        print(f"pagelm pull: kernels not compiled ahead ({failed}); the first run compiles them", file=sys.stderr)
 
 
 def _pull(args: argparse.Namespace) -> int:
@@ -93,7 +71,7 @@ def _pull(args: argparse.Namespace) -> int:
     if args.model in store.KNOWN_MODELS:
         path = pull_with_progress(args.model)
         print(f"{args.model}: {path} ({path.stat().st_size} bytes)")
-        compile_kernels(path)
+        KernelsAhead().finish(path)
         return 0
     name, path = store.add_local(args.model)
     print(f"{name}: {path} (added in place; `pagelm run {name}` uses it)")

@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Callable
 
 from pagelm.errors import PagelmError
 from pagelm.formats.gguf import GGUFFile
@@ -52,6 +53,7 @@ CHUNK = 1 << 20
 RETRIES = 5  # failed attempts in a row (without new bytes) before a download gives up
 BACKOFF_S = 1.0  # the first retry's wait; doubled each time, at most MAX_BACKOFF_S
 MAX_BACKOFF_S = 30.0
+OnBytes = Callable[[Path, int, int], None]  # (the partial file, bytes in it, the file's size): a download grew
 
 
 class HubError(PagelmError):
@@ -482,8 +484,10 @@ def _body_start(response) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _fetch(url: str, part: Path, remote: RemoteFile, headers: dict, name: HubName, show_progress: bool):
-    """Download `remote` into `part`, resuming from what `part` holds; returns its hash object."""
+def _fetch(url: str, part: Path, remote: RemoteFile, headers: dict, name: HubName, show_progress: bool,
+           on_bytes: OnBytes | None = None):
+    """Download `remote` into `part`, resuming from what `part` holds; returns its hash object. `on_bytes(part, have,
+    size)` after each block written."""
     import httpx2
     from huggingface_hub import constants
     from huggingface_hub.utils import get_session
@@ -536,6 +540,9 @@ def _fetch(url: str, part: Path, remote: RemoteFile, headers: dict, name: HubNam
                             have += len(block)
                             bar.update(len(block))
                             progressed = True
+                            if on_bytes is not None:
+                                out.flush()
+                                on_bytes(part, have, remote.size)
                     if have < remote.size:
                         raise _Retry(f"the connection ended after {have} of {remote.size} bytes")
             except (_Retry, httpx2.TransportError) as e:
@@ -549,7 +556,7 @@ def _fetch(url: str, part: Path, remote: RemoteFile, headers: dict, name: HubNam
 
 
 def _fetch_blob(repo: Path, name: HubName, commit: str, remote: RemoteFile, token: str | None,
-                show_progress: bool) -> Path:
+                show_progress: bool, on_bytes: OnBytes | None = None) -> Path:
     """The blob of `remote` in the cache: there already (0 bytes fetched), or downloaded and checked."""
     from urllib.parse import quote
 
@@ -567,7 +574,7 @@ def _fetch_blob(repo: Path, name: HubName, commit: str, remote: RemoteFile, toke
             return blob
         part = blob.with_name(remote.etag + ".incomplete")
         url = f"{_endpoint()}/{name.repo}/resolve/{commit}/{quote(remote.path)}"
-        digest = _fetch(url, part, remote, build_hf_headers(token=token), name, show_progress)
+        digest = _fetch(url, part, remote, build_hf_headers(token=token), name, show_progress, on_bytes)
         if digest.hexdigest() != remote.etag:
             part.unlink()
             kind = "sha256" if remote.lfs else "git blob sha1"
@@ -601,10 +608,11 @@ def _refuse_split(name: HubName, files: list[str] | tuple[str, ...], first: Path
 
 
 def pull(text: str | HubName, token: str | None = None, mmproj: str | None = None, no_mmproj: bool = False,
-         show_progress: bool = True, single_file: bool = False) -> HubModel:
+         show_progress: bool = True, single_file: bool = False, on_bytes: OnBytes | None = None) -> HubModel:
     """Bring a Hub model (and, for a Qwen3.5, its vision tower) into the cache; files already there
     are used in place. Offline (HF_HUB_OFFLINE), only what the cache holds. `single_file`: a split
-    GGUF is refused before any of it is fetched."""
+    GGUF is refused before any of it is fetched. `on_bytes(part, have, size)` as the model's (first) file
+    arrives, its first `have` of `size` bytes in `part`."""
     name = text if isinstance(text, HubName) else parse_name(text)
     if name is None:
         raise HubError(f"{text}: not a Hub model name ({NAME_FORMS})")
@@ -620,7 +628,8 @@ def pull(text: str | HubName, token: str | None = None, mmproj: str | None = Non
     if single_file:
         _refuse_split(name, chosen, snapshot / chosen[0])
     for path in chosen:
-        _link(name, snapshot, path, _fetch_blob(repo, name, commit, remote[path], token, show_progress))
+        _link(name, snapshot, path, _fetch_blob(repo, name, commit, remote[path], token, show_progress,
+                                                on_bytes if path == chosen[0] else None))
     model_path = snapshot / chosen[0] if chosen[0].lower().endswith(".gguf") else snapshot
     tower = None if no_mmproj or model_path.is_dir() else choose_tower(sorted(remote), chosen[0], mmproj)
     if tower is not None and not _is_vision_model(model_path):

@@ -124,29 +124,93 @@ def test_kernels_the_cache_lacks_compile_in_worker_processes_and_then_load(tmp_p
     assert again["before"] == [True, True] and again["line"] == ""  # nothing to compile: no workers, no line
 
 
-def test_a_pull_compiles_the_files_block_types_in_a_process_of_its_own(tmp_path):
-    """`pagelm pull`'s last step (sources.cli.compile_kernels) hands the file's block types and table types to
-    `python -m pagelm.quant.precompile` (whose jobs the test above runs) and imports no numba itself."""
-    import json
+FAKE_POPEN = """
+import subprocess
+calls = []
 
+
+class FakePopen:
+    returncode = 0
+
+    def __init__(self, argv, **kw):
+        calls.append(argv[1:])
+
+    def wait(self):
+        return 0
+
+
+subprocess.Popen = FakePopen
+"""
+
+
+def _tiny_q4_k_m(tmp_path):
     from pagelm.tools.synth import write_model
     from pagelm.tools.synth_shapes import SHAPES
 
     path = tmp_path / "tiny.gguf"
     write_model(str(path), SHAPES["qwen3-tiny"], mix="q4_k_m")
-    pull = ("import json, subprocess, sys\n"
-            "calls = []\n"
-            "subprocess.run = lambda argv, **kw: calls.append(argv[1:]) or subprocess.CompletedProcess(argv, 0)\n"
-            "from pagelm.sources.cli import compile_kernels\n"
-            "compile_kernels(sys.argv[1])\n"
+    return path
+
+
+def _check_compile_command(argv: list[str]) -> None:
+    named = dict(zip(argv[2::2], argv[3::2]))
+    assert argv[:2] == ["-m", "pagelm.quant.precompile"] and named["--dtype"] == "bfloat16"
+    assert set(named["--types"].split(",")) >= {"Q4_K", "Q6_K"} and "F32" not in named["--types"]  # norms are 1-D
+    assert named["--tables"] in ("Q6_K", "Q8_0", "Q4_K")
+
+
+def test_a_pull_compiles_the_files_block_types_in_a_process_of_its_own(tmp_path):
+    """`pagelm pull`'s last step (sources.kernels_ahead.KernelsAhead.finish) hands the file's block types and table
+    types to `python -m pagelm.quant.precompile` (whose jobs the test above runs) and imports no numba itself."""
+    import json
+
+    path = _tiny_q4_k_m(tmp_path)
+    pull = (FAKE_POPEN + "import json, sys\n"
+            "from pagelm.sources.kernels_ahead import KernelsAhead\n"
+            "KernelsAhead().finish(sys.argv[1])\n"
             "print(json.dumps({'calls': calls, 'numba': 'numba' in sys.modules, 'torch': 'torch' in sys.modules}))")
     done = subprocess.run([sys.executable, "-c", pull, str(path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     seen = json.loads(done.stdout.splitlines()[-1])
     assert not seen["numba"] and not seen["torch"]
     (argv,) = seen["calls"]
-    named = dict(zip(argv[2::2], argv[3::2]))
-    assert argv[:2] == ["-m", "pagelm.quant.precompile"] and named["--dtype"] == "bfloat16"
-    assert set(named["--types"].split(",")) >= {"Q4_K", "Q6_K"} and "F32" not in named["--types"]  # norms are 1-D
-    assert named["--tables"] in ("Q6_K", "Q8_0", "Q4_K")
+    _check_compile_command(argv)
 
+
+def test_a_pull_starts_compiling_once_the_header_has_arrived(tmp_path, monkeypatch):
+    """Beside the download (hub.pull's on_bytes): nothing while the header is cut short, the compile command once
+    it parses (its tensors' data not there yet), started once; the download's end then waits for it."""
+    from pagelm.formats.gguf import GGUFFile
+    from pagelm.sources import kernels_ahead
+
+    class Compile:
+        def __init__(self, argv, **kw):
+            started.append(argv[1:])
+            self.waited = False
+
+        def wait(self):
+            self.waited, self.returncode = True, 0
+            return 0
+
+    path = _tiny_q4_k_m(tmp_path)
+    data, part = path.read_bytes(), tmp_path / "tiny.gguf.incomplete"
+    started = []
+    monkeypatch.setattr(kernels_ahead.subprocess, "Popen", Compile)
+    monkeypatch.setattr(kernels_ahead, "FIRST_TRY", 64)  # tried from 64 bytes on, at each doubling
+    ahead = kernels_ahead.KernelsAhead()
+    with GGUFFile.open(path) as whole:
+        header_end = whole.data_offset
+    assert header_end > 4 * 64
+    for have in (32, 100, header_end // 2):  # too few to try; then a header cut short, twice
+        part.write_bytes(data[:have])
+        ahead.arrived(part, have, len(data))
+    assert started == []
+    have = header_end
+    assert have < len(data)
+    part.write_bytes(data[:have])
+    ahead.arrived(part, have, len(data))
+    ahead.arrived(part, 2 * have, len(data))
+    (argv,) = started
+    _check_compile_command(argv)
+    ahead.finish(path)
+    assert ahead.process.waited and len(started) == 1

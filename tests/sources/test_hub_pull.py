@@ -103,6 +103,31 @@ def test_a_pull_cut_at_half_resumes_and_fetches_only_the_rest(hub, hub_files, en
     assert _sha256(_snapshot(env, TINY) / "tiny-Q8_0.gguf") == _sha256(hub_files["tiny-a2"])
 
 
+def _children(pid: int) -> list[str]:
+    return [c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def test_a_pull_compiles_its_kernels_beside_the_download_once_the_header_has_arrived(hub, hub_files, env):
+    """The download held at half the file (its header long arrived): the compile process is already running (or
+    done and not yet reaped); once the rest arrives, the pull waits for it and ends."""
+    size = os.path.getsize(hub_files["tiny-a2"])
+    held = hub.faults[(TINY, "tiny-Q8_0.gguf")] = Fault(hold_at=0.5)
+    process = subprocess.Popen([sys.executable, "-m", "pagelm", "pull", f"hf.co/{TINY}:Q8_0"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while hub.sent.get((TINY, "tiny-Q8_0.gguf"), 0) < size // 2 or not _children(process.pid):
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "no compile process while the download was held"
+            time.sleep(0.05)
+        assert hub.sent[(TINY, "tiny-Q8_0.gguf")] < size  # still held
+    finally:
+        held.released.set()
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr
+    assert "not compiled ahead" not in stderr
+
+
 def test_a_busy_hub_is_retried_with_backoff(hub, hub_files, env, pagelm):
     hub.busy_listings = 1
     hub.faults[(TINY, "tiny-Q4_0.gguf")] = Fault(unavailable=2)
