@@ -212,9 +212,10 @@ def _speculate(args: argparse.Namespace) -> int:
     MODEL's greedy tokens; a prediction where given), --runs times from the same prefilled prompt. Prints per task the medians of plain and
     speculative decode tokens per second and of tokens per verify pass, one line 'TASK: R× plain' each,
     then 'differing answers: D of S' comparing every speculative answer with its plain one; exit 1 if D > 0.
-    With a `llama-server` binary on PATH (and no --draft), llama.cpp's greedy decode tokens per second on the
-    same file and prompt tokens, plain and with its n-gram speculation (`--spec-type ngram-simple`), each
-    server in turn, and pagelm's speculative tokens per second over llama.cpp's."""
+    With a `llama-server` binary on PATH, llama.cpp's greedy decode tokens per second on the same file and
+    prompt tokens, plain and speculating (its n-gram drafts, `--spec-type ngram-simple`, or with --draft the same
+    draft model, `--spec-type draft-simple -md MODEL`), each server in turn, pagelm's speculative tokens per second
+    over llama.cpp's, and how many of llama.cpp's speculative answers differ from its plain ones."""
     from pagelm.bench.speculate import TASKS, run_speculate
 
     names = args.tasks.split(",")

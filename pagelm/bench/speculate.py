@@ -64,16 +64,24 @@ class Row:
 
 @dataclass
 class PeerRow:
-    """llama-server's greedy decode tokens per second on one task, plain and with LLAMA_SPECULATION."""
+    """llama-server's greedy decode tokens per second on one task, plain and speculating, and its answers."""
 
     task: str
     plain_tok_s: list[float] = field(default_factory=list)
     spec_tok_s: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)  # the share of its drafted tokens kept, where it reports it
+    plain_answers: list[str] = field(default_factory=list)
+    spec_answers: list[str] = field(default_factory=list)
+
+    @property
+    def differing(self) -> int:
+        return sum(a != b for a, b in zip(self.plain_answers, self.spec_answers))
 
 
-# llama.cpp's drafts from the context itself (llama-server --help: `ngram-simple`), as prompt lookup drafts
-LLAMA_SPECULATION = ("--spec-type", "ngram-simple")
+def llama_speculation(draft: str | None) -> tuple[str, ...]:
+    """llama-server's flags for the speculation pagelm's run compares with: drafts from the context itself (its
+    `ngram-simple`), as prompt lookup drafts, or from the `draft` model (`draft-simple`)."""
+    return ("--spec-type", "ngram-simple") if draft is None else ("--spec-type", "draft-simple", "-md", draft)
 
 
 @dataclass
@@ -107,27 +115,30 @@ class SpeculateReport:
 
     def _peer_lines(self) -> list[str]:
         if not self.peer:
-            return ["llama-server: not on PATH, not compared"] if self.draft is None else []
+            return ["llama-server: not on PATH, not compared"]
         ours = {r.task: r for r in self.rows if r.sampling == "greedy"}
         table = markdown_table(
-            ["task", "llama.cpp plain tok/s", f"llama.cpp {LLAMA_SPECULATION[1]} tok/s", "drafts kept",
+            ["task", "llama.cpp plain tok/s", "llama.cpp speculative tok/s", "drafts kept",
              "pagelm speculative / llama.cpp's"],
             [[p.task, f"{statistics.median(p.plain_tok_s):.1f}", f"{statistics.median(p.spec_tok_s):.1f}",
               f"{statistics.median(p.accepted):.0%}" if p.accepted else "-",
               f"{statistics.median(ours[p.task].spec_tok_s) / statistics.median(p.spec_tok_s):.2f}"]
              for p in self.peer], "lrrrr")
-        return ["", f"llama-server on the same file and prompt tokens, greedy, its speculation "
-                    f"`{' '.join(LLAMA_SPECULATION)}`:", "", table, ""]
+        flags = " ".join(os.path.basename(f) for f in llama_speculation(self.draft))
+        return ["", f"llama-server on the same file and prompt tokens, greedy, speculating with `{flags}`:", "", table,
+                "", f"llama-server's speculative answers differing from its plain ones: "
+                    f"{sum(p.differing for p in self.peer)} of {sum(len(p.spec_answers) for p in self.peer)}", ""]
 
 
-def _llama_server_rows(path: str, prompts: dict[str, list[int]], tokens: int, runs: int, threads: int) -> list[PeerRow]:
-    """llama-server's greedy decode tokens per second (its own timings) on each task's prompt tokens, plain and with
-    LLAMA_SPECULATION, each server in turn, --runs times, prompt caching off."""
+def _llama_server_rows(path: str, prompts: dict[str, list[int]], tokens: int, runs: int, threads: int,
+                       draft: str | None) -> list[PeerRow]:
+    """llama-server's greedy answers and decode tokens per second (its own timings) on each task's prompt tokens,
+    plain and speculating (llama_speculation), each server in turn, --runs times, prompt caching off."""
     from pagelm.bench.concurrency import LlamaServer
 
     rows = {task: PeerRow(task) for task in prompts}
     ctx_len = max(len(ids) for ids in prompts.values()) + tokens + 16
-    for flags in ((), LLAMA_SPECULATION):
+    for flags in ((), llama_speculation(draft)):
         with LlamaServer(path, 1, ctx_len, threads, flags) as server:
             for task, ids in prompts.items():
                 for run in range(runs):
@@ -137,10 +148,11 @@ def _llama_server_rows(path: str, prompts: dict[str, list[int]], tokens: int, ru
                                                         "top_k": 1, "cache_prompt": False})
                     if reply.status != 200:
                         raise RuntimeError(f"llama-server answered {reply.status}: {reply.body}")
-                    timings = reply.body["timings"]
-                    (rows[task].spec_tok_s if flags else rows[task].plain_tok_s).append(timings["predicted_per_second"])
+                    row, timings = rows[task], reply.body["timings"]
+                    (row.spec_tok_s if flags else row.plain_tok_s).append(timings["predicted_per_second"])
+                    (row.spec_answers if flags else row.plain_answers).append(reply.body["content"])
                     if flags and timings.get("draft_n"):
-                        rows[task].accepted.append(timings["draft_n_accepted"] / timings["draft_n"])
+                        row.accepted.append(timings["draft_n_accepted"] / timings["draft_n"])
     return list(rows.values())
 
 
@@ -198,6 +210,6 @@ def run_speculate(name: str, path: str, names: list[str], tokens: int, runs: int
                 row.differing += spec != plain
                 row.answers += 1
             rows.append(row)
-    peer = _llama_server_rows(path, prompts, tokens, runs, kernel_threads()) \
-        if draft is None and shutil.which("llama-server") else []
+    peer = _llama_server_rows(path, prompts, tokens, runs, kernel_threads(), draft) if shutil.which("llama-server") \
+        else []
     return SpeculateReport(name, tokens, runs, rows, None if draft is None else os.path.basename(draft), peer)
