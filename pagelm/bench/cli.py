@@ -215,7 +215,11 @@ def _speculate(args: argparse.Namespace) -> int:
     With a `llama-server` binary on PATH, llama.cpp's greedy decode tokens per second on the same file and
     prompt tokens, plain and speculating (its n-gram drafts, `--spec-type ngram-simple`, or with --draft the same
     draft model, `--spec-type draft-simple -md MODEL`), each server in turn, pagelm's speculative tokens per second
-    over llama.cpp's, and how many of llama.cpp's speculative answers differ from its plain ones."""
+    over llama.cpp's, and how many of llama.cpp's speculative answers differ from its plain ones. With --parallel
+    N: `pagelm serve --parallel N` with --speculate off, then auto, N clients at once each asking for the edit
+    (a different new name each), --runs times: aggregate tokens per second of each, the extra anonymous memory
+    per speculating sequence (the most seen with every slot busy), and 'served answers differing with
+    speculation: D of S' (counted in the exit status too)."""
     from pagelm.bench.speculate import TASKS, run_speculate
 
     names = args.tasks.split(",")
@@ -223,11 +227,21 @@ def _speculate(args: argparse.Namespace) -> int:
         raise PagelmError(f"--tasks must be distinct names among {','.join(TASKS)}, got {args.tasks!r}")
     _positive("--tokens", args.tokens)
     _positive("--runs", args.runs)
+    if args.parallel and not 2 <= args.parallel <= 8:
+        raise PagelmError(f"--parallel must be 2 to 8 (clients at once), got {args.parallel}")
     draft = None if args.draft is None else str(model_path(args.draft, args.models_dir))
-    report = run_speculate(args.model, str(model_path(args.model, args.models_dir)), names, args.tokens, args.runs,
-                           draft)
+    path = str(model_path(args.model, args.models_dir))
+    report = run_speculate(args.model, path, names, args.tokens, args.runs, draft)
     print(report.markdown())
-    return 1 if report.differing else 0
+    differing = report.differing
+    if args.parallel:
+        from pagelm.bench.served_speculation import run_served
+        from pagelm.bench.speculate import tasks
+
+        served = run_served(path, tasks()["edit"].prediction, args.parallel, args.tokens, args.runs)
+        print("\n" + "\n".join(served.lines()))
+        differing += served.differing
+    return 1 if differing else 0
 
 
 def _peer(args: argparse.Namespace) -> int:
@@ -536,6 +550,8 @@ def _add_speculate(subcommands, model_help: str) -> None:
     speculate.add_argument("--runs", type=int, default=DEFAULT_RUNS, help=f"runs (default {DEFAULT_RUNS})")
     speculate.add_argument("--draft", metavar="MODEL",
                            help="drafts from this smaller model of the same vocabulary instead of prompt lookup")
+    speculate.add_argument("--parallel", type=int, default=0, metavar="N",
+                           help="also serve N edits at once with speculation off and auto (2 to 8; default: not)")
     _models_dir(speculate)
     speculate.set_defaults(run=_speculate)
 

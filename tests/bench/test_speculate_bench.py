@@ -31,3 +31,18 @@ def test_bench_speculate_drafts_from_a_draft_model(smollm2_gguf, capsys):
     assert "drafts from smollm2" in out and re.search(r"^differing answers: 0 of 2$", out, re.M)
     passes = re.search(r"^\| chat \| greedy \|(?: [\d.]+ \|){2} ([\d.]+) \|", out, re.M)
     assert float(passes.group(1)) > 2  # the model drafting for itself: its greedy drafts kept
+
+
+def test_bench_speculate_serves_parallel_edits_with_speculation_off_and_on(smollm2_gguf, capsys):
+    code = cli.main(["bench", "speculate", smollm2_gguf, "--tasks", "chat", "--tokens", "12", "--runs", "1",
+                     "--parallel", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert re.search(r"^aggregate tok/s: speculate off \d+\.\d, auto \d+\.\d \(\d+\.\d\d×\)$", out, re.M)
+    assert re.search(r"^extra anonymous memory per speculating sequence: -?\d+\.\d MiB", out, re.M)
+    assert re.search(r"^served answers differing with speculation: 0 of 2$", out, re.M)
+
+
+def test_bench_speculate_refuses_one_client(capsys):
+    assert cli.main(["bench", "speculate", "smollm2-135m", "--parallel", "1"]) != 0
+    assert "--parallel must be 2 to 8 (clients at once), got 1" in capsys.readouterr().err
