@@ -256,6 +256,7 @@ def load_experts(c, model: WeightLoader, p: str, shared_ffn: int = 0, oss: bool 
         top_k=c.n_experts_used, normalize=c.expert_norm,
         shared=(model.linear(c.hidden, (p + "ffn_gate_shexp.weight", shared_ffn), (p + "ffn_up_shexp.weight", shared_ffn)),
                 model.linear(shared_ffn, (p + "ffn_down_shexp.weight", c.hidden))) if shared_ffn else None,
+        pages=model.expert_pages(c.n_experts, *(name for name, _ in gate_up), p + "ffn_down_exps.weight"),
     )
     if not oss:
         return experts

@@ -8,7 +8,8 @@ the logits, then a softmax over those k. Two activations: SiLU-gated (`silu_glu`
 clamped SwiGLU (`ClampedSwiglu`). Only routed experts are multiplied, each once per call over the
 rows routed to it: in a decode step of several sequences (`alone`) those rows take the few-row
 kernels, each row's bits its own, and every row sums its experts in its own top-k order, so that a
-sequence's bits never depend on the others in the step.
+sequence's bits never depend on the others in the step. Once routed, the experts' pages are hinted to the
+OS (`pages`) before their products read them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pagelm.weights.linear import Linear
+from pagelm.weights.mapped import ExpertPages
 
 
 def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -84,6 +86,7 @@ class Experts:
     # where a caller wants each call's choices: (rows, top_k) expert indices appended per call
     routes: list | None = None
     traffic: ExpertTraffic | None = None  # where a caller counts the expert bytes read (`track`)
+    pages: ExpertPages | None = None  # each expert's pages in the file map, hinted once routed
 
     @cached_property
     def expert_nbytes(self) -> list[int]:
@@ -122,6 +125,8 @@ class Experts:
         rows = y.index_select(0, slots // k)
         done = torch.empty(n * k, y.shape[1], dtype=torch.float32, device=y.device)
         lo, routed = 0, experts.tolist()
+        if self.pages is not None:
+            self.pages.prefetch(routed)
         for e, count in zip(routed, counts.tolist()):
             done[lo : lo + count] = self._expert(e, rows[lo : lo + count], alone)
             lo += count

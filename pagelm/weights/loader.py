@@ -35,7 +35,7 @@ from pagelm.weights.flm import FLMCheckpoint, TiledMatrix, is_flm_directory
 from pagelm.weights.hf import HFCheckpoint, HFLayouts, expert_tensor, is_hf_directory
 from pagelm.weights.linear import (ColumnOrder, DenseLinear, Linear, MappedLinear, RowGroup, Scratch, TiledPart,
                                    TransposedLinear)
-from pagelm.weights.mapped import MappedTensor, tiled_matrices
+from pagelm.weights.mapped import ExpertPages, MappedTensor, page_spans, tiled_matrices
 
 Checkpoint = GGUFFile | HFCheckpoint | FLMCheckpoint
 
@@ -268,6 +268,20 @@ class WeightLoader:
         return [self.linear(in_features, *(
             (name, n_experts * rows, np.arange(e * rows, (e + 1) * rows)) if name in self.file.tensors
             else (expert_tensor(name, e), rows) for name, rows in parts), prefetch=False) for e in range(n_experts)]
+
+    def expert_pages(self, n_experts: int, *names: str) -> ExpertPages | None:
+        """Each expert's page spans in the 3-D expert tensors `names` ((n_experts, rows, in_features) in numpy
+        order), to hint before a step reads them; None where weights are not read in place from one GGUF
+        map of such tensors (dense weights, a checkpoint of per-expert or transposed tensors)."""
+        if self.weights == "dense" or not isinstance(self.file, GGUFFile) or self.file.mmap is None \
+                or not all(n in self.file.tensors for n in names):
+            return None
+        per_expert = [[] for _ in range(n_experts)]
+        for name in names:
+            info = self.file.tensors[name]
+            for e, spans in enumerate(per_expert):
+                spans.append(page_spans(info.offset, info.nbytes // n_experts, np.array([e])))
+        return ExpertPages(self.file.mmap, [tuple(np.concatenate(parts) for parts in zip(*spans)) for spans in per_expert])
 
     def _transposed_experts(self, in_features: int, n_experts: int, parts: tuple) -> list[Linear]:
         """experts() of parts that are columns of one tensor (n_experts, in_features, columns) holding

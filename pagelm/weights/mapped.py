@@ -36,6 +36,20 @@ def page_spans(offset: int, row_nbytes: int, rows: np.ndarray, page_size: int = 
     return starts[first], reach[last] - starts[first]
 
 
+class ExpertPages:
+    """The page spans of each expert of a layer's mixture in its file's map (its rows of every 3-D expert
+    tensor of the layer), hinted (MADV_WILLNEED) before a step reads them: the routed experts' pages
+    read at once, not faulted in one after another as each expert's product reaches them."""
+
+    def __init__(self, file_map: mmap.mmap, spans: list[tuple[np.ndarray, np.ndarray]]):
+        self._map, self.spans = file_map, spans  # spans[e]: expert e's (starts, lengths)
+
+    def prefetch(self, experts) -> None:
+        for e in experts:
+            for start, length in zip(*(a.tolist() for a in self.spans[e])):
+                self._map.madvise(mmap.MADV_WILLNEED, start, length)
+
+
 class _Table:
     """What both layouts share: the name, the size, the map and its hints."""
 

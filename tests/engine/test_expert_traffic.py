@@ -53,3 +53,47 @@ def test_the_traffic_reaches_metrics_as_prometheus_lines():
     text = prometheus_text({"experts": {"expert_bytes": 1 << 30, "layers": 40, "decoded_tokens": 12,
                                         "touched_bytes_per_token": 123456}})
     assert "pagelm_experts_touched_bytes_per_token 123456\n" in text and "pagelm_experts_layers 40\n" in text
+
+
+class _Hints:
+    """Records the madvise calls an ExpertPages makes, in place of its file map."""
+
+    def __init__(self):
+        self.calls = []
+
+    def madvise(self, advice, start, length):
+        self.calls.append((advice, start, length))
+
+
+@pytest.mark.parametrize("fixture", ["qwen3moe_tiny_gguf", "qwen_moe_tiny", "gpt_oss_tiny_gguf"])
+def test_the_routed_experts_pages_are_hinted_before_a_step_reads_them(request, fixture):
+    """Each call hints the pages of exactly the experts its rows were routed to (every expert tensor of the layer:
+    gate, up and down rows), as the file's own tensor offsets place them; a prefill's and a decode step's."""
+    import mmap
+
+    import numpy as np
+
+    from pagelm.weights.mapped import page_spans
+
+    path = request.getfixturevalue(fixture)
+    model = pagelm.load(path)
+    found = mixtures(model.network)
+    n = len(found[0].gate_up)
+    with GGUFFile.open(path) as f:
+        tensors = {name: (info.offset, info.nbytes // n) for name, info in f.tensors.items() if "_exps.weight" in name}
+    for e in found:
+        e.routes, e.pages._map = [], _Hints()
+    session = model.session(32)
+    session.prefill([5, 9, 11, 40, 7])
+    session.decode(17)
+    for layer, e in enumerate(found):
+        assert len(e.routes) == 2  # the prefill's call and the decode step's
+        names = [name for name in tensors if name.startswith(f"blk.{layer}.")]
+        want = []
+        for chosen in e.routes:
+            for expert in sorted(set(chosen.reshape(-1).tolist())):
+                for name in sorted(names):
+                    offset, per = tensors[name]
+                    starts, lengths = page_spans(offset + expert * per, per, np.zeros(1, np.int64))
+                    want += [(mmap.MADV_WILLNEED, s, l) for s, l in zip(starts.tolist(), lengths.tolist())]
+        assert sorted(e.pages._map.calls) == sorted(want) and len(names) >= 2
