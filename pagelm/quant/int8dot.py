@@ -14,6 +14,7 @@ Kernels read the uint8 array they are handed (normally the read-only file map), 
 """
 
 import llvmlite.binding as llvm
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -51,6 +52,17 @@ def available() -> bool:
     return "+avx2" in llvm.get_host_cpu_features().flatten().split(",")
 
 
+def _compiled_features() -> set:
+    """The CPU features numba compiles for: the host's unless NUMBA_CPU_FEATURES names others (as
+    matmul._compiles_avx512 reads them; bench/as_avx2.sh names Haswell's)."""
+    return set((numba.config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()).split(","))
+
+
+# AVX-512 VNNI (with BW and VL): a 32-value block's 32 products summed per 4 into int32 lanes by one
+# vpdpbusd, and a K-quant block's sub-blocks taken two at a time in 512-bit vpmaddubsw/vpmaddwd.
+VNNI = {"+avx512bw", "+avx512vl", "+avx512vnni"} <= _compiled_features()
+
+
 # --- IR pieces ----------------------------------------------------------------------
 
 _I16 = ir.IntType(16)
@@ -73,19 +85,23 @@ def _low_bits(builder, v, shift, bits):
     return builder.and_(shifted, ir.Constant(V32I8, (1 << bits) - 1))
 
 
-def _accumulate(builder, acc, w, x, scales, scale):
-    """acc (<8 x float> at pointer acc) += scale * int32 lanes of sum(w * x * scales): w unsigned
-    bytes (<= 128 each), x signed bytes, scales int16 per pair of 16-bit products (<16 x i16>)."""
+def _byte_dot(builder, w, x):
+    """<8 x i32>: lane i the sum of w[j] * x[j] over bytes j = 4i..4i+3, w unsigned (<= 128 each), x
+    signed (-127..127). Every pair sum fits vpmaddubsw's saturating int16 (2 * 128 * 127 < 2**15),
+    so AVX2's two steps and VNNI's one give the same lanes."""
+    if VNNI:
+        return _call(builder, "llvm.x86.avx512.vpdpbusd.256", _V8I32, ir.Constant(_V8I32, None), w, x)
     pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, w, x)
-    lanes = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, pairs, scales)
+    return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, pairs, ir.Constant(_V16I16, 1))
+
+
+def _accumulate(builder, acc, w, x, scale):
+    """acc (<8 x float> at pointer acc) += scale * the int32 lanes of _byte_dot(w, x)."""
+    lanes = _byte_dot(builder, w, x)
     vec_ptr = builder.bitcast(acc, _V8F32.as_pointer())
     total = builder.fadd(builder.load(vec_ptr, align=4),
                          builder.fmul(builder.sitofp(lanes, _V8F32), _splat(builder, scale, _V8F32)))
     builder.store(total, vec_ptr, align=4)
-
-
-def _ones():
-    return ir.Constant(_V16I16, 1)
 
 
 _ACC = types.CPointer(types.float32)
@@ -129,7 +145,7 @@ def _dot_q8(typingctx, data, at, xq, xat, acc, scale):
         x = bytes_at(context, builder, signature.args[2], args[2], args[3])
         magnitude = _call(builder, "llvm.abs.v32i8", V32I8, w, ir.Constant(ir.IntType(1), 0))
         signed_x = _call(builder, "llvm.x86.avx2.psign.b", V32I8, x, w)
-        _accumulate(builder, args[4], magnitude, signed_x, _ones(), args[5])
+        _accumulate(builder, args[4], magnitude, signed_x, args[5])
         return context.get_dummy_value()
 
     return types.void(data, at, xq, xat, acc, scale), codegen
@@ -142,7 +158,7 @@ def _dot_q4(typingctx, data, at, xq, xat, acc, scale):
     def codegen(context, builder, signature, args):
         w = nibbles16(context, builder, signature.args[0], args[0], args[1])
         x = bytes_at(context, builder, signature.args[2], args[2], args[3])
-        _accumulate(builder, args[4], w, x, _ones(), args[5])
+        _accumulate(builder, args[4], w, x, args[5])
         return context.get_dummy_value()
 
     return types.void(data, at, xq, xat, acc, scale), codegen
@@ -155,7 +171,7 @@ def _dot_q5(typingctx, data, at, qh, xq, xat, acc, scale):
     def codegen(context, builder, signature, args):
         w = q5_group(context, builder, signature.args[0], args[0], args[1], args[2])
         x = bytes_at(context, builder, signature.args[3], args[3], args[4])
-        _accumulate(builder, args[5], w, x, _ones(), args[6])
+        _accumulate(builder, args[5], w, x, args[6])
         return context.get_dummy_value()
 
     return types.void(data, at, qh, xq, xat, acc, scale), codegen
@@ -167,10 +183,44 @@ def _int16s_at(context, builder, arrty, arr, index, n):
     return builder.load(builder.bitcast(builder.gep(base, [index]), ir.VectorType(_I16, n).as_pointer()), align=2)
 
 
-def _splat_lanes(builder, codes, signed, lanes):
-    """A <16 x i16> of codes[lanes[0]] in lanes 0-7 and codes[lanes[1]] in 8-15 (codes: a byte vector)."""
+def _splat_lanes(builder, codes, signed, lanes, n):
+    """An <n x i16> of codes[lanes[0]], codes[lanes[1]], ... each over n / len(lanes) lanes (codes: a byte vector)."""
     wide = (builder.sext if signed else builder.zext)(codes, ir.VectorType(_I16, codes.type.count))
-    return builder.shuffle_vector(wide, wide, ir.Constant(ir.VectorType(I32, 16), [lanes[0]] * 8 + [lanes[1]] * 8))
+    mask = [g for g in lanes for _ in range(n // len(lanes))]
+    return builder.shuffle_vector(wide, wide, ir.Constant(ir.VectorType(I32, n), mask))
+
+
+def _scaled_sums(context, builder, xty, xq, parts, codes, signed):
+    """<8 x i32>: the sum over parts (q, x_at, scale codes) of q · xq[x_at:] per pair of bytes times
+    each pair's sub-block scale, lane i over bytes 4i..4i+3 of each part, as AVX2's vpmaddubsw then
+    vpmaddwd make them. Under VNNI adjacent parts go two at a time through the 512-bit forms (their
+    activations are contiguous) and the 16 lanes fold to 8 at the end: integers, the same lanes.
+    LLVM fuses each vpmaddwd and its add to vpdpwssd where VNNI has it."""
+    if VNNI:
+        parts = [(_concat(builder, a[0], b[0]), a[1], a[2] + b[2]) for a, b in zip(parts[::2], parts[1::2])]
+    n = 64 if VNNI else 32
+    pmadd_ub, pmadd_wd = ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512") if VNNI else \
+        ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd")
+    lanes = []
+    for q, x_at, scales in parts:
+        pairs = _call(builder, pmadd_ub, ir.VectorType(_I16, n // 2), q, bytes_at(context, builder, xty, xq, x_at, n))
+        lanes.append(_call(builder, pmadd_wd, ir.VectorType(I32, n // 4), pairs,
+                           _splat_lanes(builder, codes, signed, scales, n // 2)))
+    while len(lanes) > 1:  # integers: any order gives the same sum
+        lanes = [builder.add(lanes[i], lanes[i + 1]) for i in range(0, len(lanes), 2)]
+    total = lanes[0]
+    if VNNI:
+        total = builder.add(_half(builder, total, 0), _half(builder, total, 8))
+    return total
+
+
+def _concat(builder, a, b):
+    n = a.type.count
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(I32, 2 * n), list(range(2 * n))))
+
+
+def _half(builder, v, first):
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 8), list(range(first, first + 8))))
 
 
 @intrinsic
@@ -193,11 +243,7 @@ def _dot_k(typingctx, kind, data, o, xq, xat, xs, sat, acc, scale):
         def low(v, shift, bits):
             return _low_bits(builder, v, ir.Constant(ir.IntType(64), shift), bits)
 
-        def weights(q, x_at, scales):  # <8 x i32>: sum(q · x) per pair of bytes, times scales
-            pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, q, bytes_at(context, builder, xty, xqa, x_at))
-            return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, pairs, scales)
-
-        lanes = []
+        parts = []  # (q, where its activations start, its pairs' scale codes), in the activations' order
         if t == _Q6_K:
             codes = bytes_at(context, builder, arrty, data, at(o, 192), 16)  # int8 scale per 16 values
             for h in range(2):
@@ -206,7 +252,7 @@ def _dot_k(typingctx, kind, data, o, xq, xat, xs, sat, acc, scale):
                 for k in range(4):
                     q = builder.or_(low(ql[k & 1], 4 * (k >> 1), 4), builder.shl(low(top, 2 * k, 2), _splat8_32(4)))
                     g = 8 * h + 2 * k
-                    lanes.append(weights(q, at(xat, 128 * h + 32 * k), _splat_lanes(builder, codes, True, (g, g + 1))))
+                    parts.append((q, at(xat, 128 * h + 32 * k), (g, g + 1)))
             offsets = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, builder.sext(codes, _V16I16),
                             _int16s_at(context, builder, sty, xsa, sat, 16))
         else:
@@ -220,15 +266,14 @@ def _dot_k(typingctx, kind, data, o, xq, xat, xs, sat, acc, scale):
                     q = low(both, 4 * k, 4)
                     if top is not None:
                         q = builder.or_(q, builder.shl(low(top, g, 1), _splat8_32(4)))
-                    lanes.append(weights(q, at(xat, 32 * g), _splat_lanes(builder, codes, False, (g, g))))
+                    parts.append((q, at(xat, 32 * g), (g, g)))
             v8i16 = ir.VectorType(_I16, 8)
             offsets = _call(builder, "llvm.x86.sse2.pmadd.wd", ir.VectorType(I32, 4), builder.zext(mins, v8i16),
                             _int16s_at(context, builder, sty, xsa, sat, 8))
-        while len(lanes) > 1:  # integers: any order gives the same sum
-            lanes = [builder.add(lanes[i], lanes[i + 1]) for i in range(0, len(lanes), 2)]
+        lanes = _scaled_sums(context, builder, xty, xqa, parts, codes, t == _Q6_K)
         vec_ptr = builder.bitcast(accp, _V8F32.as_pointer())
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F32, [_V8F32] * 3), "llvm.fma.v8f32")
-        total = builder.call(fma, [builder.sitofp(lanes[0], _V8F32), _splat(builder, args[8], _V8F32),
+        total = builder.call(fma, [builder.sitofp(lanes, _V8F32), _splat(builder, args[8], _V8F32),
                                    builder.load(vec_ptr, align=4)])
         builder.store(total, vec_ptr, align=4)
         return _call(builder, f"llvm.vector.reduce.add.v{offsets.type.count}i32", I32, offsets)
