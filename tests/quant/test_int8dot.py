@@ -40,6 +40,20 @@ def test_int8_matmul_matches_f64_product_of_its_operands(t):
             assert (err <= bound).all(), f"rows {rows} width {width}: worst err {err.max()}"
 
 
+def int8_outputs() -> dict:
+    """Every INT8_TYPE's GEMV over odd shapes (7 and 33 rows, widths() wide), activations over four
+    decades: {"TYPE rows width": out}. tests/quant/test_avx2_kernels.py compares the AVX2 code's bits
+    with the host's (AVX-512 VNNI where it has it)."""
+    outs = {}
+    for t in TYPES:
+        for rows in (7, 33):
+            for width in widths(t):
+                seed = 3 * rows + width
+                x = np.random.default_rng(seed).standard_normal(width) * np.geomspace(0.01, 100, width)
+                outs[f"{t.name} {rows} {width}"] = product(t, rows, width, seed, x.astype(np.float32))[0]
+    return outs
+
+
 @pytest.mark.parametrize("t", [GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
 def test_int8_matmul_is_within_the_rounding_of_its_activations(t):
     width = widths(t)[1]
