@@ -424,7 +424,7 @@ def _unpack(kind, data, o, f16, w, q6, s6):
 
 
 @njit(inline="always")
-def _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, rows, pair, f16, out, col, col2,
+def _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, rows, pair, f16, out, col, col2,
           acc, acc2, w, w2, q6, s6):
     """out[i0 + i, col] = x[i0 + i] · the row of W at byte `row`, for i < rows (a constant) with
     i0 + i < n, and when pair (a constant) is 2 also out[i0 + i, col2] = x[i0 + i] · the row at byte
@@ -443,15 +443,33 @@ def _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, rows
         if pair == 2:
             _unpack(kind, data, row2 + b * bb, f16, w2, q6, s6)
         if vb == 256:
-            fma_rows(acc, w, acc2, w2, pair, x, i0, n, 256 * b, rows, 2, 8)
+            fma_rows(acc, w, acc2, w2, pair, xs, i0, end, x.shape[0], 256 * b, rows, 2, 8)
         else:
-            fma_rows(acc, w, acc2, w2, pair, x, i0, n, 32 * b, rows, 2, 1)
+            fma_rows(acc, w, acc2, w2, pair, xs, i0, end, x.shape[0], 32 * b, rows, 2, 1)
     for p in range(1 if col2 == col else pair):
         at, c, a = (row, col, acc) if p == 0 else (row2, col2, acc2)
-        acc_store(a, rows, 2, out, i0, n, c)
-        for i in range(min(rows, n - i0)):  # a float row's last width % 32 values
+        acc_store(a, rows, 2, out, i0, end, c)
+        for i in range(min(rows, end - i0)):  # a float row's last width % 32 values
             for k in range(tail):
                 out[i0 + i, c] += _val(kind, data, at + nblk * bb, k, f16) * x[i0 + i, nblk * vb + k]
+
+
+@njit(inline="always")
+def interleaved(x, width):
+    """The first `width` (a multiple of 32) values of each row of x, the rows interleaved 32 values at
+    a time: x[i, 32 k + j] at [32 (k n + i) + j] (blockir.fma_rows' 1-D x)."""
+    n = x.shape[0]
+    xs = np.empty(n * width, np.float32)
+    for k in range(width // 32):
+        for i in range(n):
+            for j in range(32):
+                xs[32 * (k * n + i) + j] = x[i, 32 * k + j]
+    return xs
+
+
+@njit(inline="always")
+def _as_is(x, width):
+    return x
 
 
 @njit(inline="always")
@@ -465,44 +483,66 @@ def _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, n
     q6, s6 = stack_bytes(256), stack_f32(16)
     for r in range(r0, r1):
         row, hint = row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
-        _pass(kind, vb, bb, data, row, row, hint, hint, nblk, tail, x, 0, 1, 1, 1, f16, out, lo + r, lo + r,
+        _pass(kind, vb, bb, data, row, row, hint, hint, nblk, tail, x, x, 0, 1, 1, 1, f16, out, lo + r, lo + r,
               acc, acc, w, w, q6, s6)
 
 
-# Rows of W a pass of _gemv_rows: 2 under AVX-512, 1 under AVX2; and of a tile, which every
+# Rows of W a pass of _gemv_rows goes over: 2 under AVX-512, 1 under AVX2; and of a tile, which every
 # group of rows of x passes over in turn (16 rows of 1,024 Q8_0 values: 17 KiB; tiles of 8 and 32 rows
 # measured no faster at 8 rows of x, bench/matmul.py).
 _W_ROWS = 2 if AVX512 else 1
 _TILE = 16
+# Rows of x a pass of _gemv_rows takes over 32-value blocks under AVX-512: 6 (24 accumulators with the
+# pair of rows of W), so that 3 and 5 rows take one pass, not a pass of 4 and another of 2 that
+# unpacked every block again (Q8_0, 1024 x 1024: 5 rows 0.68-0.75 of the time, 3 rows 0.78-0.88).
+_X_ROWS = 6 if AVX512 else 2
 
 
 @njit(inline="always")
-def _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, f16, out, lo, r0, r1, nblk, tail, rnb):
+def _group(vb, n, i0):
+    """Rows of x from i0 that one pass of _gemv_rows takes: for 32-value blocks the n rows in as few
+    passes of at most _X_ROWS as can be, shared evenly (8 rows as 4 + 4: 6 + 2 took 1.05-1.09x the
+    time); for 256-value blocks 4 under AVX-512 while more than 2 are left, else 2."""
+    if vb == 32:
+        passes = (n + _X_ROWS - 1) // _X_ROWS
+        return (n + passes - 1) // passes
+    return 4 if AVX512 and n - i0 > 2 else 2
+
+
+@njit(inline="always")
+def _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, xs, n, f16, out, lo, r0, r1, nblk, tail, rnb):
     """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W (at row_at) and the n >= 2 rows of
-    x. Under AVX-512 passes of 4 rows of x (2 for the last 1-2 rows) over pairs of rows of W (an odd
-    last row of a tile pairs with itself); under AVX2 passes of 2 rows over each row of W. Rows of x
-    past the last repeat it (computed, never stored). The rows of W go in tiles of _TILE: every pass
-    of one group of rows of x over the tile, then the next group's over the same rows of W, from the
-    caches: a group's x stays in L1 over the tile (one group after another over each pair, the x of
-    8 rows, 32 KiB at a width of 1,024, came from L2). Row i's arithmetic is _gemv_one's."""
+    x (xs: x as fma_rows reads it, interleaved for 32-value blocks). Passes over pairs of rows of W
+    under AVX-512 (an odd last row of a tile pairs with itself), over each row under AVX2: of _X_ROWS
+    rows of x for 32-value blocks; for 256-value blocks of 4 rows under AVX-512 (2 for the last 1-2
+    rows; 6, whose 24 accumulators left no registers to Q4_K's unpacking, took 1.3-2x the time) and
+    of 2 under AVX2. Rows of x past the last are skipped. The rows of W go in tiles of _TILE: every
+    pass of one group of rows of x over the tile, then the next group's over the same rows of W,
+    from the caches: a group's x stays in L1 over the tile (one group after another over each pair,
+    the x of 8 rows, 32 KiB at a width of 1,024, came from L2). Row i's arithmetic is _gemv_one's."""
     ahead = ahead_rows(kind, rnb)
-    acc, acc2, w, w2 = acc_vectors(16), acc_vectors(16), stack_f32(256), stack_f32(256)
+    acc, acc2, w, w2 = acc_vectors(12), acc_vectors(12), stack_f32(256), stack_f32(256)
     q6, s6 = stack_bytes(256), stack_f32(16)
     for t0 in range(r0, r1, _TILE):
         t1 = min(t0 + _TILE, r1)
         i0 = 0
         while i0 < n:
+            group = _group(vb, n, i0)
             for r in range(t0, t1, _W_ROWS):
                 r2 = min(r + _W_ROWS - 1, t1 - 1)
                 row, hint = row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
                 row2, hint2 = row_at(offs, stride, r2), _row_ahead(offs, stride, rows, r2, ahead)
-                if AVX512 and n - i0 > 2:
-                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 4, _W_ROWS, f16, out,
-                          lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
+                end = min(i0 + group, n)
+                if vb == 32:
+                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, _X_ROWS, _W_ROWS, f16,
+                          out, lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
+                elif group == 4:
+                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, 4, _W_ROWS, f16,
+                          out, lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
                 else:
-                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 2, _W_ROWS, f16, out,
-                          lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
-            i0 += 4 if AVX512 and n - i0 > 2 else 2
+                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, 2, _W_ROWS, f16,
+                          out, lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
+            i0 += group
 
 
 def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
@@ -510,6 +550,7 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
     2 to MAX_GEMV_ROWS (mm: _gemv_rows), for a block type of vb values in bb bytes (32 in 32 x size
     for floats); mm's column i is mv's product of row i, bit for bit. Rows are at offs[r], or at
     r · stride when stride > 0 (a table)."""
+    rows_of_x = interleaved if vb == 32 else _as_is  # x as fma_rows reads it
     # Rows of float types end in a partial "block" of width % 32 values, each of bb // 32 bytes.
     value_bytes = bb // 32 if kind in (_F32, _F16, _BF16) else 0
 
@@ -528,10 +569,11 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
     def mm(data, offs, stride, rows, x, f16, out, lo, width, nch):
         nblk, tail = width // vb, width % vb
         rnb = max(nblk * bb + tail * value_bytes, 1)
+        xs = rows_of_x(x, nblk * vb)
         for c in prange(nch):
             wide_vectors()
             r0, r1 = chunk_bounds(c, nch, rows)
-            _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, x.shape[0], f16, out, lo, r0, r1, nblk, tail, rnb)
+            _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, xs, x.shape[0], f16, out, lo, r0, r1, nblk, tail, rnb)
 
     return mv, mm
 
