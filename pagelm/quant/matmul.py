@@ -71,7 +71,7 @@ def _compiles_avx512() -> bool:
 
 # Whether the kernels compile for AVX-512: they then pick 4- and 5-bit values from tables (vpermps,
 # vpermi2ps), and a pass over several rows of x goes over two rows of W at once (blockir.fma_rows'
-# pair), so that each vector of x loaded serves two FMAs: 4 rows of x keep 16 accumulators, 2 vectors
+# pair), so that each vector of x loaded serves two FMAs: 6 rows of x keep 24 accumulators, 2 vectors
 # of 16 lanes a row (a 256-value block runs through them 8 times, 32 values a time). AVX2's 16
 # registers hold no pair beside the block's values: one row of W, 2 rows of x.
 AVX512 = _compiles_avx512()
@@ -427,11 +427,11 @@ def _unpack(kind, data, o, f16, w, q6, s6):
 def _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, rows, pair, f16, out, col, col2,
           acc, acc2, w, w2, q6, s6):
     """out[i0 + i, col] = x[i0 + i] · the row of W at byte `row`, for i < rows (a constant) with
-    i0 + i < n, and when pair (a constant) is 2 also out[i0 + i, col2] = x[i0 + i] · the row at byte
+    i0 + i < end, and when pair (a constant) is 2 also out[i0 + i, col2] = x[i0 + i] · the row at byte
     row2: each block unpacked once into w (w2) and fused into every row's accumulators (acc, acc2), 2
     vectors of 16 lanes a row (lane l sums the values 32 k + l of every block, k in order); in a pair
     each vector of x is loaded once for both rows of W. A pair of one row with itself (col2 == col)
-    stores it once."""
+    stores it once. xs is x as fma_rows reads it; x itself gives a float row's last width % 32 values."""
     acc_zero(acc, rows, 2)
     acc_zero(acc2, rows, 2)
     for b in range(nblk):
@@ -492,34 +492,34 @@ def _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, n
 # measured no faster at 8 rows of x, bench/matmul.py).
 _W_ROWS = 2 if AVX512 else 1
 _TILE = 16
-# Rows of x a pass of _gemv_rows takes over 32-value blocks under AVX-512: 6 (24 accumulators with the
-# pair of rows of W), so that 3 and 5 rows take one pass, not a pass of 4 and another of 2 that
-# unpacked every block again (Q8_0, 1024 x 1024: 5 rows 0.68-0.75 of the time, 3 rows 0.78-0.88).
+# The most rows of x a pass of _gemv_rows takes: under AVX-512 6 (24 accumulators with the pair of rows
+# of W), so that 5 rows take one pass, where a pass of 4 and another of 2 unpacked every block twice
+# (5 rows 0.73-0.82x the time of those, Q8_0 and the K-quants, bench/matmul.py's shapes).
 _X_ROWS = 6 if AVX512 else 2
 
 
 @njit(inline="always")
-def _group(vb, n, i0):
-    """Rows of x from i0 that one pass of _gemv_rows takes: for 32-value blocks the n rows in as few
-    passes of at most _X_ROWS as can be, shared evenly (8 rows as 4 + 4: 6 + 2 took 1.05-1.09x the
-    time); for 256-value blocks 4 under AVX-512 while more than 2 are left, else 2."""
-    if vb == 32:
-        passes = (n + _X_ROWS - 1) // _X_ROWS
-        return (n + passes - 1) // passes
-    return 4 if AVX512 and n - i0 > 2 else 2
+def _group(vb, left):
+    """Rows of x that the next pass of _gemv_rows takes, `left` rows being left: the fewest passes
+    of at most _X_ROWS, sharing the rows evenly (8 rows as 4 + 4: 6 + 2 took 1.05-1.09x the time);
+    for 256-value blocks, whose passes compute 2, 4 or 6 rows, rounded up to the next of those."""
+    passes = (left + _X_ROWS - 1) // _X_ROWS
+    rows = (left + passes - 1) // passes
+    return rows if vb == 32 else min((rows + 1) // 2 * 2, _X_ROWS)
 
 
 @njit(inline="always")
 def _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, xs, n, f16, out, lo, r0, r1, nblk, tail, rnb):
     """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W (at row_at) and the n >= 2 rows of
-    x (xs: x as fma_rows reads it, interleaved for 32-value blocks). Passes over pairs of rows of W
-    under AVX-512 (an odd last row of a tile pairs with itself), over each row under AVX2: of _X_ROWS
-    rows of x for 32-value blocks; for 256-value blocks of 4 rows under AVX-512 (2 for the last 1-2
-    rows; 6, whose 24 accumulators left no registers to Q4_K's unpacking, took 1.3-2x the time) and
-    of 2 under AVX2. Rows of x past the last are skipped. The rows of W go in tiles of _TILE: every
-    pass of one group of rows of x over the tile, then the next group's over the same rows of W,
-    from the caches: a group's x stays in L1 over the tile (one group after another over each pair,
-    the x of 8 rows, 32 KiB at a width of 1,024, came from L2). Row i's arithmetic is _gemv_one's."""
+    x (xs: x as fma_rows reads it). Passes of up to _X_ROWS rows of x (_group) over pairs of rows of
+    W under AVX-512 (an odd last row of a tile pairs with itself), over each row under AVX2. Over
+    32-value blocks a pass's rows past its last are skipped, so one compiled pass serves every group
+    (x interleaved 32 values at a time, so the rows of a block lie side by side: as rows 4 KiB apart
+    they took 1.03-1.16x the time); over 256-value blocks they repeat its last (computed, never
+    stored), in passes of 6, 4 or 2 rows. The rows of W go in tiles of _TILE: every pass of one group
+    of rows of x over the tile, then the next group's over the same rows of W, from the caches: a
+    group's x stays in L1 over the tile (one group after another over each pair, the x of 8 rows,
+    32 KiB at a width of 1,024, came from L2). Row i's arithmetic is _gemv_one's."""
     ahead = ahead_rows(kind, rnb)
     acc, acc2, w, w2 = acc_vectors(12), acc_vectors(12), stack_f32(256), stack_f32(256)
     q6, s6 = stack_bytes(256), stack_f32(16)
@@ -527,13 +527,13 @@ def _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, xs, n, f16, out, lo, r
         t1 = min(t0 + _TILE, r1)
         i0 = 0
         while i0 < n:
-            group = _group(vb, n, i0)
+            group = _group(vb, n - i0)
             for r in range(t0, t1, _W_ROWS):
                 r2 = min(r + _W_ROWS - 1, t1 - 1)
                 row, hint = row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
                 row2, hint2 = row_at(offs, stride, r2), _row_ahead(offs, stride, rows, r2, ahead)
                 end = min(i0 + group, n)
-                if vb == 32:
+                if vb == 32 or group == _X_ROWS:
                     _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, _X_ROWS, _W_ROWS, f16,
                           out, lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
                 elif group == 4:
