@@ -509,7 +509,30 @@ def _group(vb, left):
 
 
 @njit(inline="always")
-def _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, xs, n, f16, out, lo, r0, r1, nblk, tail, rnb):
+def _pass_32(group, kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, f16, out, col, col2,
+             acc, acc2, w, w2, q6, s6):
+    """_pass over 32-value blocks: one pass of _X_ROWS rows serves every group, rows past end skipped."""
+    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, _X_ROWS, _W_ROWS, f16, out, col,
+          col2, acc, acc2, w, w2, q6, s6)
+
+
+@njit(inline="always")
+def _pass_256(group, kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, f16, out, col, col2,
+              acc, acc2, w, w2, q6, s6):
+    """_pass over 256-value blocks: of `group` rows (_X_ROWS, 4 or 2), rows past end repeating its last."""
+    if group == _X_ROWS:
+        _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, _X_ROWS, _W_ROWS, f16, out, col,
+              col2, acc, acc2, w, w2, q6, s6)
+    elif group == 4:
+        _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, 4, _W_ROWS, f16, out, col,
+              col2, acc, acc2, w, w2, q6, s6)
+    else:
+        _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, 2, _W_ROWS, f16, out, col,
+              col2, acc, acc2, w, w2, q6, s6)
+
+
+@njit(inline="always")
+def _gemv_rows(run_pass, kind, vb, bb, data, offs, stride, rows, x, xs, n, f16, out, lo, r0, r1, nblk, tail, rnb):
     """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W (at row_at) and the n >= 2 rows of
     x (xs: x as fma_rows reads it). Passes of up to _X_ROWS rows of x (_group) over pairs of rows of
     W under AVX-512 (an odd last row of a tile pairs with itself), over each row under AVX2. Over
@@ -533,15 +556,8 @@ def _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, xs, n, f16, out, lo, r
                 row, hint = row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
                 row2, hint2 = row_at(offs, stride, r2), _row_ahead(offs, stride, rows, r2, ahead)
                 end = min(i0 + group, n)
-                if vb == 32 or group == _X_ROWS:
-                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, _X_ROWS, _W_ROWS, f16,
-                          out, lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
-                elif group == 4:
-                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, 4, _W_ROWS, f16,
-                          out, lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
-                else:
-                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, 2, _W_ROWS, f16,
-                          out, lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
+                run_pass(group, kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, f16, out,
+                         lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
             i0 += group
 
 
@@ -550,7 +566,8 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
     2 to MAX_GEMV_ROWS (mm: _gemv_rows), for a block type of vb values in bb bytes (32 in 32 x size
     for floats); mm's column i is mv's product of row i, bit for bit. Rows are at offs[r], or at
     r · stride when stride > 0 (a table)."""
-    rows_of_x = interleaved if vb == 32 else _as_is  # x as fma_rows reads it
+    rows_of_x, run_pass = (interleaved, _pass_32) if vb == 32 else (_as_is, _pass_256)  # chosen here, so each
+    # kernel compiles only its own passes: Q8_0's few-row kernel took 6.5 s with those of both, 3.8 s without
     # Rows of float types end in a partial "block" of width % 32 values, each of bb // 32 bytes.
     value_bytes = bb // 32 if kind in (_F32, _F16, _BF16) else 0
 
@@ -573,7 +590,8 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
         for c in prange(nch):
             wide_vectors()
             r0, r1 = chunk_bounds(c, nch, rows)
-            _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, xs, x.shape[0], f16, out, lo, r0, r1, nblk, tail, rnb)
+            _gemv_rows(run_pass, kind, vb, bb, data, offs, stride, rows, x, xs, x.shape[0], f16, out, lo, r0, r1, nblk,
+                       tail, rnb)
 
     return mv, mm
 
