@@ -468,11 +468,6 @@ def interleaved(x, width):
 
 
 @njit(inline="always")
-def _as_is(x, width):
-    return x
-
-
-@njit(inline="always")
 def _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, nblk, tail, rnb):
     """out[0, lo + r] = x[0] · dequant(row r) for rows r0..r1 of W (at row_at): a pass over each. (Passes over pairs
     of rows, each row's two accumulator chains beside the other's, took 2-17 % less time on matrices in the caches
@@ -508,17 +503,23 @@ def _group(vb, left):
     return rows if vb == 32 else min((rows + 1) // 2 * 2, _X_ROWS)
 
 
+# The passes of a group of rows of x (_gemv_rows' group_pass): each few-row kernel names its own, so
+# that it compiles only those (numba compiles both sides of a branch on vb: Q8_0's took 6.5 s with
+# the passes of both, 4.4 s without). A global, not a closure's variable: numba caches no kernel
+# that refers to a jitted function through one.
+
+
 @njit(inline="always")
-def _pass_32(group, kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, f16, out, col, col2,
-             acc, acc2, w, w2, q6, s6):
+def _one_shape(group, kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, f16, out, col, col2,
+               acc, acc2, w, w2, q6, s6):
     """_pass over 32-value blocks: one pass of _X_ROWS rows serves every group, rows past end skipped."""
     _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, _X_ROWS, _W_ROWS, f16, out, col,
           col2, acc, acc2, w, w2, q6, s6)
 
 
 @njit(inline="always")
-def _pass_256(group, kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, f16, out, col, col2,
-              acc, acc2, w, w2, q6, s6):
+def _three_shapes(group, kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, f16, out, col, col2,
+                  acc, acc2, w, w2, q6, s6):
     """_pass over 256-value blocks: of `group` rows (_X_ROWS, 4 or 2), rows past end repeating its last."""
     if group == _X_ROWS:
         _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, _X_ROWS, _W_ROWS, f16, out, col,
@@ -532,7 +533,7 @@ def _pass_256(group, kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, 
 
 
 @njit(inline="always")
-def _gemv_rows(run_pass, kind, vb, bb, data, offs, stride, rows, x, xs, n, f16, out, lo, r0, r1, nblk, tail, rnb):
+def _gemv_rows(group_pass, kind, vb, bb, data, offs, stride, rows, x, xs, n, f16, out, lo, r0, r1, nblk, tail, rnb):
     """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W (at row_at) and the n >= 2 rows of
     x (xs: x as fma_rows reads it). Passes of up to _X_ROWS rows of x (_group) over pairs of rows of
     W under AVX-512 (an odd last row of a tile pairs with itself), over each row under AVX2. Over
@@ -556,8 +557,8 @@ def _gemv_rows(run_pass, kind, vb, bb, data, offs, stride, rows, x, xs, n, f16, 
                 row, hint = row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
                 row2, hint2 = row_at(offs, stride, r2), _row_ahead(offs, stride, rows, r2, ahead)
                 end = min(i0 + group, n)
-                run_pass(group, kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, f16, out,
-                         lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
+                group_pass(group, kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, f16, out,
+                           lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
             i0 += group
 
 
@@ -566,8 +567,6 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
     2 to MAX_GEMV_ROWS (mm: _gemv_rows), for a block type of vb values in bb bytes (32 in 32 x size
     for floats); mm's column i is mv's product of row i, bit for bit. Rows are at offs[r], or at
     r · stride when stride > 0 (a table)."""
-    rows_of_x, run_pass = (interleaved, _pass_32) if vb == 32 else (_as_is, _pass_256)  # chosen here, so each
-    # kernel compiles only its own passes: Q8_0's few-row kernel took 6.5 s with those of both, 3.8 s without
     # Rows of float types end in a partial "block" of width % 32 values, each of bb // 32 bytes.
     value_bytes = bb // 32 if kind in (_F32, _F16, _BF16) else 0
 
@@ -582,16 +581,30 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
             r0, r1 = chunk_bounds(c, nch, rows)
             _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, nblk, tail, rnb)
 
-    @kernel_of(GGMLType(kind).name, parallel=True, fastmath={"contract"})
-    def mm(data, offs, stride, rows, x, f16, out, lo, width, nch):
-        nblk, tail = width // vb, width % vb
-        rnb = max(nblk * bb + tail * value_bytes, 1)
-        xs = rows_of_x(x, nblk * vb)
-        for c in prange(nch):
-            wide_vectors()
-            r0, r1 = chunk_bounds(c, nch, rows)
-            _gemv_rows(run_pass, kind, vb, bb, data, offs, stride, rows, x, xs, x.shape[0], f16, out, lo, r0, r1, nblk,
-                       tail, rnb)
+    if vb == 32:
+
+        @kernel_of(GGMLType(kind).name, parallel=True, fastmath={"contract"})
+        def mm(data, offs, stride, rows, x, f16, out, lo, width, nch):
+            nblk, tail = width // vb, width % vb
+            rnb = max(nblk * bb + tail * value_bytes, 1)
+            xs = interleaved(x, nblk * vb)
+            for c in prange(nch):
+                wide_vectors()
+                r0, r1 = chunk_bounds(c, nch, rows)
+                _gemv_rows(_one_shape, kind, vb, bb, data, offs, stride, rows, x, xs, x.shape[0], f16, out, lo, r0, r1,
+                           nblk, tail, rnb)
+
+    else:
+
+        @kernel_of(GGMLType(kind).name, parallel=True, fastmath={"contract"})
+        def mm(data, offs, stride, rows, x, f16, out, lo, width, nch):
+            nblk = width // vb
+            rnb = max(nblk * bb, 1)
+            for c in prange(nch):
+                wide_vectors()
+                r0, r1 = chunk_bounds(c, nch, rows)
+                _gemv_rows(_three_shapes, kind, vb, bb, data, offs, stride, rows, x, x, x.shape[0], f16, out, lo, r0, r1,
+                           nblk, 0, rnb)
 
     return mv, mm
 
