@@ -489,7 +489,7 @@ _W_ROWS = 2 if AVX512 else 1
 _TILE = 16
 # The most rows of x a pass of _gemv_rows takes: under AVX-512 6 (24 accumulators with the pair of rows
 # of W), so that 5 rows take one pass, where a pass of 4 and another of 2 unpacked every block twice
-# (5 rows 0.73-0.82x the time of those, Q8_0 and the K-quants, bench/matmul.py's shapes).
+# (5 rows 0.71-0.88x the time of those, Q8_0, Q4_K and Q6_K at bench/matmul.py's shapes, side by side).
 _X_ROWS = 6 if AVX512 else 2
 
 
@@ -505,7 +505,7 @@ def _group(vb, left):
 
 # The passes of a group of rows of x (_gemv_rows' group_pass): each few-row kernel names its own, so
 # that it compiles only those (numba compiles both sides of a branch on vb: Q8_0's took 6.5 s with
-# the passes of both, 4.4 s without). A global, not a closure's variable: numba caches no kernel
+# the passes of both, 3.5 s without). A global, not a closure's variable: numba caches no kernel
 # that refers to a jitted function through one.
 
 
