@@ -443,9 +443,9 @@ def _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end
         if pair == 2:
             _unpack(kind, data, row2 + b * bb, f16, w2, q6, s6)
         if vb == 256:
-            fma_rows(acc, w, acc2, w2, pair, xs, i0, end, x.shape[0], 256 * b, rows, 2, 8)
+            fma_rows(acc, w, acc2, w2, pair, xs, i0, end, nblk * vb, 256 * b, rows, 2, 8)
         else:
-            fma_rows(acc, w, acc2, w2, pair, xs, i0, end, x.shape[0], 32 * b, rows, 2, 1)
+            fma_rows(acc, w, acc2, w2, pair, xs, i0, end, nblk * vb, 32 * b, rows, 2, 1)
     for p in range(1 if col2 == col else pair):
         at, c, a = (row, col, acc) if p == 0 else (row2, col2, acc2)
         acc_store(a, rows, 2, out, i0, end, c)
@@ -456,14 +456,21 @@ def _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end
 
 @njit(inline="always")
 def interleaved(x, width):
-    """The first `width` (a multiple of 32) values of each row of x, the rows interleaved 32 values at
-    a time: x[i, 32 k + j] at [32 (k n + i) + j] (blockir.fma_rows' 1-D x)."""
+    """The first `width` (a multiple of 32) values of each row of x in the groups of rows of x that
+    _gemv_rows' passes take (_group), one after another, the rows of each interleaved 32 values at a
+    time: x[i0 + i, 32 k + j] at [width i0 + 32 (k g + i) + j] for the group of g rows from i0
+    (blockir.fma_rows' 1-D x). Interleaved across every row, 2 rows of 16 (AVX2) were 128 bytes in
+    each 2 KiB, a few sets of L1 that could not hold them: 1.43x the time at 16 rows."""
     n = x.shape[0]
     xs = np.empty(n * width, np.float32)
-    for k in range(width // 32):
-        for i in range(n):
-            for j in range(32):
-                xs[32 * (k * n + i) + j] = x[i, 32 * k + j]
+    i0 = 0
+    while i0 < n:
+        g = _group(32, n - i0)
+        for k in range(width // 32):
+            for i in range(g):
+                for j in range(32):
+                    xs[width * i0 + 32 * (k * g + i) + j] = x[i0 + i, 32 * k + j]
+        i0 += g
     return xs
 
 
