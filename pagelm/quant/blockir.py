@@ -5,6 +5,8 @@
 Builds IR only (no numba functions), so each kernel module's cache stays keyed by its own source.
 """
 
+import contextlib
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -274,29 +276,38 @@ def acc_zero(typingctx, acc, rows, vectors):
 
 
 @intrinsic
-def fma_rows(typingctx, acc, w, acc2, w2, pair, x, i0, n, xo, rows, vectors, runs):
-    """For each of `runs` runs r of 16 · vectors values, then i < rows and v < vectors (constants):
-    accumulator i · vectors + v = fma(w[16 (r · vectors + v) :][:16], x[min(i0 + i, n - 1), xo + 16
+def fma_rows(typingctx, acc, w, acc2, w2, pair, x, i0, end, width, xo, rows, vectors, runs):
+    """For each of `runs` runs r of 16 · vectors values, then i < rows with i0 + i < end and v < vectors
+    (constants): accumulator i · vectors + v = fma(w[16 (r · vectors + v) :][:16], x[i0 + i, xo + 16
     (r · vectors + v) :][:16], itself), and when pair (a constant) is 2 the same of acc2 with w2 (a
     second row of W): each vector of x is loaded once for both. A block of 256 values is 8 runs of 32
-    into the same 2 vectors of a row. Rows past n - 1 repeat the last (computed, never stored); x is
-    a 2-D float32 array, rows strided."""
+    into the same 2 vectors of a row. Rows past end - 1 are skipped where a block is one run, else they
+    repeat the last (computed, never stored: 8 runs' branches took Q4_K's 4-row passes 1.5-1.9x the
+    time). x is a 2-D float32 array (rows strided; width unused), or 1-D: the rows of x, width values each, in
+    groups (rows i0..end the one passed), each group's rows interleaved 32 values at a time
+    (matmul.interleaved; one run a block)."""
     if not _literals(pair, rows, vectors, runs):
         return None
 
     def codegen(context, builder, signature, args):
-        accp, wp, accp2, wp2, _, xa, i0v, nv, xov = args[:9]
+        accp, wp, accp2, wp2, _, xa, i0v, endv, widthv, xov = args[:10]
         arr = context.make_array(signature.args[5])(context, builder, xa)
         base = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
-        stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
-        last = builder.sub(nv, nv.type(1))
         fma = fma16(builder)
         count = vectors.literal_value
-        col = builder.mul(xov, xov.type(4))
-        starts = []
+        if signature.args[5].ndim == 2:
+            stride, col = cgutils.unpack_tuple(builder, arr.strides, 2)[0], builder.mul(xov, xov.type(4))
+        else:  # row i0 + i's 32 values from xo at 4 i0 width + 128 ((end - i0) xo / 32 + i)
+            group = builder.sub(endv, i0v)
+            col = builder.add(builder.mul(builder.mul(i0v, widthv), i0v.type(4)),
+                              builder.mul(builder.mul(builder.sdiv(xov, xov.type(32)), group), xov.type(128)))
+            stride, col = xov.type(128), builder.sub(col, builder.mul(i0v, i0v.type(128)))
+        starts, present = [], []
         for i in range(rows.literal_value):
             row = builder.add(i0v, i0v.type(i))
-            row = builder.select(builder.icmp_signed("<", row, last), row, last)
+            present.append(builder.icmp_signed("<", row, endv))
+            if runs.literal_value > 1:
+                row = builder.select(present[-1], row, builder.sub(endv, endv.type(1)))
             starts.append(builder.add(builder.mul(row, stride), col))
         for r in range(runs.literal_value):
             first = r * count
@@ -304,15 +315,16 @@ def fma_rows(typingctx, acc, w, acc2, w2, pair, x, i0, n, xo, rows, vectors, run
             if pair.literal_value == 2:
                 weights.append((accp2, [builder.load(vector_at(builder, wp2, first + v), align=4) for v in range(count)]))
             for i, at in enumerate(starts):
-                for v in range(count):
-                    offset = builder.add(at, at.type(64 * (first + v)))
-                    xv = builder.load(builder.bitcast(builder.gep(base, [offset]), _V16F.as_pointer()), align=4)
-                    for accs, ws in weights:
-                        ap = vector_at(builder, accs, i * count + v)
-                        builder.store(builder.call(fma, [ws[v], xv, builder.load(ap)]), ap)
+                with builder.if_then(present[i]) if i and runs.literal_value == 1 else contextlib.nullcontext():
+                    for v in range(count):
+                        offset = builder.add(at, at.type(64 * (first + v)))
+                        xv = builder.load(builder.bitcast(builder.gep(base, [offset]), _V16F.as_pointer()), align=4)
+                        for accs, ws in weights:
+                            ap = vector_at(builder, accs, i * count + v)
+                            builder.store(builder.call(fma, [ws[v], xv, builder.load(ap)]), ap)
         return context.get_dummy_value()
 
-    return types.void(acc, w, acc2, w2, pair, x, i0, n, xo, rows, vectors, runs), codegen
+    return types.void(acc, w, acc2, w2, pair, x, i0, end, width, xo, rows, vectors, runs), codegen
 
 
 def _lane_sum(builder, vs):

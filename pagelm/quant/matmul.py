@@ -71,7 +71,7 @@ def _compiles_avx512() -> bool:
 
 # Whether the kernels compile for AVX-512: they then pick 4- and 5-bit values from tables (vpermps,
 # vpermi2ps), and a pass over several rows of x goes over two rows of W at once (blockir.fma_rows'
-# pair), so that each vector of x loaded serves two FMAs: 4 rows of x keep 16 accumulators, 2 vectors
+# pair), so that each vector of x loaded serves two FMAs: 6 rows of x keep 24 accumulators, 2 vectors
 # of 16 lanes a row (a 256-value block runs through them 8 times, 32 values a time). AVX2's 16
 # registers hold no pair beside the block's values: one row of W, 2 rows of x.
 AVX512 = _compiles_avx512()
@@ -424,14 +424,14 @@ def _unpack(kind, data, o, f16, w, q6, s6):
 
 
 @njit(inline="always")
-def _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, rows, pair, f16, out, col, col2,
+def _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, rows, pair, f16, out, col, col2,
           acc, acc2, w, w2, q6, s6):
     """out[i0 + i, col] = x[i0 + i] · the row of W at byte `row`, for i < rows (a constant) with
-    i0 + i < n, and when pair (a constant) is 2 also out[i0 + i, col2] = x[i0 + i] · the row at byte
+    i0 + i < end, and when pair (a constant) is 2 also out[i0 + i, col2] = x[i0 + i] · the row at byte
     row2: each block unpacked once into w (w2) and fused into every row's accumulators (acc, acc2), 2
     vectors of 16 lanes a row (lane l sums the values 32 k + l of every block, k in order); in a pair
     each vector of x is loaded once for both rows of W. A pair of one row with itself (col2 == col)
-    stores it once."""
+    stores it once. xs is x as fma_rows reads it; x itself gives a float row's last width % 32 values."""
     acc_zero(acc, rows, 2)
     acc_zero(acc2, rows, 2)
     for b in range(nblk):
@@ -443,15 +443,35 @@ def _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, rows
         if pair == 2:
             _unpack(kind, data, row2 + b * bb, f16, w2, q6, s6)
         if vb == 256:
-            fma_rows(acc, w, acc2, w2, pair, x, i0, n, 256 * b, rows, 2, 8)
+            fma_rows(acc, w, acc2, w2, pair, xs, i0, end, nblk * vb, 256 * b, rows, 2, 8)
         else:
-            fma_rows(acc, w, acc2, w2, pair, x, i0, n, 32 * b, rows, 2, 1)
+            fma_rows(acc, w, acc2, w2, pair, xs, i0, end, nblk * vb, 32 * b, rows, 2, 1)
     for p in range(1 if col2 == col else pair):
         at, c, a = (row, col, acc) if p == 0 else (row2, col2, acc2)
-        acc_store(a, rows, 2, out, i0, n, c)
-        for i in range(min(rows, n - i0)):  # a float row's last width % 32 values
+        acc_store(a, rows, 2, out, i0, end, c)
+        for i in range(min(rows, end - i0)):  # a float row's last width % 32 values
             for k in range(tail):
                 out[i0 + i, c] += _val(kind, data, at + nblk * bb, k, f16) * x[i0 + i, nblk * vb + k]
+
+
+@njit(inline="always")
+def interleaved(x, width):
+    """The first `width` (a multiple of 32) values of each row of x in the groups of rows of x that
+    _gemv_rows' passes take (_group), one after another, the rows of each interleaved 32 values at a
+    time: x[i0 + i, 32 k + j] at [width i0 + 32 (k g + i) + j] for the group of g rows from i0
+    (blockir.fma_rows' 1-D x). Interleaved across every row, 2 rows of 16 (AVX2) were 128 bytes in
+    each 2 KiB, a few sets of L1 that could not hold them: 1.43x the time at 16 rows."""
+    n = x.shape[0]
+    xs = np.empty(n * width, np.float32)
+    i0 = 0
+    while i0 < n:
+        g = _group(32, n - i0)
+        for k in range(width // 32):
+            for i in range(g):
+                for j in range(32):
+                    xs[width * i0 + 32 * (k * g + i) + j] = x[i0 + i, 32 * k + j]
+        i0 += g
+    return xs
 
 
 @njit(inline="always")
@@ -465,44 +485,88 @@ def _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, n
     q6, s6 = stack_bytes(256), stack_f32(16)
     for r in range(r0, r1):
         row, hint = row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
-        _pass(kind, vb, bb, data, row, row, hint, hint, nblk, tail, x, 0, 1, 1, 1, f16, out, lo + r, lo + r,
+        _pass(kind, vb, bb, data, row, row, hint, hint, nblk, tail, x, x, 0, 1, 1, 1, f16, out, lo + r, lo + r,
               acc, acc, w, w, q6, s6)
 
 
-# Rows of W a pass of _gemv_rows: 2 under AVX-512, 1 under AVX2; and of a tile, which every
+# Rows of W a pass of _gemv_rows goes over: 2 under AVX-512, 1 under AVX2; and of a tile, which every
 # group of rows of x passes over in turn (16 rows of 1,024 Q8_0 values: 17 KiB; tiles of 8 and 32 rows
 # measured no faster at 8 rows of x, bench/matmul.py).
 _W_ROWS = 2 if AVX512 else 1
 _TILE = 16
+# The most rows of x a pass of _gemv_rows takes: under AVX-512 6 (24 accumulators with the pair of rows
+# of W), so that 5 rows take one pass, where a pass of 4 and another of 2 unpacked every block twice
+# (5 rows 0.71-0.88x the time of those, Q8_0, Q4_K and Q6_K at bench/matmul.py's shapes, side by side).
+_X_ROWS = 6 if AVX512 else 2
 
 
 @njit(inline="always")
-def _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, n, f16, out, lo, r0, r1, nblk, tail, rnb):
+def _group(vb, left):
+    """Rows of x that the next pass of _gemv_rows takes, `left` rows being left: the fewest passes
+    of at most _X_ROWS, sharing the rows evenly (8 rows as 4 + 4: 6 + 2 took 1.05-1.09x the time);
+    for 256-value blocks, whose passes compute 2, 4 or 6 rows, rounded up to the next of those."""
+    passes = (left + _X_ROWS - 1) // _X_ROWS
+    rows = (left + passes - 1) // passes
+    return rows if vb == 32 else min((rows + 1) // 2 * 2, _X_ROWS)
+
+
+# The passes of a group of rows of x (_gemv_rows' group_pass): each few-row kernel names its own, so
+# that it compiles only those (numba compiles both sides of a branch on vb: Q8_0's took 6.5 s with
+# the passes of both, 3.5 s without). A global, not a closure's variable: numba caches no kernel
+# that refers to a jitted function through one.
+
+
+@njit(inline="always")
+def _one_shape(group, kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, f16, out, col, col2,
+               acc, acc2, w, w2, q6, s6):
+    """_pass over 32-value blocks: one pass of _X_ROWS rows serves every group, rows past end skipped."""
+    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, _X_ROWS, _W_ROWS, f16, out, col,
+          col2, acc, acc2, w, w2, q6, s6)
+
+
+@njit(inline="always")
+def _three_shapes(group, kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, f16, out, col, col2,
+                  acc, acc2, w, w2, q6, s6):
+    """_pass over 256-value blocks: of `group` rows (_X_ROWS, 4 or 2), rows past end repeating its last."""
+    if group == _X_ROWS:
+        _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, _X_ROWS, _W_ROWS, f16, out, col,
+              col2, acc, acc2, w, w2, q6, s6)
+    elif group == 4:
+        _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, 4, _W_ROWS, f16, out, col,
+              col2, acc, acc2, w, w2, q6, s6)
+    else:
+        _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, 2, _W_ROWS, f16, out, col,
+              col2, acc, acc2, w, w2, q6, s6)
+
+
+@njit(inline="always")
+def _gemv_rows(group_pass, kind, vb, bb, data, offs, stride, rows, x, xs, n, f16, out, lo, r0, r1, nblk, tail, rnb):
     """out[i, lo + r] = x[i] · dequant(row r) for rows r0..r1 of W (at row_at) and the n >= 2 rows of
-    x. Under AVX-512 passes of 4 rows of x (2 for the last 1-2 rows) over pairs of rows of W (an odd
-    last row of a tile pairs with itself); under AVX2 passes of 2 rows over each row of W. Rows of x
-    past the last repeat it (computed, never stored). The rows of W go in tiles of _TILE: every pass
-    of one group of rows of x over the tile, then the next group's over the same rows of W, from the
-    caches: a group's x stays in L1 over the tile (one group after another over each pair, the x of
-    8 rows, 32 KiB at a width of 1,024, came from L2). Row i's arithmetic is _gemv_one's."""
+    x (xs: x as fma_rows reads it). Passes of up to _X_ROWS rows of x (_group) over pairs of rows of
+    W under AVX-512 (an odd last row of a tile pairs with itself), over each row under AVX2. Over
+    32-value blocks a pass's rows past its last are skipped, so one compiled pass serves every group
+    (x interleaved 32 values at a time, so the rows of a block lie side by side: as rows 4 KiB apart
+    they took 1.03-1.16x the time); over 256-value blocks they repeat its last (computed, never
+    stored), in passes of 6, 4 or 2 rows. The rows of W go in tiles of _TILE: every pass of one group
+    of rows of x over the tile, then the next group's over the same rows of W, from the caches: a
+    group's x stays in L1 over the tile (one group after another over each pair, the x of 8 rows,
+    32 KiB at a width of 1,024, came from L2). Row i's arithmetic is _gemv_one's."""
     ahead = ahead_rows(kind, rnb)
-    acc, acc2, w, w2 = acc_vectors(16), acc_vectors(16), stack_f32(256), stack_f32(256)
+    acc, acc2, w, w2 = acc_vectors(12), acc_vectors(12), stack_f32(256), stack_f32(256)
     q6, s6 = stack_bytes(256), stack_f32(16)
     for t0 in range(r0, r1, _TILE):
         t1 = min(t0 + _TILE, r1)
         i0 = 0
         while i0 < n:
+            group = _group(vb, n - i0)
             for r in range(t0, t1, _W_ROWS):
                 r2 = min(r + _W_ROWS - 1, t1 - 1)
                 row, hint = row_at(offs, stride, r), _row_ahead(offs, stride, rows, r, ahead)
                 row2, hint2 = row_at(offs, stride, r2), _row_ahead(offs, stride, rows, r2, ahead)
-                if AVX512 and n - i0 > 2:
-                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 4, _W_ROWS, f16, out,
-                          lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
-                else:
-                    _pass(kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, i0, n, 2, _W_ROWS, f16, out,
-                          lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
-            i0 += 4 if AVX512 and n - i0 > 2 else 2
+                end = min(i0 + group, n)
+                group_pass(group, kind, vb, bb, data, row, row2, hint, hint2, nblk, tail, x, xs, i0, end, f16, out,
+                           lo + r, lo + r2, acc, acc2, w, w2, q6, s6)
+            i0 += group
 
 
 def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
@@ -524,14 +588,30 @@ def _matmul_kernels(kind: int, vb: int, bb: int) -> tuple:
             r0, r1 = chunk_bounds(c, nch, rows)
             _gemv_one(kind, vb, bb, data, offs, stride, rows, x, f16, out, lo, r0, r1, nblk, tail, rnb)
 
-    @kernel_of(GGMLType(kind).name, parallel=True, fastmath={"contract"})
-    def mm(data, offs, stride, rows, x, f16, out, lo, width, nch):
-        nblk, tail = width // vb, width % vb
-        rnb = max(nblk * bb + tail * value_bytes, 1)
-        for c in prange(nch):
-            wide_vectors()
-            r0, r1 = chunk_bounds(c, nch, rows)
-            _gemv_rows(kind, vb, bb, data, offs, stride, rows, x, x.shape[0], f16, out, lo, r0, r1, nblk, tail, rnb)
+    if vb == 32:
+
+        @kernel_of(GGMLType(kind).name, parallel=True, fastmath={"contract"})
+        def mm(data, offs, stride, rows, x, f16, out, lo, width, nch):
+            nblk, tail = width // vb, width % vb
+            rnb = max(nblk * bb + tail * value_bytes, 1)
+            xs = interleaved(x, nblk * vb)
+            for c in prange(nch):
+                wide_vectors()
+                r0, r1 = chunk_bounds(c, nch, rows)
+                _gemv_rows(_one_shape, kind, vb, bb, data, offs, stride, rows, x, xs, x.shape[0], f16, out, lo, r0, r1,
+                           nblk, tail, rnb)
+
+    else:
+
+        @kernel_of(GGMLType(kind).name, parallel=True, fastmath={"contract"})
+        def mm(data, offs, stride, rows, x, f16, out, lo, width, nch):
+            nblk = width // vb
+            rnb = max(nblk * bb, 1)
+            for c in prange(nch):
+                wide_vectors()
+                r0, r1 = chunk_bounds(c, nch, rows)
+                _gemv_rows(_three_shapes, kind, vb, bb, data, offs, stride, rows, x, x, x.shape[0], f16, out, lo, r0, r1,
+                           nblk, 0, rnb)
 
     return mv, mm
 

@@ -45,10 +45,12 @@ def test_every_batch_size_gives_each_row_its_one_row_bits(t):
 def test_odd_widths_and_special_scales_keep_one_row_bits(t):
     for width in widths(t):
         data, offsets, _ = two_tensors(t, 9, width, seed=width, specials=t != GGMLType.F16)
-        x = np.random.default_rng(width).standard_normal((5, width)).astype(np.float32)
-        out = np.empty((5, 9), np.float32)
-        rows_matmul(data, t, offsets, width, x, out)
-        assert_same_bits(out, one_row_products(data, t, offsets, width, x))
+        x = np.random.default_rng(width).standard_normal((MAX_GEMV_ROWS, width)).astype(np.float32)
+        alone = one_row_products(data, t, offsets, width, x)
+        for n in (2, 5, 7, MAX_GEMV_ROWS):  # passes of one group, of groups of different sizes
+            out = np.empty((n, 9), np.float32)
+            rows_matmul(data, t, offsets, width, x[:n], out)
+            assert_same_bits(out, alone[:n])
 
 
 # --- the output head ------------------------------------------------------------------
