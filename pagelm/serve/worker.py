@@ -14,7 +14,7 @@ Answers do not depend on the load: a prompt is also cut every `prefill_chunk` to
 its start, the same places whatever else runs, and a decode step gives each sequence bit for bit
 the logits it would get alone (`pagelm.engine.batch.decode_batch`). With one slot, prompts are not
 chunked: today's arithmetic. While other slots decode, a segment of a prompt is computed a few
-layers per step (`Session.prefill_layers`), a share of the step's decode time (three times it for a
+layers per step (`Session.prefill_layers`), a share of the step's decode time (twice it for a
 prompt of up to 512 tokens, as long as it for a longer one), so that a prompt arriving slows the
 running streams' tokens by a bounded factor; where a segment pauses changes no bit.
 
@@ -60,15 +60,19 @@ from pagelm.serve.prefix_cache import Checkpoint, PrefixCache
 log = logging.getLogger("pagelm.serve")
 # Prompt tokens per prefill segment when several slots share the engine. Each segment dequantizes
 # every matrix once: on the 0.8B, 64-token segments prefilled 118-120 tok/s, 128-token ones 149-159,
-# 256-token ones 164-183 (its temporaries at their peak: +23, +41, +90 MiB).
-PREFILL_CHUNK = 128
+# 256-token ones 164-183 (its temporaries at their peak: +23, +41, +90 MiB). A segment is sliced by
+# layers between decode steps (below), so its length no longer sets the streams' pauses: 256 cut SmolLM2's
+# prefill work at 4 clients by a fifth (9.4 s against 12.5 s a level of `bench concurrency`).
+PREFILL_CHUNK = 256
 # A step's prefill time while slots decode, over the step's decode time: a prompt's segment pauses between
 # layers once it has had that share, so that a prompt arriving slows the running streams' tokens by a
 # bounded factor (1 + the share). Prompts up to SHORT_PROMPT_TOKENS take a larger share: they delay the
-# streams a few steps and start decoding (joining the batch) sooner; a whole 128-token segment between two
-# steps made one step in seven of SmolLM2's at 4 clients ~10x as long as the others (issue 53's stutter).
+# streams a few steps and start decoding (joining the batch) sooner. Run whole between two steps, a short
+# prompt's segment made SmolLM2's inter-token p95 at 4 / 8 clients 206 / 224 ms (llama-server: 29 / 49 ms);
+# at shares 1.5 / 2 / 3 it was 52 / 72 / 95 ms at 4 clients, 84 / 167 / 210 at 8, while the time to the
+# first token's p95 went 2464 / 1526 / 1517 ms at 4 and 5457 / 3087 / 3045 at 8 (1425 and 2299 whole).
 PREFILL_SHARE = 1.0
-SHORT_PROMPT_SHARE = 3.0
+SHORT_PROMPT_SHARE = 2.0
 SHORT_PROMPT_TOKENS = 512
 
 
