@@ -7,7 +7,7 @@ needs it, one at a time, in each process that needs it first (a server, a subpro
 one cache index per kernel function, holding all its specializations, and two processes adding to
 one index at once lose one of the entries; so a job compiles whole functions, and no two jobs the same one.
 The workers take the jobs longest first, each worker one after another (a fresh interpreter and numba's
-first compile cost ~1 s of CPU a process: one a job made the suite's 73 jobs take ~60 s more).
+first compile cost ~1 s of CPU a process, which a process a job would pay for each of the suite's 50 jobs).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ DONE = b"pagelm-precompile: job done\n"  # a worker's line after each job (anyth
 class Job:
     """One warmup call (`module.function(*args)`) that compiles or loads whole kernel functions, `kernels` (their
     dispatchers, to tell whether the cache holds them); `label`: the block type or tile kind they are for (empty
-    for a network's own kernels); `cost`: its compile time relative to the others' (the longest start first). Two jobs never fill one kernel function:
-    two processes adding to one numba index at once lose an entry."""
+    for a network's own kernels); `cost`: its compile time relative to the others' (the longest start first).
+    Two jobs never fill one kernel function: two processes adding to one numba index at once lose an entry."""
 
     module: str
     function: str
