@@ -8,8 +8,8 @@ the logits, then a softmax over those k. Two activations: SiLU-gated (`silu_glu`
 clamped SwiGLU (`ClampedSwiglu`). Only routed experts are multiplied, each once per call over the
 rows routed to it: in a decode step of several sequences (`alone`) those rows take the few-row
 kernels, each row's bits its own, and every row sums its experts in its own top-k order, so that a
-sequence's bits never depend on the others in the step. Once routed, the experts' pages are hinted to the
-OS (`pages`) before their products read them.
+sequence's bits never depend on the others in the step. In a prefill, once routed, the experts' pages are
+hinted to the OS (`pages`) before their products read them.
 """
 
 from __future__ import annotations
@@ -125,8 +125,8 @@ class Experts:
         rows = y.index_select(0, slots // k)
         done = torch.empty(n * k, y.shape[1], dtype=torch.float32, device=y.device)
         lo, routed = 0, experts.tolist()
-        if self.pages is not None:
-            self.pages.prefetch(routed)
+        if self.pages is not None and n > 1 and not alone:  # a prefill's: a decode step's hints cost more than
+            self.pages.prefetch(routed)  # they save on a warm cache (24 madvise calls a layer, ~0.6 ms)
         for e, count in zip(routed, counts.tolist()):
             done[lo : lo + count] = self._expert(e, rows[lo : lo + count], alone)
             lo += count

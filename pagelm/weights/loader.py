@@ -271,7 +271,7 @@ class WeightLoader:
 
     def expert_pages(self, n_experts: int, *names: str) -> ExpertPages | None:
         """Each expert's page spans in the 3-D expert tensors `names` ((n_experts, rows, in_features) in numpy
-        order), to hint before a step reads them; None where weights are not read in place from one GGUF
+        order), to hint before a prefill reads them; None where weights are not read in place from one GGUF
         map of such tensors (dense weights, a checkpoint of per-expert or transposed tensors)."""
         if self.weights == "dense" or not isinstance(self.file, GGUFFile) or self.file.mmap is None \
                 or not all(n in self.file.tensors for n in names):

@@ -38,7 +38,7 @@ def page_spans(offset: int, row_nbytes: int, rows: np.ndarray, page_size: int = 
 
 class ExpertPages:
     """The page spans of each expert of a layer's mixture in its file's map (its rows of every 3-D expert
-    tensor of the layer), hinted (MADV_WILLNEED) before a step reads them: the routed experts' pages
+    tensor of the layer), hinted (MADV_WILLNEED) before a prefill reads them: the routed experts' pages
     read at once, not faulted in one after another as each expert's product reaches them."""
 
     def __init__(self, file_map: mmap.mmap, spans: list[tuple[np.ndarray, np.ndarray]]):

@@ -67,8 +67,8 @@ class _Hints:
 
 @pytest.mark.parametrize("fixture", ["qwen3moe_tiny_gguf", "qwen_moe_tiny", "gpt_oss_tiny_gguf"])
 def test_the_routed_experts_pages_are_hinted_before_a_step_reads_them(request, fixture):
-    """Each call hints the pages of exactly the experts its rows were routed to (every expert tensor of the layer:
-    gate, up and down rows), as the file's own tensor offsets place them; a prefill's and a decode step's."""
+    """A prefill's call hints the pages of exactly the experts its rows were routed to (every expert tensor of the
+    layer: gate, up and down rows), as the file's own tensor offsets place them; a decode step's hints nothing."""
     import mmap
 
     import numpy as np
@@ -90,7 +90,7 @@ def test_the_routed_experts_pages_are_hinted_before_a_step_reads_them(request, f
         assert len(e.routes) == 2  # the prefill's call and the decode step's
         names = [name for name in tensors if name.startswith(f"blk.{layer}.")]
         want = []
-        for chosen in e.routes:
+        for chosen in e.routes[:1]:  # the prefill's
             for expert in sorted(set(chosen.reshape(-1).tolist())):
                 for name in sorted(names):
                     offset, per = tensors[name]
