@@ -1,7 +1,8 @@
 """`pagelm bench speculate`: plain against speculative decoding on built-in tasks made of texts that
 ship with Python (its source and docstrings), in process: tokens per second, tokens kept per verify
 pass, and whether any speculative answer differs from its plain one (it must not); with a `llama-server`
-on PATH, llama.cpp's own n-gram speculation on the same file and prompt tokens beside it.
+on PATH, llama.cpp's own speculation (n-gram, or the same draft model) on the same file and prompt tokens
+beside it.
 
 Owns the tasks and the measurement; the decoding is `Session.generate`'s, speculate off or on.
 """
@@ -111,7 +112,6 @@ class SpeculateReport:
         lines += self._peer_lines()
         lines.append(f"differing answers: {self.differing} of {sum(r.answers for r in self.rows)}")
         return "\n".join(lines)
-
 
     def _peer_lines(self) -> list[str]:
         if not self.peer:

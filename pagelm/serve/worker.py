@@ -62,7 +62,7 @@ log = logging.getLogger("pagelm.serve")
 # every matrix once: on the 0.8B, 64-token segments prefilled 118-120 tok/s, 128-token ones 149-159,
 # 256-token ones 164-183 (its temporaries at their peak: +23, +41, +90 MiB). A segment is sliced by
 # layers between decode steps (below), so its length no longer sets the streams' pauses: 256 cut SmolLM2's
-# prefill work at 4 clients by a fifth (9.4 s against 12.5 s a level of `bench concurrency`).
+# prefill work at 4 clients by a fifth (9.8 s against 12.5 s a level of `bench concurrency`, share 3 both).
 PREFILL_CHUNK = 256
 # A step's prefill time while slots decode, over the step's decode time: a prompt's segment pauses between
 # layers once it has had that share, so that a prompt arriving slows the running streams' tokens by a
