@@ -210,7 +210,7 @@ class SlotMemory:
         return self.busy_slots * (self.slot_state_bytes + SLOT_SLACK_MIB * MIB)
 
 
-class _MemorySampler:
+class MemorySampler:
     """Polls /api/ps while a level runs: the most anonymous memory seen with the most slots busy."""
 
     def __init__(self, target: ServerProcess):
@@ -356,7 +356,7 @@ def run_concurrency(name: str, path: str, command: str, clients: list[int], requ
         server.model_id = model_id(server)
         for c in clients:
             progress(f"{name}: {c} client(s), {requests} requests")
-            sampler = _MemorySampler(server) if c == clients[-1] else None
+            sampler = MemorySampler(server) if c == clients[-1] else None
             level = run_level(server, prompts, new_tokens, c)
             if sampler is not None:
                 sampler.stop()

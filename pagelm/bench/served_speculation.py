@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from pagelm.bench.concurrency import model_id
+from pagelm.bench.concurrency import MemorySampler, model_id
 from pagelm.bench.server import ServerConfig, ServerProcess, progress
 from pagelm.errors import PagelmError
 
@@ -71,14 +71,6 @@ def _ask(server: ServerProcess, message: str, tokens: int, out: list, i: int) ->
     out[i] = (reply.body["choices"][0]["message"]["content"], reply.body["usage"]["completion_tokens"])
 
 
-def _busy_memory(server: ServerProcess, parallel: int, stop: threading.Event, most: list[int]) -> None:
-    while not stop.is_set():
-        ps = server.stats()
-        if ps["slots"]["busy"] == parallel:
-            most[0] = max(most[0], ps["memory"]["anonymous_bytes"])
-        stop.wait(0.1)
-
-
 def _serve(path: str, mode: str, messages: list[str], tokens: int, runs: int) -> Served:
     served = Served(mode)
     flags = ["--parallel", str(len(messages)), "--speculate", mode]
@@ -87,23 +79,22 @@ def _serve(path: str, mode: str, messages: list[str], tokens: int, runs: int) ->
         _ask(server, "Say hello.", 4, [None], 0)  # warm
         for run in range(runs):
             progress(f"serve --parallel {len(messages)} --speculate {mode}: run {run + 1} of {runs}")
-            out, most, stop = [None] * len(messages), [0], threading.Event()
-            sampler = threading.Thread(target=_busy_memory, args=(server, len(messages), stop, most), daemon=True)
+            out = [None] * len(messages)
             clients = [threading.Thread(target=_ask, args=(server, m, tokens, out, i)) for i, m in enumerate(messages)]
-            sampler.start()
+            sampler = MemorySampler(server)
             began = time.perf_counter()
             for client in clients:
                 client.start()
             for client in clients:
                 client.join()
             seconds = time.perf_counter() - began
-            stop.set()
-            sampler.join()
+            sampler.stop()
             if any(o is None for o in out):
                 raise PagelmError(f"a request to the --speculate {mode} server failed")
             served.tok_s.append(sum(n for _, n in out) / seconds)
             served.answers += [text for text, _ in out]
-            served.busy_anonymous = max(served.busy_anonymous, most[0])
+            if sampler.busy == len(messages):
+                served.busy_anonymous = max(served.busy_anonymous, sampler.anonymous)
     return served
 
 
