@@ -40,7 +40,8 @@ class Job:
     cost: float = 1.0
 
 
-# seconds each kind of job took to compile cold (2-core Zen 4, numba 0.68.1; the order is what counts)
+# rough cold compile seconds of each kind of job (2-core Zen 4, numba 0.68.1: few-row, one-row, dequantize and
+# gather as bench/compile_profile.py gave them on SmolLM2's Q8_0 and Q4_1; tile and int8 guessed): only the order counts
 _COST = {"few-row": 5.0, "one-row": 2.0, "dequantize": 1.0, "gather": 0.3, "tile": 1.5, "int8": 1.5}
 
 
