@@ -74,16 +74,12 @@ def check_draft(args: argparse.Namespace) -> None:
 
 
 def _open_compiled(args: argparse.Namespace):
-    """_open_chat with a line on stderr while kernels compile; on a cold cache the first decode step's
-    are compiled here too, so that the line ends before the answer starts."""
-    from pagelm.engine.warm import run_first_step
+    """_open_chat with a line on stderr while kernels compile (the first decode step's too: loading runs
+    one), so that the line ends before the answer starts."""
     from pagelm.quant.compile_progress import CompileProgress
 
-    with CompileProgress() as compiling:
-        opened = _open_chat(args)
-        if compiling.compiled:
-            run_first_step(opened[0].model)
-    return opened
+    with CompileProgress():
+        return _open_chat(args)
 
 
 def _read_image(chat, path: str):

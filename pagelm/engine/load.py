@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from pagelm.engine.model import DEFAULT_IMAGE_CACHE_MIB, DTYPES, Model
+from pagelm.engine.warm import run_first_step
 from pagelm.errors import PagelmError, UnsupportedError
 from pagelm.models import VISION_ARCHITECTURES, architecture_module, hf_layouts
 from pagelm.runtime import heap
@@ -48,9 +49,14 @@ def load_model(path: str, embedding: EmbeddingMode = "mapped", weights: WeightsM
     loader.warmup(network.kernel_jobs())
     if tower_loader is not None:
         tower_loader.warmup()
-    heap.trim()  # what decoding the small tensors and unpacking (dense) left on the heap
-    return Model(loader, config, network, token_embedding, head, threads, EmbeddingCache(image_cache_mib << 20),
-                 tower, tower_loader, mmproj)
+    model = Model(loader, config, network, token_embedding, head, threads, EmbeddingCache(image_cache_mib << 20),
+                  tower, tower_loader, mmproj)
+    # as llama.cpp's warmup run: what a step loads from the kernel cache on its first call (~0.1 s, the
+    # compiled layers' typed lists and calls), or compiles where the cache lacks it, is done here, not in
+    # the first request
+    run_first_step(model)
+    heap.trim()  # what decoding the small tensors, unpacking (dense) and that step left on the heap
+    return model
 
 
 def find_mmproj(path: str) -> str | None:

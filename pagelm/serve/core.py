@@ -26,7 +26,6 @@ from pagelm.chat.tools import AnswerCallStream, PlainStream, Tool, ToolCallStrea
 from pagelm.errors import ImageError, PagelmError
 from pagelm.chat.grammar import Grammar, GrammarError
 from pagelm.engine.embed import Embedder
-from pagelm.engine.warm import run_first_step
 from pagelm.measure.memory import read_memory
 from pagelm.models.moe import ExpertTraffic, track
 from pagelm.quant.compile_progress import CompileProgress
@@ -118,8 +117,6 @@ class Server:
                 chat = ChatModel.open(s.model_path, name=s.model_name, embedding=s.embedding, weights=s.weights,
                                       dtype=s.dtype, threads=s.threads, mmproj=s.mmproj,
                                       image_cache_mib=s.image_cache_mib, image_tokens=s.image_tokens)
-                if self.compiling.compiled and embedding_head(chat.model.loader) is None:
-                    run_first_step(chat.model)  # a cold cache: not inside the first request
             self.expert_traffic = track(chat.model.network)
             head = embedding_head(chat.model.loader)
             if head is not None:

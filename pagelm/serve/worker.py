@@ -64,13 +64,14 @@ log = logging.getLogger("pagelm.serve")
 # layers between decode steps (below), so its length no longer sets the streams' pauses: 256 cut SmolLM2's
 # prefill work at 4 clients by a fifth (9.8 s against 12.5 s a level of `bench concurrency`, share 3 both).
 PREFILL_CHUNK = 256
-# A step's prefill time while slots decode, over the step's decode time: a prompt's segment pauses between
-# layers once it has had that share, so that a prompt arriving slows the running streams' tokens by a
-# bounded factor (1 + the share). Prompts up to SHORT_PROMPT_TOKENS take a larger share: they delay the
-# streams a few steps and start decoding (joining the batch) sooner. Run whole between two steps, a short
-# prompt's segment made SmolLM2's inter-token p95 at 4 / 8 clients 206 / 224 ms (llama-server: 29 / 49 ms);
-# at shares 1.5 / 2 / 3 it was 52 / 72 / 95 ms at 4 clients, 84 / 167 / 210 at 8, while the time to the
-# first token's p95 went 2464 / 1526 / 1517 ms at 4 and 5457 / 3087 / 3045 at 8 (1425 and 2299 whole).
+# A step's prefill time while slots decode, over a typical decode step's (the median of the last few
+# without drafts; none are fed while a prompt prefills): a prompt's segment pauses between layers once it
+# has had that share, less what the step took beyond a typical one, so that a prompt arriving slows the
+# running streams' tokens by a bounded factor (1 + the share), whatever one step's noise. Prompts up to
+# SHORT_PROMPT_TOKENS take a larger share: they delay the streams a few steps and start decoding (joining
+# the batch) sooner. SmolLM2's inter-token p95 at 4 / 8 clients: 206 / 224 ms with a short prompt's
+# segment run whole between two steps, 72 / 167 with its share of that very step (longer with drafts),
+# 44 / 90 now (llama-server: 33 / 51 ms), the time to the first token's p95 1294 / 2545 ms.
 PREFILL_SHARE = 1.0
 SHORT_PROMPT_SHARE = 2.0
 SHORT_PROMPT_TOKENS = 512
@@ -237,6 +238,7 @@ class Worker:
         self._busy = 0  # slots taken (changed under the lock, read by submit)
         self._working = False  # the engine thread has work: requests, answers to keep, the idle trim
         self._closed = False
+        self._plain_steps: collections.deque[float] = collections.deque(maxlen=8)  # the last steps without drafts
         self.served = self.cancelled = self.failed = 0
         self.speculation = SpeculationStats()  # every request's drafted and accepted tokens, and verify passes
         self.histograms = EngineHistograms()
@@ -410,7 +412,12 @@ class Worker:
                 r.segment = r.session.prefill_layers(prompt.tokens[cursor:r.cuts[0]], prompt.images_in(cursor, r.cuts[0]))
                 r.segment_s = 0.0
             share = SHORT_PROMPT_SHARE if len(r.job.prompt.tokens) <= SHORT_PROMPT_TOKENS else PREFILL_SHARE
-            if not self._advance(r, None if decode_s is None else decode_s * share):
+            if decode_s is None:
+                pause = None
+            else:  # what a step longer than usual took beyond a typical one comes off its prefill
+                typical = self._typical_step(decode_s)
+                pause = share * typical - max(decode_s - typical, 0.0)
+            if not self._advance(r, pause):
                 return
             point, r.segment = r.cuts.pop(0), None
             self.histograms.prefill_segment_seconds.observe(r.segment_s)
@@ -422,6 +429,10 @@ class Worker:
                 self._begin_decode(r)
         except Exception as e:  # noqa: BLE001 - the worker must outlive any one request
             self._fail(index, r.job, e)
+
+    def _typical_step(self, decode_s: float) -> float:
+        """A decode step's seconds while prompts prefill (no drafts then): the median of the last few."""
+        return float(np.median(self._plain_steps)) if self._plain_steps else decode_s
 
     def _advance(self, r: _Running, allowance: float | None) -> bool:
         """Run r's segment for at least one layer, then as long as another layer of the same
@@ -480,7 +491,7 @@ class Worker:
                 going.append((index, r, token))
         if going:
             self.histograms.batch_size.observe(len(going))
-        took = 0.0
+        took, plain = 0.0, True
         for lo in range(0, len(going), MAX_BATCH):
             part = going[lo: lo + MAX_BATCH]
             try:
@@ -492,7 +503,7 @@ class Worker:
                 else:
                     rows = decode_batch(sessions, tokens)[:, None]
                 step_s = time.perf_counter() - start
-                took += step_s
+                took, plain = took + step_s, plain and not any(drafts)
                 self.histograms.decode_step_seconds.observe(step_s)
                 if len(part) == 1 and part[0][1].speculator is not None:  # a step of its own: its cost
                     part[0][1].speculator.observe(1 + len(drafts[0]), step_s)
@@ -505,12 +516,16 @@ class Worker:
                     self._check_drafts(index, r, d, got)
                 except Exception as e:  # noqa: BLE001 - the worker must outlive any one request
                     self._fail(index, r.job, e)
+        if going and plain:
+            self._plain_steps.append(took)
         return took
 
     def _drafts(self, part: list[tuple[int, _Running, int]]) -> list[list[int]]:
         """Each going slot's drafts after its token, within the rows one step takes: the fuller the
-        batch, the fewer (none for a slot that does not speculate)."""
+        batch, the fewer (none for a slot that does not speculate, none while a prompt prefills)."""
         budget, out = MAX_BATCH - len(part), []
+        if any(s is not None and not s.decoding for s in self._slots):
+            return [[] for _ in part]  # a prompt prefills after this step: drafts would lengthen its pauses
         for _, r, token in part:
             drafts = []
             if r.speculator is not None and budget > 0:

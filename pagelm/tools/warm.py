@@ -10,11 +10,10 @@ import sys
 
 def warm_model(path: str, weights: str, mmproj: str | None) -> None:
     """Compiles what `path`'s tensor types and architecture need: its load (the kernels of its block
-    types, tiles and head) and one short prefill and decode step (its layers' one-token kernels)."""
+    types, tiles and head, and, in loading's warmup step, its layers' one-token kernels)."""
     from pagelm.engine.load import load_model
-    from pagelm.engine.warm import run_first_step
 
-    run_first_step(load_model(path, weights=weights, mmproj=mmproj))
+    load_model(path, weights=weights, mmproj=mmproj)
 
 
 def _warm(args: argparse.Namespace) -> int:

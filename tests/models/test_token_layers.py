@@ -7,19 +7,19 @@ import sys
 
 import pytest
 
-# The compilations numba makes during a new process's first decode step, after loading and a prefill:
-# numba announces one per function it compiles rather than loads from its cache.
+# The compilations numba makes in a new process while loading (its warmup step too), a prefill and a first
+# decode step: numba announces one per function it compiles rather than loads from its cache.
 FIRST_STEP_COMPILES = """
 import json, sys
 import numpy as np
 from numba.core import event
 import pagelm
 
-model = pagelm.load(sys.argv[1])
-session = model.session(max_len=16)
-logits = session.prefill([11, 400, 7, 3000, 12])
 compiles = event.RecordingListener()
 with event.install_listener("numba:compile", compiles):
+    model = pagelm.load(sys.argv[1])
+    session = model.session(max_len=16)
+    logits = session.prefill([11, 400, 7, 3000, 12])
     session.decode(int(np.argmax(logits)))
 print(json.dumps({"compiled_layers": bool(model.network._compiled),
                   "compiles": [e.data["dispatcher"].py_func.__qualname__ for _, e in compiles.buffer if e.is_start]}))

@@ -1,8 +1,8 @@
 """A network's own one-token kernels (Decoder.kernel_jobs) compile at load in the worker processes beside the
 block types' GEMVs: each in a fresh process over a kernel cache of the test's own, which starts with the suite's
-compiled quant kernels but one (so the workers have two jobs: that GEMV and the network's), the first prefill
-and decode step then compile none of the jobs' kernels in the process itself, only the layers' own calls,
-which need the GEMVs first."""
+compiled quant kernels but one (so the workers have two jobs: that GEMV and the network's), the load (its
+warmup step too) and a first prefill and decode step then compile none of the jobs' kernels in the process
+itself, only the layers' own calls, which need the GEMVs first."""
 
 import json
 import os
@@ -24,14 +24,14 @@ from numba.core import event
 from pagelm.engine.load import load_model
 from pagelm.quant.precompile import _cached
 
-model = load_model(sys.argv[1], threads=2)
-jobs = model.network.kernel_jobs()
-cached = [_cached(k) for job in jobs for k in job.kernels]
 here = event.RecordingListener()
 with event.install_listener("numba:compile", here):
+    model = load_model(sys.argv[1], threads=2)  # with its warmup step
     session = model.session()
     session.prefill([1, 2, 3, 4, 5])
     session.decode(6)
+jobs = model.network.kernel_jobs()
+cached = [_cached(k) for job in jobs for k in job.kernels]
 names = sorted({ev.data["dispatcher"].py_func.__name__ for _, ev in here.buffer if ev.is_start})
 print(json.dumps({"jobs": [job.function for job in jobs], "cached": cached, "compiled_here": names}))
 """
