@@ -65,13 +65,13 @@ log = logging.getLogger("pagelm.serve")
 # prefill work at 4 clients by a fifth (9.8 s against 12.5 s a level of `bench concurrency`, share 3 both).
 PREFILL_CHUNK = 256
 # A step's prefill time while slots decode, over a typical decode step's (the median of the last few
-# without drafts; none are fed while a prompt prefills): a prompt's segment pauses between layers once it
-# has had that share, less what the step took beyond a typical one, so that a prompt arriving slows the
-# running streams' tokens by a bounded factor (1 + the share), whatever one step's noise. Prompts up to
-# SHORT_PROMPT_TOKENS take a larger share: they delay the streams a few steps and start decoding (joining
-# the batch) sooner. SmolLM2's inter-token p95 at 4 / 8 clients: 206 / 224 ms with a short prompt's
-# segment run whole between two steps, 72 / 167 with its share of that very step (longer with drafts),
-# 44 / 90 now (llama-server: 33 / 51 ms), the time to the first token's p95 1294 / 2545 ms.
+# without drafts; none are fed while a prompt prefills): a prompt's segment pauses between layers once the
+# step and its prefill have taken (1 + the share) typical steps, so that a prompt arriving slows the running
+# streams' tokens by a bounded factor, whatever one step's noise. Prompts up to SHORT_PROMPT_TOKENS take a
+# larger share: they delay the streams a few steps and start decoding (joining the batch) sooner. SmolLM2's
+# inter-token p95 at 4 / 8 clients: 206 / 224 ms with a short prompt's segment run whole between two steps,
+# 72 / 167 with twice that very step's time (longer with drafts), 44 / 90 now (llama-server: 33 / 51 ms),
+# the time to the first token's p95 1294 / 2545 ms.
 PREFILL_SHARE = 1.0
 SHORT_PROMPT_SHARE = 2.0
 SHORT_PROMPT_TOKENS = 512
@@ -412,11 +412,8 @@ class Worker:
                 r.segment = r.session.prefill_layers(prompt.tokens[cursor:r.cuts[0]], prompt.images_in(cursor, r.cuts[0]))
                 r.segment_s = 0.0
             share = SHORT_PROMPT_SHARE if len(r.job.prompt.tokens) <= SHORT_PROMPT_TOKENS else PREFILL_SHARE
-            if decode_s is None:
-                pause = None
-            else:  # what a step longer than usual took beyond a typical one comes off its prefill
-                typical = self._typical_step(decode_s)
-                pause = share * typical - max(decode_s - typical, 0.0)
+            # the step and its prefill together: (1 + share) typical steps, whatever this step took
+            pause = None if decode_s is None else (1 + share) * self._typical_step(decode_s) - decode_s
             if not self._advance(r, pause):
                 return
             point, r.segment = r.cuts.pop(0), None
