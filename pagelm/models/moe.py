@@ -21,7 +21,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from pagelm.weights.linear import Linear
+from pagelm.weights.linear import MAX_GEMV_ROWS, Linear
 from pagelm.weights.mapped import ExpertPages
 
 
@@ -42,6 +42,9 @@ class ClampedSwiglu:
         gate = gate.clamp(max=self.limit)
         glu = gate * torch.sigmoid(gate * self.alpha)
         return (up.clamp(-self.limit, self.limit) + 1) * glu
+
+
+GEMM_ROWS = 16  # an expert's rows in a prefill are padded to a multiple of this (_padded)
 
 
 @dataclass
@@ -128,7 +131,7 @@ class Experts:
         if self.pages is not None and n > 1 and not alone:  # a prefill's: a decode step's hints cost more than
             self.pages.prefetch(routed)  # they save on a warm cache (24 madvise calls a layer, ~0.6 ms)
         for e, count in zip(routed, counts.tolist()):
-            done[lo : lo + count] = self._expert(e, rows[lo : lo + count], alone)
+            done[lo : lo + count] = self._expert(e, _padded(rows[lo : lo + count]), alone)[:count]
             lo += count
         if self.traffic is not None and (alone or n == 1):  # a decode step's
             read = sum(self.expert_nbytes[e] for e in routed)
@@ -148,6 +151,17 @@ class Experts:
         bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
         out = _gated(self.gate_up[e], self.down[e], y, alone, self.activation, bias)
         return out if self.down_bias is None else out.float() + self.down_bias[e]
+
+
+def _padded(rows: torch.Tensor) -> torch.Tensor:
+    """rows with zero rows after them up to a multiple of GEMM_ROWS where they go to a GEMM (more than
+    MAX_GEMV_ROWS): each row count a GEMM sees leaves ~0.3 MiB in torch's CPU GEMM state for good (0.7 with
+    oneDNN's primitive cache of 64), and a mixture's prefill gives its experts every count from a few to
+    hundreds; rounded, a handful."""
+    n = rows.shape[0]
+    if n <= MAX_GEMV_ROWS or n % GEMM_ROWS == 0:
+        return rows
+    return torch.cat([rows, rows.new_zeros(GEMM_ROWS - n % GEMM_ROWS, rows.shape[1])])
 
 
 def _each_row(fn, *xs: torch.Tensor, alone: bool) -> torch.Tensor:

@@ -29,16 +29,19 @@ _M_MMAP_THRESHOLD = -3
 
 
 # oneDNN (torch's CPU GEMMs) keeps the last 1,024 GEMM primitives it made, each with buffers of its
-# own. A mixture of experts' prefill makes one per expert and row count: after a 500-token prompt on
-# the Qwen3-30B-A3B geometry they held 216 MiB (694 MiB anonymous in all, 478 with 16 kept, the TTFT
-# the same); 64 keep what a dense model's prefill reuses (the Qwen3.5 0.8B's TTFT unchanged).
+# own, and torch's ideep layer above it as many of its own (LRU_CACHE_CAPACITY), one per GEMM shape:
+# every new row count costs ~0.7 MiB for good (0.3 in ideep's). A mixture of experts' prefill makes one
+# per expert and row count: after a 500-token prompt on the Qwen3-30B-A3B geometry they held 216 MiB
+# (694 MiB anonymous in all, 478 with 16 kept, the TTFT the same); a server's prefills, one per prompt
+# length. 64 keep what a dense model's prefill reuses (the Qwen3.5 0.8B's TTFT unchanged).
 GEMM_PRIMITIVES = 64
 
 
 def bound_gemm_cache() -> None:
-    """Keep at most GEMM_PRIMITIVES oneDNN primitives (before the first GEMM; a setting the user
-    made in the environment stays)."""
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(GEMM_PRIMITIVES))
+    """Keep at most GEMM_PRIMITIVES oneDNN primitives and as many of ideep's (before the first GEMM; a
+    setting the user made in the environment stays)."""
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(GEMM_PRIMITIVES))
 
 
 @lru_cache(maxsize=1)
