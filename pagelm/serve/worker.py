@@ -65,7 +65,7 @@ log = logging.getLogger("pagelm.serve")
 # prefill work at 4 clients by a fifth (9.8 s against 12.5 s a level of `bench concurrency`, share 3 both).
 PREFILL_CHUNK = 256
 # A step's prefill time while slots decode, over a typical decode step's (the median of the last few
-# without drafts; none are fed while a prompt prefills): a prompt's segment pauses between layers once the
+# without drafts; `auto` speculation feeds none while a prompt prefills): a prompt's segment pauses between layers once the
 # step and its prefill have taken (1 + the share) typical steps, so that a prompt arriving slows the running
 # streams' tokens by a bounded factor, whatever one step's noise. Prompts up to SHORT_PROMPT_TOKENS take a
 # larger share: they delay the streams a few steps and start decoding (joining the batch) sooner. SmolLM2's
@@ -519,13 +519,15 @@ class Worker:
 
     def _drafts(self, part: list[tuple[int, _Running, int]]) -> list[list[int]]:
         """Each going slot's drafts after its token, within the rows one step takes: the fuller the
-        batch, the fewer (none for a slot that does not speculate, none while a prompt prefills)."""
+        batch, the fewer (none for a slot that does not speculate; none for an `auto` one while a prompt
+        prefills: its drafts, often not kept, would lengthen that prompt's pauses and every stream's; a
+        prediction, a draft model or `lookup` asked for drafts, which go on)."""
         budget, out = MAX_BATCH - len(part), []
-        if any(s is not None and not s.decoding for s in self._slots):
-            return [[] for _ in part]  # a prompt prefills after this step: drafts would lengthen its pauses
+        prefilling = any(s is not None and not s.decoding for s in self._slots)
         for _, r, token in part:
             drafts = []
-            if r.speculator is not None and budget > 0:
+            auto = r.speculator is not None and r.speculator.costs is not None
+            if r.speculator is not None and budget > 0 and not (prefilling and auto):
                 session = r.session
                 room = min(r.max_tokens - r.result.completion_tokens, session.max_len - len(session.tokens)) - 1
                 drafts = r.speculator.draft([*session.tokens, token], len(r.job.prompt.tokens), min(room, budget))
