@@ -65,13 +65,14 @@ log = logging.getLogger("pagelm.serve")
 # prefill work at 4 clients by a fifth (9.8 s against 12.5 s a level of `bench concurrency`, share 3 both).
 PREFILL_CHUNK = 256
 # A step's prefill time while slots decode, over a typical decode step's (the median of the last few
-# without drafts; `auto` speculation feeds none while a prompt prefills): a prompt's segment pauses between layers once the
-# step and its prefill have taken (1 + the share) typical steps, so that a prompt arriving slows the running
-# streams' tokens by a bounded factor, whatever one step's noise. Prompts up to SHORT_PROMPT_TOKENS take a
-# larger share: they delay the streams a few steps and start decoding (joining the batch) sooner. SmolLM2's
-# inter-token p95 at 4 / 8 clients: 206 / 224 ms with a short prompt's segment run whole between two steps,
-# 72 / 167 with twice that very step's time (longer with drafts), 44 / 90 now (llama-server: 33 / 51 ms),
-# the time to the first token's p95 1294 / 2545 ms.
+# without drafts; `auto` speculation feeds none while a prompt prefills): a prompt's segment pauses between
+# layers once the step and its prefill have taken (1 + the share) typical steps, so that a prompt arriving
+# slows the running streams' tokens by a bounded factor, whatever one step's noise. Prompts up to
+# SHORT_PROMPT_TOKENS take a larger share: they delay the streams a few steps and start decoding (joining the
+# batch) sooner. SmolLM2's inter-token p95 at 4 / 8 clients (`pagelm bench concurrency smollm2-135m --clients
+# 1,4,8 --no-long-prompt`, medians of 3): 206 / 224 ms with a short prompt's segment run whole between two
+# steps, 72 / 167 with twice that very step's time (longer with drafts), 44 / 89 now (llama-server: 31 / 51
+# ms), the time to the first token's p95 1535 / 2545 ms.
 PREFILL_SHARE = 1.0
 SHORT_PROMPT_SHARE = 2.0
 SHORT_PROMPT_TOKENS = 512
