@@ -209,7 +209,9 @@ def _speculate(args: argparse.Namespace) -> int:
     function with one name changed, also with the original given as a prediction), extract (fields of a
     docstring as JSON), summarize (with quotes), chat (a free answer). For each, greedy and seeded
     (temperature 0.7) decoding of --tokens tokens, plain then speculative (prompt lookup, or --draft
-    MODEL's greedy tokens; a prediction where given), --runs times from the same prefilled prompt. Prints per task the medians of plain and
+    MODEL's greedy tokens; a prediction where given), --runs times from the same prefilled prompt; and
+    each task's plain greedy answer given back as its own prediction ('TASK + its answer': every draft
+    right, what a verify pass and its rollback cost against plain steps). Prints per task the medians of plain and
     speculative decode tokens per second and of tokens per verify pass, one line 'TASK: R× plain' each,
     then 'differing answers: D of S' comparing every speculative answer with its plain one; exit 1 if D > 0.
     With a `llama-server` binary on PATH, llama.cpp's greedy decode tokens per second on the same file and

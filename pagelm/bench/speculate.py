@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from pagelm.bench.report import markdown_table
 
 TASKS = ("edit", "extract", "summarize", "chat")
+# A run's own plain answer as its prediction: every draft right, so its ratio is what a verify pass and
+# its rollback cost against one-token steps (the best speculation can do on this model)
+ITS_ANSWER = object()
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,7 @@ def _timed(session, checkpoint, params, speculate) -> tuple[list[int], float]:
 def run_speculate(name: str, path: str, names: list[str], tokens: int, runs: int,
                   draft: str | None = None) -> SpeculateReport:
     """Each task × greedy and seeded (temperature 0.7) sampling, plus edit with its original code as
-    a prediction: plain and speculative decoding in turn, --runs times; every speculative answer
+    a prediction, plus each task's plain greedy answer given as its own prediction (ITS_ANSWER): plain and speculative decoding in turn, --runs times; every speculative answer
     compared with its plain one. `draft`: a draft model's path, whose drafts (from a fresh session
     each run: its prefill of the prompt is in the time) replace prompt lookup."""
     from pagelm.chat.model import ChatModel
@@ -189,13 +192,17 @@ def run_speculate(name: str, path: str, names: list[str], tokens: int, runs: int
         session = chat.model.session(len(prompt) + tokens + 1)
         session.prefill(prompt)
         checkpoint = session.checkpoint()
-        variants = [(s, None) for s in samplings] + ([("greedy", task.prediction)] if task.prediction else [])
+        variants = [(s, None) for s in samplings] + ([("greedy", task.prediction)] if task.prediction else []) \
+            + [("greedy", ITS_ANSWER)]
         for sampling, prediction in variants:
-            row = Row(task.name if prediction is None else f"{task.name} + prediction", sampling)
-            predicted = None if prediction is None else chat.tokenizer.encode(prediction)
+            row = Row(task.name if prediction is None else
+                      f"{task.name} + {'its answer' if prediction is ITS_ANSWER else 'prediction'}", sampling)
+            predicted = None if prediction in (None, ITS_ANSWER) else chat.tokenizer.encode(prediction)
             for run in range(runs):
                 print(f"{row.task} {sampling}: run {run + 1} of {runs}", file=sys.stderr, flush=True)
                 plain, plain_tok_s = _timed(session, checkpoint, samplings[sampling], "off")
+                if prediction is ITS_ANSWER:
+                    predicted = plain
                 if predicted is not None:
                     speculator = Speculator(Prediction(predicted, then=PromptLookup()))
                 elif draft_model is not None:

@@ -10,9 +10,13 @@ def test_bench_speculate_prints_its_lines_and_no_differing_answer(smollm2_gguf, 
     code = cli.main(["bench", "speculate", smollm2_gguf, "--tasks", "edit,chat", "--tokens", "12", "--runs", "1"])
     out = capsys.readouterr().out
     assert code == 0, out
-    for task in ("edit", "edit seeded", "edit \\+ prediction", "chat", "chat seeded"):
+    for task in ("edit", "edit seeded", "edit \\+ prediction", "edit \\+ its answer", "chat", "chat seeded",
+                 "chat \\+ its answer"):
         assert re.search(rf"^{task}: \d+\.\d\d× plain$", out, re.M), task
-    assert re.search(r"^differing answers: 0 of 5$", out, re.M)
+    assert re.search(r"^differing answers: 0 of 7$", out, re.M)
+    for task in ("edit", "chat"):  # 12 tokens of its own answer: 5 then 7 tokens a pass, every draft kept
+        passes = re.search(rf"^\| {task} \+ its answer \| greedy \|(?: [\d.]+ \|){{2}} ([\d.]+) \|", out, re.M)
+        assert float(passes.group(1)) == 5.5, task
     passes = re.search(r"^\| edit \+ prediction \| greedy \|(?: [\d.]+ \|){2} ([\d.]+) \|", out, re.M)
     assert float(passes.group(1)) > 1  # the prediction's drafts were kept
     assert re.search(r"^llama-server: not on PATH, not compared$|^\| edit \|(?: [\d.]+ \|){2} ", out, re.M)
@@ -28,7 +32,7 @@ def test_bench_speculate_drafts_from_a_draft_model(smollm2_gguf, capsys):
                      "--draft", smollm2_gguf])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "drafts from smollm2" in out and re.search(r"^differing answers: 0 of 2$", out, re.M)
+    assert "drafts from smollm2" in out and re.search(r"^differing answers: 0 of 3$", out, re.M)
     passes = re.search(r"^\| chat \| greedy \|(?: [\d.]+ \|){2} ([\d.]+) \|", out, re.M)
     assert float(passes.group(1)) > 2  # the model drafting for itself: its greedy drafts kept
 

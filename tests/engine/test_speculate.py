@@ -247,8 +247,8 @@ def test_the_draft_count_grows_while_drafts_are_kept_and_drafting_pauses_after_m
     speculator = Speculator(Endless(), most=8, first=4)
     assert len(speculator.draft([0], 0, 20)) == 4
     speculator.record(4, 4)
-    assert len(speculator.draft([0], 0, 20)) == 6 and len(speculator.draft([0], 0, 3)) == 3
-    speculator.record(6, 2)
+    assert len(speculator.draft([0], 0, 20)) == 8 and len(speculator.draft([0], 0, 3)) == 3  # doubled
+    speculator.record(8, 2)
     assert len(speculator.draft([0], 0, 20)) == 3
     pauses = []
     for _ in range(6):  # passes that keep nothing: 1, 2, 4, 8, 8, 8 steps without drafts
@@ -259,7 +259,7 @@ def test_the_draft_count_grows_while_drafts_are_kept_and_drafting_pauses_after_m
     assert pauses == [1, 2, 4, 8, 8, 8]
     speculator.record(1, 1)
     assert speculator.draft([0], 0, 20) and speculator.stats.passes == 9
-    assert (speculator.stats.drafted, speculator.stats.accepted) == (4 + 6 + 6 * 3 + 1, 4 + 2 + 1)
+    assert (speculator.stats.drafted, speculator.stats.accepted) == (4 + 8 + 6 * 3 + 1, 4 + 2 + 1)
 
 
 def test_auto_drafts_only_what_the_measured_step_costs_say_pays():
