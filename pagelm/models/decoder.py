@@ -77,15 +77,23 @@ class Trail:
     def nbytes(self) -> int:
         return nbytes(copy for _, copy in self._copies.values())
 
-    def keep(self, row: int, tensors) -> None:
-        """The state after `row`: a copy of each of `tensors` (live, advanced in place)."""
-        if row == self.rows - 1:  # the last row's state is the live one
-            return
+    def copies(self, row: int, tensors) -> list[torch.Tensor] | None:
+        """Where the state after `row` of each of `tensors` (live, advanced in place) is kept, for the
+        caller to fill (made as needed); None for the pass's last row, whose state is the live one."""
+        if row == self.rows - 1:
+            return None
+        out = []
         for t in tensors:
             entry = self._copies.get((row, id(t)))
             if entry is None or entry[0] is not t:
                 entry = self._copies[(row, id(t))] = (t, torch.empty_like(t))
-            entry[1].copy_(t)
+            out.append(entry[1])
+        return out
+
+    def keep(self, row: int, tensors) -> None:
+        """The state after `row`: a copy of each of `tensors` (live, advanced in place)."""
+        for copy, t in zip(self.copies(row, tensors) or (), tensors):
+            copy.copy_(t)
 
     def rewind(self, state, rows: int) -> None:
         """`state` (the one the last pass advanced) exactly as after the pass's first `rows` rows."""
@@ -104,7 +112,8 @@ class RowState:
     """Row `row` of a pass of consecutive tokens of one sequence through `_layers`: the sequence's
     state as that row's one-token step sees it, at position state.pos + row; every other attribute
     (caches, recurrent states) is the sequence's own. A model that advances a recurrent state in
-    place does it row after row (`waves`) and `keep`s it after each."""
+    place does it row after row (`waves`) and `keep`s it after each, or in one kernel call that
+    fills each row's `kept_copies` itself."""
 
     def __init__(self, state, row: int, trail: Trail):
         self.state, self.row, self.trail = state, row, trail
@@ -124,29 +133,17 @@ def waves(spans: list) -> list[list[int]]:
     return [groups[r] for r in sorted(groups)]
 
 
-def per_wave(fn, spans: list) -> torch.Tensor | None:
-    """fn(indices) — the rows of those spans, or None where a kernel does not take them — for each
-    of the spans' `waves` in order, the rows stacked in span order; None where fn refuses the first
-    (every wave is of the same tensors, so then nothing was touched)."""
-    groups = waves(spans)
-    if len(groups) == 1:
-        return fn(groups[0])
-    out = None
-    for g in groups:
-        part = fn(g)
-        if part is None:
-            return None
-        if out is None:
-            out = part.new_empty((len(spans), *part.shape[1:]))
-        out[g] = part
-    return out
-
-
 def keep(span: Span, *tensors: torch.Tensor) -> None:
     """After a span's recurrent `tensors` advanced by its row: kept for rewinding where the row is
     one of a pass (RowState); nothing otherwise."""
     if isinstance(span.state, RowState):
         span.state.trail.keep(span.state.row, tensors)
+
+
+def kept_copies(span: Span, *tensors: torch.Tensor) -> list[torch.Tensor] | None:
+    """Where `keep` would copy a span's recurrent `tensors` after its row (Trail.copies), for a kernel that
+    fills them itself; None where nothing is kept."""
+    return span.state.trail.copies(span.state.row, tensors) if isinstance(span.state, RowState) else None
 
 
 class Decoder:

@@ -87,19 +87,37 @@ def _conv_silu(conv_state, conv_w, p, x):
         x[c] = x[c] * _sigmoid(x[c])
 
 
+@njit(cache=True)
+def _copy_into(dst, src):
+    """dst = src (2-D, one shape): a call, so that writes through a prange body's pointer arrays are kept."""
+    for i in range(src.shape[0]):
+        for j in range(src.shape[1]):
+            dst[i, j] = src[i, j]
+
+
 @njit(parallel=True, cache=True, fastmath={"contract"})
-def _tokens(proj, convs, conv_w, a, dt_bias, norm_w, states, nk, dk, dv, eps, l2_eps, out):
+def _tokens(proj, order, starts, convs, conv_keeps, conv_w, a, dt_bias, norm_w, states, state_keeps, nk, dk, dv, eps,
+            l2_eps, out):
+    """Rows order[starts[s] : starts[s + 1]] of proj, in that order, are sequence s's tokens, its window at
+    convs[s] and state at states[s]; after row i, conv_keeps[i] and state_keeps[i] (addresses; 0: none) get
+    copies of them. Each sequence's rows go in order inside each task (a run of channels, a value head), so
+    one call takes a whole verify pass, each row's arithmetic what it is alone."""
     n = proj.shape[0]
     taps, channels = conv_w.shape[0] - 1, conv_w.shape[1]
     nv = a.shape[0]
     values = nv * dv
     x = np.empty((n, channels), np.float32)
     runs = (channels + _CONV_RUN - 1) // _CONV_RUN
-    for sr in prange(n * runs):
+    sequences = starts.shape[0] - 1
+    for sr in prange(sequences * runs):
         s, lo = sr // runs, sr % runs * _CONV_RUN
         hi = min(lo + _CONV_RUN, channels)
-        _conv_silu(carray(pointer(convs[s], proj), (taps, channels))[:, lo:hi], conv_w[:, lo:hi], proj[s, lo:hi],
-                   x[s, lo:hi])
+        window = carray(pointer(convs[s], proj), (taps, channels))[:, lo:hi]
+        for t in range(starts[s], starts[s + 1]):
+            i = order[t]
+            _conv_silu(window, conv_w[:, lo:hi], proj[i, lo:hi], x[i, lo:hi])
+            if conv_keeps[i] != 0:
+                _copy_into(carray(pointer(conv_keeps[i], proj), (taps, channels))[:, lo:hi], window)
     q_scale = np.float32(dk ** -0.5)
     for sh in prange(n * 2 * nk):  # q heads then k heads, L2-normalised; q scaled too
         s, head = sh // (2 * nk), sh % (2 * nk)
@@ -113,46 +131,68 @@ def _tokens(proj, convs, conv_w, a, dt_bias, norm_w, states, nk, dk, dv, eps, l2
         for i in range(dk):
             x[s, base + i] *= r
     k0, v0 = nk * dk, 2 * nk * dk
-    for sh in prange(n * nv):
+    for sh in prange(sequences * nv):
         s, h = sh // nv, sh % nv
         kh = h % nk
-        b = _sigmoid(proj[s, channels + values + h])
-        e = np.exp(a[h] * _softplus(proj[s, channels + values + nv + h] + dt_bias[h]))
-        o = out[s, h * dv:(h + 1) * dv]
-        xs = x[s]
-        _advance_head(carray(pointer(states[s], proj), (nv, dk, dv))[h], xs[k0 + kh * dk:k0 + (kh + 1) * dk],
-                      xs[kh * dk:(kh + 1) * dk], xs[v0 + h * dv:v0 + (h + 1) * dv], e, b, o)
-        ss = np.float32(0)
-        for j in range(dv):
-            ss += o[j] * o[j]
-        r = np.float32(1) / np.sqrt(ss / np.float32(dv) + eps)
-        for j in range(dv):
-            z = proj[s, channels + h * dv + j]
-            o[j] = o[j] * r * norm_w[j] * (z * _sigmoid(z))
+        state = carray(pointer(states[s], proj), (nv, dk, dv))[h]
+        for t in range(starts[s], starts[s + 1]):
+            i = order[t]
+            b = _sigmoid(proj[i, channels + values + h])
+            e = np.exp(a[h] * _softplus(proj[i, channels + values + nv + h] + dt_bias[h]))
+            o = out[i, h * dv:(h + 1) * dv]
+            xs = x[i]
+            _advance_head(state, xs[k0 + kh * dk:k0 + (kh + 1) * dk], xs[kh * dk:(kh + 1) * dk],
+                          xs[v0 + h * dv:v0 + (h + 1) * dv], e, b, o)
+            if state_keeps[i] != 0:
+                _copy_into(carray(pointer(state_keeps[i], proj), (nv, dk, dv))[h], state)
+            ss = np.float32(0)
+            for j in range(dv):
+                ss += o[j] * o[j]
+            r = np.float32(1) / np.sqrt(ss / np.float32(dv) + eps)
+            for j in range(dv):
+                z = proj[i, channels + h * dv + j]
+                o[j] = o[j] * r * norm_w[j] * (z * _sigmoid(z))
 
 
 def _f32_cpu(t: torch.Tensor, shape: tuple) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and tuple(t.shape) == shape
 
 
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
 def deltanet_tokens(proj: torch.Tensor, convs: list[torch.Tensor], conv_w: torch.Tensor, a: torch.Tensor,
                     dt_bias: torch.Tensor, norm_w: torch.Tensor, states: list[torch.Tensor], nk: int, eps: float,
-                    l2_eps: float) -> torch.Tensor | None:
-    """One token of the mixer for each of n sequences, as one kernel, from their input projections
-    `proj` (n, channels + nv·dv + 2·nv) float32, each row [q k v for the conv | z | beta | alpha].
-    Sequence i's conv_state convs[i] (K-1, channels) and state states[i] (nv, dk, dv) are advanced
-    in place; conv_w (K, channels), tap K-1 on this token. Returns the gated, normalised outputs
-    (n, nv·dv) float32 for the output projection, as `Qwen35Model._deltanet` computes them, each
-    row's bits those of its sequence alone; None for inputs the kernel does not take (not float32,
-    contiguous CPU states of one shape)."""
+                    l2_eps: float, sequence_of: list[int] | None = None,
+                    keeps: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor | None:
+    """One token of the mixer for each row of `proj` (n, channels + nv·dv + 2·nv) float32, each row
+    [q k v for the conv | z | beta | alpha], as one kernel: row i is a token of sequence sequence_of[i]
+    (default: sequence i), a sequence's rows its consecutive tokens in row order. Sequence j's conv_state
+    convs[j] (K-1, channels) and state states[j] (nv, dk, dv) are advanced in place; conv_w (K, channels),
+    tap K-1 on this token; keeps[i], where given and not None, (conv, state) copies that get the window and
+    state after row i (a verify pass's `Trail`). Returns the gated, normalised outputs (n, nv·dv) float32 for
+    the output projection, as `Qwen35Model._deltanet` computes them, each row's bits those of its token
+    decoded alone; None for inputs the kernel does not take (not float32, contiguous CPU states of one
+    shape)."""
     n, (taps, channels), (nv, dk, dv) = proj.shape[0], convs[0].shape, states[0].shape
-    if not (len(convs) == len(states) == n and proj.shape[1] == channels + nv * dv + 2 * nv and proj.dtype == torch.float32 and proj.device.type == "cpu"
-            and all(_f32_cpu(c, (taps, channels)) for c in convs) and all(_f32_cpu(s, (nv, dk, dv)) for s in states)):
+    sequence_of = list(range(n)) if sequence_of is None else sequence_of
+    keeps = [None] * n if keeps is None else keeps
+    copies = [t for k in keeps if k is not None for t in k]
+    if not (len(convs) == len(states) and len(sequence_of) == len(keeps) == n
+            and sorted(set(sequence_of)) == list(range(len(states)))
+            and proj.shape[1] == channels + nv * dv + 2 * nv and proj.dtype == torch.float32 and proj.device.type == "cpu"
+            and all(_f32_cpu(c, (taps, channels)) for c in [*convs, *copies[0::2]])
+            and all(_f32_cpu(s, (nv, dk, dv)) for s in [*states, *copies[1::2]])):
         return None
+    order = np.argsort(np.asarray(sequence_of, np.int64), kind="stable")
+    starts = np.concatenate([[0], np.cumsum(np.bincount(sequence_of, minlength=len(states)))]).astype(np.int64)
     out = torch.empty(n, nv * dv, dtype=torch.float32)
-    _tokens(proj.contiguous().numpy(), np.array([c.data_ptr() for c in convs], np.int64), conv_w.numpy(), a.numpy(),
-            dt_bias.numpy(), norm_w.numpy(), np.array([s.data_ptr() for s in states], np.int64), nk, dk, dv,
-            np.float32(eps), np.float32(l2_eps), out.numpy())
+    _tokens(proj.contiguous().numpy(), order, starts, np.array([c.data_ptr() for c in convs], np.int64),
+            np.array([_address(k and k[0]) for k in keeps], np.int64), conv_w.numpy(), a.numpy(), dt_bias.numpy(),
+            norm_w.numpy(), np.array([s.data_ptr() for s in states], np.int64),
+            np.array([_address(k and k[1]) for k in keeps], np.int64), nk, dk, dv, np.float32(eps), np.float32(l2_eps),
+            out.numpy())
     return out
 
 
@@ -163,7 +203,7 @@ def warmup_job() -> Job:
 
 def warmup() -> None:
     """Compiles (or loads) deltanet_tokens' kernel: one token of one sequence with one head of 2, as a decode
-    step calls it."""
+    step calls it (a verify pass calls the same kernel)."""
     nk, dk, dv, taps = 1, 2, 2, 4
     channels = 2 * nk * dk + dv
     if deltanet_tokens(torch.zeros(1, channels + dv + 2), [torch.zeros(taps - 1, channels)], torch.zeros(taps, channels),

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagelm.errors import ModelFormatError, PagelmError, UnsupportedError
-from pagelm.models.decoder import Decoder, Span, advance, keep, nbytes, per_sequence, per_wave
+from pagelm.models.decoder import Decoder, Span, advance, keep, kept_copies, nbytes, per_sequence
 from pagelm.models.delta_rule import delta_rule_step, deltanet_tokens
 from pagelm.models.delta_rule import warmup_job as deltanet_warmup_job
 from pagelm.models.llama_family import expert_names, load_experts, moe_metadata
@@ -566,16 +566,16 @@ class Qwen35Model(Decoder):
         nk, nv, dk, dv = c.n_key_heads, c.n_value_heads, c.linear_key_dim, c.linear_value_dim
         C, V = c.conv_channels, nv * dv
         proj = w.in_proj(y, alone).float()
-        if proj.shape[0] == len(spans):  # one token each: one kernel call a wave where it takes them
-            def tokens(wave: list[int]) -> torch.Tensor | None:
-                caches = [spans[j].state.layers[i] for j in wave]
-                o = deltanet_tokens(proj if len(wave) == len(spans) else proj[wave], [m.conv for m in caches], w.conv,
-                                    w.a, w.dt_bias, w.norm, [m.recurrent for m in caches], nk, c.rms_eps, L2_EPS)
-                for j, m in zip(wave, caches if o is not None else ()):
-                    keep(spans[j], m.conv, m.recurrent)
-                return o
-
-            o = per_wave(tokens, spans)
+        if proj.shape[0] == len(spans):  # one token each (a step, or a verify pass's rows): one kernel call
+            caches, sequence_of, index = [], [], {}
+            for s in spans:
+                m = s.state.layers[i]
+                sequence_of.append(index.setdefault(id(m), len(index)))
+                if len(caches) < len(index):
+                    caches.append(m)
+            keeps = [kept_copies(s, caches[j].conv, caches[j].recurrent) for s, j in zip(spans, sequence_of)]
+            o = deltanet_tokens(proj, [m.conv for m in caches], w.conv, w.a, w.dt_bias, w.norm,
+                                [m.recurrent for m in caches], nk, c.rms_eps, L2_EPS, sequence_of, keeps)
             if o is not None:
                 return w.out(o, alone)
 

@@ -96,6 +96,25 @@ def test_batched_tokens_are_each_sequence_alone(nk, nv, dk, dv, taps, n):
         assert torch.equal(convs[i], alone_convs[i]) and torch.equal(states[i], alone_states[i])
 
 
+@pytest.mark.parametrize("nk,nv,dk,dv,taps", [(3, 6, 17, 23, 3), (2, 2, 128, 128, 4)])
+def test_consecutive_tokens_in_one_call_are_each_decoded_alone_and_keep_every_state(nk, nv, dk, dv, taps):
+    sequence_of = [0, 1, 0, 0, 1, 0]  # two sequences' tokens, interleaved: 4 of the first, 2 of the second
+    proj, convs, conv_w, a, dt_bias, norm_w, states = _token_inputs(nk, nv, dk, dv, taps, len(sequence_of), 11)
+    convs, states = convs[:2], states[:2]
+    alone_convs, alone_states = [c.clone() for c in convs], [s.clone() for s in states]
+    keeps = [(torch.empty_like(convs[0]), torch.empty_like(states[0])) for _ in sequence_of]
+    keeps[-1] = None  # a pass's last row keeps nothing: its state is the live one
+    o = deltanet_tokens(proj, convs, conv_w, a, dt_bias, norm_w, states, nk, 1e-6, 1e-6, sequence_of, keeps)
+    for i, j in enumerate(sequence_of):
+        want = deltanet_tokens(proj[i : i + 1], alone_convs[j : j + 1], conv_w, a, dt_bias, norm_w,
+                               alone_states[j : j + 1], nk, 1e-6, 1e-6)
+        assert torch.equal(o[i].view(torch.int32), want[0].view(torch.int32))
+        if keeps[i] is not None:
+            assert torch.equal(keeps[i][0], alone_convs[j]) and torch.equal(keeps[i][1], alone_states[j])
+    assert all(torch.equal(c, ac) and torch.equal(s, as_) for c, ac, s, as_ in
+               zip(convs, alone_convs, states, alone_states))
+
+
 def test_tokens_refuse_states_they_do_not_take():
     proj, convs, conv_w, a, dt_bias, norm_w, states = _token_inputs(1, 2, 8, 4, 4, 2, 3)
     before = [s.clone() for s in states]
