@@ -4,11 +4,13 @@ One worker process per tree (the tree first on PYTHONPATH) loads MODEL once, pre
 then waits; the driver has the workers run ROUNDS rounds of --steps greedy decode steps each, one
 worker at a time, in alternating order, so that a shared host's slow moments fall on every tree
 alike. Prints each tree's median and minimum ms per step (one step: one token of each of the N
-sequences, one decode_batch call; session.decode at N = 1). Compare a change against a worktree
-of the commit before it:
+sequences, one decode_batch call; session.decode at N = 1; with --rows K, one sequence's verify pass
+of K rows, as speculation's, rewound to its first). --context: the prompt's tokens before the steps
+(seeded random ids; default 40 to 46). Compare a change against a worktree of the commit before it:
 
     git worktree add /tmp/before HEAD~1
-    .venv/bin/python bench/ab_decode.py smollm2-135m /tmp/before . [--sequences 4] [--rounds 15]
+    .venv/bin/python bench/ab_decode.py smollm2-135m /tmp/before . [--sequences 4] [--rounds 15] \
+        [--context 1000] [--rows 16]
 
 MODEL as `pagelm bench batch` takes it (a synthetic shape, a known model, a .gguf path).
 """
@@ -23,20 +25,26 @@ import sys
 import time
 
 
-def worker(model_path: str, sequences: int, steps: int) -> None:
+def worker(model_path: str, sequences: int, steps: int, context: int | None, rows: int) -> None:
     import numpy as np
 
     import pagelm
 
     model = pagelm.load(model_path, dtype="bfloat16")
-    sessions = [model.session(max_len=4096) for _ in range(sequences)]
-    logits = [s.prefill(list(range(100 + i, 140 + 3 * i))) for i, s in enumerate(sessions)]
+    sessions = [model.session(max_len=4096 + (context or 0)) for _ in range(sequences)]
+    prompts = [list(range(100 + i, 140 + 3 * i)) if context is None else
+               np.random.default_rng(i).integers(100, 20000, context).tolist() for i in range(sequences)]
+    logits = [s.prefill(p) for s, p in zip(sessions, prompts)]
 
     def run(k: int) -> None:
         nonlocal logits
         for _ in range(k):
             tokens = [int(np.argmax(row)) for row in logits]
-            logits = [sessions[0].decode(tokens[0])] if sequences == 1 else model.decode_batch(sessions, tokens)
+            if rows > 1:
+                logits = [sessions[0].verify(tokens * rows)[0]]
+                sessions[0].rewind(1)
+            else:
+                logits = [sessions[0].decode(tokens[0])] if sequences == 1 else model.decode_batch(sessions, tokens)
 
     run(5)  # kernels loaded, pages in
     print("ready", flush=True)
@@ -53,10 +61,15 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=1, help="sequences decoded together (default 1)")
     parser.add_argument("--rounds", type=int, default=15, help="rounds, each tree once a round (default 15)")
     parser.add_argument("--steps", type=int, default=20, help="decode steps a turn (default 20)")
+    parser.add_argument("--context", type=int, help="prompt tokens before the steps (default 40 to 46)")
+    parser.add_argument("--rows", type=int, default=1, help="rows of each step's verify pass (one sequence; default 1: "
+                                                           "decode steps)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not (1 <= args.rows <= 16) or (args.rows > 1 and args.sequences != 1):
+        parser.error("--rows must be 1 to 16, and more than 1 only with one sequence")
     if args.worker:
-        worker(args.model, args.sequences, args.steps)
+        worker(args.model, args.sequences, args.steps, args.context, args.rows)
         return
     from pagelm.bench.inputs import model_path
 
@@ -65,7 +78,9 @@ def main() -> None:
     for tree in args.trees:
         env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
         procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), path, tree, "--worker",
-                                       "--sequences", str(args.sequences), "--steps", str(args.steps)],
+                                       "--sequences", str(args.sequences), "--steps", str(args.steps),
+                                       "--rows", str(args.rows), *(() if args.context is None else
+                                                                   ("--context", str(args.context)))],
                                       env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
     for tree, p in zip(args.trees, procs):
         if p.stdout.readline().strip() != "ready":
@@ -84,7 +99,8 @@ def main() -> None:
     for p in procs:
         p.stdin.close()
         p.wait()
-    print(f"{path}, {args.sequences} sequence(s), {args.rounds} rounds of {args.steps} steps, ms per step")
+    what = f"verify passes of {args.rows} rows" if args.rows > 1 else f"{args.sequences} sequence(s)"
+    print(f"{path}, {what}, {args.rounds} rounds of {args.steps} steps, ms per step")
     print("| tree | median | min |\n|---|---:|---:|")
     for tree, values in zip(args.trees, times):
         print(f"| {tree} | {statistics.median(values):.2f} | {min(values):.2f} |")
