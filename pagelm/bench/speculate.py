@@ -179,7 +179,7 @@ def run_speculate(name: str, path: str, names: list[str], tokens: int, runs: int
     each run: its prefill of the prompt is in the time) replace prompt lookup."""
     from pagelm.chat.model import ChatModel
     from pagelm.engine.sampling import SamplingParams
-    from pagelm.engine.speculate import DraftModel, Prediction, PromptLookup, Speculator
+    from pagelm.engine.speculate import DraftModel, Prediction, Speculator
     from pagelm.runtime.threads import kernel_threads
 
     chat = ChatModel.open(path, name=name)
@@ -204,7 +204,7 @@ def run_speculate(name: str, path: str, names: list[str], tokens: int, runs: int
                 if prediction is ITS_ANSWER:
                     predicted = plain
                 if predicted is not None:
-                    speculator = Speculator(Prediction(predicted, then=PromptLookup()))
+                    speculator = Speculator(Prediction(predicted))
                 elif draft_model is not None:
                     speculator = Speculator(DraftModel.of(draft_model, chat.model.head.vocab_size, session.max_len))
                 else:

@@ -47,36 +47,62 @@ class PromptLookup:
             raise PagelmError(f"prompt lookup n-grams of {shortest} to {longest} tokens")
         self.longest, self.shortest = longest, shortest
 
-    def draft(self, context: Sequence[int], start: int, limit: int) -> list[int]:
-        ctx = np.asarray(context, dtype=np.int64)
+    def follower(self, ctx: np.ndarray) -> int | None:
+        """Where in ctx the tokens after its drafting n-gram start (its latest earlier occurrence); None."""
         for n in range(min(self.longest, ctx.size - 1), self.shortest - 1, -1):
             hits = _followers(ctx, ctx[ctx.size - n :])
             if hits.size:
-                return ctx[hits[-1] : hits[-1] + limit].tolist()
-        return []
+                return int(hits[-1])
+        return None
+
+    def draft(self, context: Sequence[int], start: int, limit: int) -> list[int]:
+        ctx = np.asarray(context, dtype=np.int64)
+        at = self.follower(ctx)
+        return [] if at is None else ctx[at : at + limit].tolist()
 
 
 class Prediction:
     """Drafts from a text the answer is expected to mostly repeat (OpenAI's `prediction`, such as a
     file being edited), as tokens: its start before the answer has any; then what follows, in the
-    prediction, the longest n-gram ending the answer (at most `longest` tokens), the occurrence
-    nearest after the last one followed; `then` (another source, or None) where nothing matches."""
+    prediction, the longest n-gram of two or more tokens ending the answer (or its first token) found
+    at most `NEAR` tokens past the last place followed (the answer going on with the prediction); else prompt
+    lookup over the prediction followed by the context (latest first: in the answer, the prompt,
+    then the prediction; a draft from the prediction ends where it ends); else what follows the
+    answer's last token in the prediction, nearest after the last place followed (the answer past an
+    edit). (Following the prediction's n-grams wherever they were found kept 6.1 tokens a pass where
+    prompt lookup kept 9.7, on Gemma 3 270M, which began by repeating its instructions, which the
+    prediction lacks: their n-grams were found all over it. NEAR 256 keeps 9.7 there and 3.65 on
+    SmolLM2, whose answer rewrites a docstring; 32: 9.7 and 3.4; any distance ahead: 4.0 and 3.65.)"""
 
-    def __init__(self, tokens: Sequence[int], then=None, longest: int = 3):
-        self.tokens, self.then, self.longest = np.asarray(tokens, dtype=np.int64), then, longest
-        self._at = 0  # where in the prediction the last draft came from
+    NEAR = 256
+
+    def __init__(self, tokens: Sequence[int], longest: int = 3):
+        self.tokens, self.longest = np.asarray(tokens, dtype=np.int64), longest
+        self.lookup = PromptLookup(longest)
+        self._at = 0  # where in the prediction the last draft from it came from
 
     def draft(self, context: Sequence[int], start: int, limit: int) -> list[int]:
         answer = np.asarray(context[start:], dtype=np.int64)
         if answer.size == 0:
             return self.tokens[:limit].tolist()
-        for n in range(min(self.longest, answer.size), 0, -1):
+        for n in range(min(self.longest, answer.size), min(answer.size, 2) - 1, -1):  # one token: the answer's first
             hits = _followers(self.tokens, answer[answer.size - n :])
-            if hits.size:
-                ahead = hits[hits >= self._at]
-                self._at = int(ahead[0] if ahead.size else hits[-1])
-                return self.tokens[self._at : self._at + limit].tolist()
-        return [] if self.then is None else self.then.draft(context, start, limit)
+            near = hits[(hits >= self._at) & (hits <= self._at + self.NEAR)]
+            if near.size:
+                return self._from(int(near[0]), limit)
+        joined = np.concatenate([self.tokens, np.asarray(context, dtype=np.int64)])
+        at = self.lookup.follower(joined)
+        if at is not None:
+            return joined[at : at + limit].tolist() if at >= self.tokens.size else self._from(at, limit)
+        hits = _followers(self.tokens, answer[-1:])
+        if not hits.size:
+            return []
+        ahead = hits[hits >= self._at]
+        return self._from(int(ahead[0] if ahead.size else hits[-1]), limit)
+
+    def _from(self, at: int, limit: int) -> list[int]:
+        self._at = at
+        return self.tokens[at : at + limit].tolist()
 
 
 class DraftModel:

@@ -212,15 +212,16 @@ def test_prompt_lookup_drafts_what_followed_the_longest_latest_n_gram():
 
 
 def test_a_prediction_drafts_its_start_then_follows_the_answer_through_edits():
-    prediction = Prediction([10, 11, 12, 13, 10, 11, 14, 15, 16], then=PromptLookup())
+    prediction = Prediction([10, 11, 12, 13, 10, 11, 14, 15, 16])
     prompt = [1, 2, 3]
     assert prediction.draft(prompt, 3, 4) == [10, 11, 12, 13]  # no answer yet: the prediction's start
     assert prediction.draft(prompt + [10, 11, 12], 3, 2) == [13, 10]
-    # "10 11" comes twice: the occurrence after the one followed last
+    # "10 11" comes twice: "13 10 11" is the second
     assert prediction.draft(prompt + [10, 11, 12, 13, 10, 11], 3, 3) == [14, 15, 16]
     assert prediction.draft(prompt + [10, 11, 12, 13, 10, 11, 99, 15], 3, 3) == [16]  # an edit: its 1-gram after
-    assert prediction.draft(prompt + [10, 77, 2, 3], 3, 3) == [10, 77, 2]  # nothing matches: prompt lookup
+    assert prediction.draft(prompt + [10, 77, 2, 3], 3, 3) == [10, 77, 2]  # the prompt's "2 3", latest first
     assert Prediction([10, 11]).draft(prompt + [10, 77], 3, 3) == []
+    assert Prediction([5, 6, 7]).draft([1, 5, 6], 1, 4) == [7]  # a draft from the prediction ends with it
 
 
 @pytest.mark.parametrize("params", SAMPLINGS[:2])
