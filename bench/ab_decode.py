@@ -66,8 +66,10 @@ def main() -> None:
                                                            "decode steps)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if not (1 <= args.rows <= 16) or (args.rows > 1 and args.sequences != 1):
-        parser.error("--rows must be 1 to 16, and more than 1 only with one sequence")
+    from pagelm.weights.linear import MAX_GEMV_ROWS
+
+    if not (1 <= args.rows <= MAX_GEMV_ROWS) or (args.rows > 1 and args.sequences != 1):
+        parser.error(f"--rows must be 1 to {MAX_GEMV_ROWS}, and more than 1 only with one sequence")
     if args.worker:
         worker(args.model, args.sequences, args.steps, args.context, args.rows)
         return

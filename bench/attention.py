@@ -9,13 +9,17 @@ shape (query heads, KV heads, head dim) defaults to SmolLM2's. Compare trees wit
 from __future__ import annotations
 
 import argparse
-import time
+import os
+import sys
 
 import numpy as np
 import torch
 
 from pagelm.models.token_ops import attend_heads
 from pagelm.runtime import threads
+
+sys.path.insert(0, os.path.dirname(__file__))
+from head import median_ms  # noqa: E402
 
 
 def call_ms(H: int, G: int, D: int, rows: int, positions: int, calls: int) -> float:
@@ -34,12 +38,7 @@ def call_ms(H: int, G: int, D: int, rows: int, positions: int, calls: int) -> fl
         attend_heads(q, k, v, ks, vs, like, lens, pos, lo, np.float32(D**-0.5), out)
 
     once()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e3
+    return median_ms([once], calls)[0]
 
 
 def main() -> None:

@@ -174,9 +174,10 @@ def _timed(session, checkpoint, params, speculate) -> tuple[list[int], float]:
 def run_speculate(name: str, path: str, names: list[str], tokens: int, runs: int,
                   draft: str | None = None) -> SpeculateReport:
     """Each task × greedy and seeded (temperature 0.7) sampling, plus edit with its original code as
-    a prediction, plus each task's plain greedy answer given as its own prediction (ITS_ANSWER): plain and speculative decoding in turn, --runs times; every speculative answer
-    compared with its plain one. `draft`: a draft model's path, whose drafts (from a fresh session
-    each run: its prefill of the prompt is in the time) replace prompt lookup."""
+    a prediction, plus each task's plain greedy answer given as its own prediction (ITS_ANSWER): plain
+    and speculative decoding in turn, --runs times; every speculative answer compared with its plain one.
+    `draft`: a draft model's path, whose drafts (from a fresh session each run: its prefill of the prompt
+    is in the time) replace prompt lookup."""
     from pagelm.chat.model import ChatModel
     from pagelm.engine.sampling import SamplingParams
     from pagelm.engine.speculate import DraftModel, Prediction, Speculator

@@ -158,8 +158,9 @@ def _f32_cpu(t: torch.Tensor, shape: tuple) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and tuple(t.shape) == shape
 
 
-def _address(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
+def _addresses(keeps: list, part: int) -> np.ndarray:
+    """The data address of each row's keep's tensor `part` (0: the window, 1: the state); 0 where it has none."""
+    return np.array([0 if k is None else k[part].data_ptr() for k in keeps], np.int64)
 
 
 def deltanet_tokens(proj: torch.Tensor, convs: list[torch.Tensor], conv_w: torch.Tensor, a: torch.Tensor,
@@ -189,10 +190,9 @@ def deltanet_tokens(proj: torch.Tensor, convs: list[torch.Tensor], conv_w: torch
     starts = np.concatenate([[0], np.cumsum(np.bincount(sequence_of, minlength=len(states)))]).astype(np.int64)
     out = torch.empty(n, nv * dv, dtype=torch.float32)
     _tokens(proj.contiguous().numpy(), order, starts, np.array([c.data_ptr() for c in convs], np.int64),
-            np.array([_address(k and k[0]) for k in keeps], np.int64), conv_w.numpy(), a.numpy(), dt_bias.numpy(),
-            norm_w.numpy(), np.array([s.data_ptr() for s in states], np.int64),
-            np.array([_address(k and k[1]) for k in keeps], np.int64), nk, dk, dv, np.float32(eps), np.float32(l2_eps),
-            out.numpy())
+            _addresses(keeps, 0), conv_w.numpy(), a.numpy(), dt_bias.numpy(), norm_w.numpy(),
+            np.array([s.data_ptr() for s in states], np.int64), _addresses(keeps, 1), nk, dk, dv, np.float32(eps),
+            np.float32(l2_eps), out.numpy())
     return out
 
 
