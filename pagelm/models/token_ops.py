@@ -172,7 +172,7 @@ def exp_nonpositive(x):
     """e^x in float32 for x <= 0 (a softmax's x - max) within 2.3e-7 relative (numpy's own float32
     exp: 2.0e-7; tests/models/test_token_ops.py), 0 below ln 2^-126 (where float32 turns subnormal), NaN for
     NaN: 2^n · e^r with n = round(x · log2 e), r = x - n · ln 2 in two parts. Plain arithmetic, so
-    LLVM vectorizes a loop of it: numpy's exp is a call per value (~3.3 ns a key, 0.9 this way)."""
+    LLVM vectorizes a loop of it: numpy's exp is a call per value."""
     low = x < _LN_SMALLEST
     x = _LN_SMALLEST if low else x
     n = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
@@ -188,7 +188,8 @@ def exp_nonpositive(x):
 def _attend_head(q, ck, cv, g, pos, lo, scale, o):
     """o = softmax(q · keys lo..pos · scale) · their values, from cache group g. The values go in
     four keys at a time into a local sum (one key at a time into o, every dimension was a load and a
-    store a key: 10.6 ns a key of 64 dimensions, 2.7 this way); each row's arithmetic its own alone."""
+    store a key); each row's arithmetic its own alone. With the softmax's exp_nonpositive, SmolLM2's
+    call after 1,000 positions: 0.059-0.061 ms before, 0.040-0.042 (`bench/attention.py`)."""
     D = q.shape[0]
     span = pos + 1 - lo
     p = np.empty(span, np.float32)
