@@ -100,6 +100,18 @@ def qwen35_chat_gguf(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def qwen35_mtp_chat_gguf(tmp_path_factory) -> str:
+    """qwen35_chat_gguf's geometry with a multi-token-prediction layer after its trunk."""
+    from dataclasses import replace
+
+    from pagelm.tools.synth import SHAPES, write_model
+
+    path = tmp_path_factory.mktemp("qwen35-mtp-chat") / "qwen3.5-tiny-chat-mtp.gguf"
+    write_model(str(path), replace(SHAPES["qwen3.5-tiny-chat"], mtp_layers=1), seed=0, name="synthetic MTP")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def harmony_gguf(tmp_path_factory) -> str:
     """qwen35_chat_gguf's layers and vocabulary chatting in harmony, with gpt-oss's real template."""
     from harmony_model import write_harmony_model

@@ -209,7 +209,7 @@ def _speculate(args: argparse.Namespace) -> int:
     function with one name changed, also with the original given as a prediction), extract (fields of a
     docstring as JSON), summarize (with quotes), chat (a free answer). For each, greedy and seeded
     (temperature 0.7) decoding of --tokens tokens, plain then speculative (prompt lookup, or --draft
-    MODEL's greedy tokens; a prediction where given), --runs times from the same prefilled prompt; and
+    MODEL's greedy tokens, or with --mtp the file's multi-token-prediction layer's; a prediction where given), --runs times from the same prefilled prompt; and
     each task's plain greedy answer given back as its own prediction ('TASK + its answer': every draft
     right, what a verify pass and its rollback cost against plain steps). Prints per task the medians of plain and
     speculative decode tokens per second and of tokens per verify pass, one line 'TASK: R× plain' each,
@@ -233,7 +233,7 @@ def _speculate(args: argparse.Namespace) -> int:
         raise PagelmError(f"--parallel must be 2 to 8 (clients at once), got {args.parallel}")
     draft = None if args.draft is None else str(model_path(args.draft, args.models_dir))
     path = str(model_path(args.model, args.models_dir))
-    report = run_speculate(args.model, path, names, args.tokens, args.runs, draft)
+    report = run_speculate(args.model, path, names, args.tokens, args.runs, draft, args.mtp)
     print(report.markdown())
     differing = report.differing
     if args.parallel:
@@ -550,8 +550,12 @@ def _add_speculate(subcommands, model_help: str) -> None:
                            help=f"tasks among {','.join(TASKS)} (default all)")
     speculate.add_argument("--tokens", type=int, default=128, help="tokens decoded per answer (default 128)")
     speculate.add_argument("--runs", type=int, default=DEFAULT_RUNS, help=f"runs (default {DEFAULT_RUNS})")
-    speculate.add_argument("--draft", metavar="MODEL",
-                           help="drafts from this smaller model of the same vocabulary instead of prompt lookup")
+    source = speculate.add_mutually_exclusive_group()
+    source.add_argument("--draft", metavar="MODEL",
+                        help="drafts from this smaller model of the same vocabulary instead of prompt lookup")
+    source.add_argument("--mtp", action="store_true",
+                        help="drafts from the file's multi-token-prediction layer instead of prompt lookup "
+                             "(llama-server not compared)")
     speculate.add_argument("--parallel", type=int, default=0, metavar="N",
                            help="also serve N edits at once with speculation off and auto (2 to 8; default: not)")
     _models_dir(speculate)

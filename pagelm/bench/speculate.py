@@ -94,8 +94,9 @@ class SpeculateReport:
     tokens: int
     runs: int
     rows: list[Row]
-    draft: str | None = None  # the draft model's name; None: prompt lookup
+    draft: str | None = None  # the draft model's name; None: prompt lookup (or the MTP layer)
     peer: list[PeerRow] = field(default_factory=list)  # llama-server's, where it ran
+    mtp: bool = False  # drafts from the file's multi-token-prediction layer
 
     @property
     def differing(self) -> int:
@@ -106,7 +107,8 @@ class SpeculateReport:
             ["task", "sampling", "plain tok/s", "speculative tok/s", "tokens per pass", "× plain"],
             [[r.task, r.sampling, f"{statistics.median(r.plain_tok_s):.1f}", f"{statistics.median(r.spec_tok_s):.1f}",
               f"{statistics.median(r.per_pass):.2f}", f"{r.ratio:.2f}"] for r in self.rows], "llrrrr")
-        source = "prompt lookup" if self.draft is None else f"drafts from {self.draft}"
+        source = "the file's MTP layer" if self.mtp else "prompt lookup" if self.draft is None else \
+            f"drafts from {self.draft}"
         lines = [f"### Speculative decoding: {self.model}, {source} ({self.tokens} tokens, medians of {self.runs} runs)",
                  "",
                  table, ""]
@@ -117,6 +119,8 @@ class SpeculateReport:
         return "\n".join(lines)
 
     def _peer_lines(self) -> list[str]:
+        if self.mtp:
+            return ["llama-server: not compared (MTP drafts)"]
         if not self.peer:
             return ["llama-server: not on PATH, not compared"]
         ours = {r.task: r for r in self.rows if r.sampling == "greedy"}
@@ -172,18 +176,21 @@ def _timed(session, checkpoint, params, speculate) -> tuple[list[int], float]:
 
 
 def run_speculate(name: str, path: str, names: list[str], tokens: int, runs: int,
-                  draft: str | None = None) -> SpeculateReport:
+                  draft: str | None = None, mtp: bool = False) -> SpeculateReport:
     """Each task × greedy and seeded (temperature 0.7) sampling, plus edit with its original code as
     a prediction, plus each task's plain greedy answer given as its own prediction (ITS_ANSWER): plain
     and speculative decoding in turn, --runs times; every speculative answer compared with its plain one.
     `draft`: a draft model's path, whose drafts (from a fresh session each run: its prefill of the prompt
-    is in the time) replace prompt lookup."""
+    is in the time) replace prompt lookup; `mtp`: the file's MTP layer's drafts instead (made before the
+    prompt's prefill, so that the layer reads the prompt's hidden states, once: its reading is not timed)."""
     from pagelm.chat.model import ChatModel
     from pagelm.engine.sampling import SamplingParams
-    from pagelm.engine.speculate import DraftModel, Prediction, Speculator
+    from pagelm.engine.speculate import DraftModel, MtpDraft, Prediction, Speculator, check_mode
     from pagelm.runtime.threads import kernel_threads
 
     chat = ChatModel.open(path, name=name)
+    if mtp:
+        check_mode("mtp", chat.model)
     draft_model = None if draft is None else chat.open_draft(draft)
     samplings = {"greedy": SamplingParams(max_tokens=tokens),
                  "seeded": SamplingParams(temperature=0.7, seed=1, max_tokens=tokens)}
@@ -191,6 +198,7 @@ def run_speculate(name: str, path: str, names: list[str], tokens: int, runs: int
     for task in (tasks()[n] for n in names):
         prompt = prompts[task.name] = chat.chat_prompt([{"role": "user", "content": task.message}], think=False).tokens
         session = chat.model.session(len(prompt) + tokens + 1)
+        drafter = MtpDraft.of(session) if mtp else None
         session.prefill(prompt)
         checkpoint = session.checkpoint()
         variants = [(s, None) for s in samplings] + ([("greedy", task.prediction)] if task.prediction else []) \
@@ -208,6 +216,8 @@ def run_speculate(name: str, path: str, names: list[str], tokens: int, runs: int
                     speculator = Speculator(Prediction(predicted))
                 elif draft_model is not None:
                     speculator = Speculator(DraftModel.of(draft_model, chat.model.head.vocab_size, session.max_len))
+                elif drafter is not None:
+                    speculator = Speculator.of("mtp", session=session)
                 else:
                     speculator = Speculator()
                 spec, spec_tok_s = _timed(session, checkpoint, samplings[sampling], speculator)
@@ -218,6 +228,6 @@ def run_speculate(name: str, path: str, names: list[str], tokens: int, runs: int
                 row.differing += spec != plain
                 row.answers += 1
             rows.append(row)
-    peer = _llama_server_rows(path, prompts, tokens, runs, kernel_threads(), draft) if shutil.which("llama-server") \
-        else []
-    return SpeculateReport(name, tokens, runs, rows, None if draft is None else os.path.basename(draft), peer)
+    peer = _llama_server_rows(path, prompts, tokens, runs, kernel_threads(), draft) \
+        if shutil.which("llama-server") and not mtp else []
+    return SpeculateReport(name, tokens, runs, rows, None if draft is None else os.path.basename(draft), peer, mtp)

@@ -12,7 +12,7 @@ import sys
 from pagelm.errors import PagelmError
 from pagelm.sources.cli import locate
 
-SPECULATE_MODES = ("auto", "off", "lookup")  # engine.speculate.MODES, whose import would load torch for --help
+SPECULATE_MODES = ("auto", "off", "lookup", "mtp")  # engine.speculate.MODES, whose import would load torch for --help
 
 def add_compute_options(parser: argparse.ArgumentParser, images: bool = True) -> None:
     """How a model is held and computed: the flags `run`, `serve` and (without images) `embed` share."""
@@ -278,7 +278,8 @@ def register(commands) -> None:
                      help="prompt/decode tok/s, memory and speculation's drafted/accepted tokens to stderr")
     run.add_argument("--speculate", choices=SPECULATE_MODES, default="auto",
                      help="check guessed tokens several at a time, from what the prompt and answer repeat (lookup; "
-                          "auto, the default: lookup where the measured step costs say it pays; off: one token a "
+                          "auto, the default: lookup where the measured step costs say it pays; mtp: from the model "
+                          "file's multi-token-prediction layer, as Qwen3.5's MTP files carry; off: one token a "
                           "step); the answer is the same")
     add_draft_option(run)
     structured = run.add_mutually_exclusive_group()

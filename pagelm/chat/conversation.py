@@ -19,7 +19,7 @@ from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
 from pagelm.engine.model import Model
 from pagelm.errors import PagelmError
 from pagelm.engine.sampling import SamplingParams
-from pagelm.engine.speculate import DraftModel, SpeculationStats, Speculator
+from pagelm.engine.speculate import DraftModel, SpeculationStats, Speculator, check_mode
 from pagelm.vision.inputs import ExpandedPrompt, ImageInput, expand_images
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class Conversation:
                  system: str | None = None, think: bool = False, speculate: str = "auto", draft: Model | None = None):
         self.model, self.tokenizer, self.template = model, tokenizer, template
         self.max_len = max_len
-        Speculator.of(speculate)  # checks the mode
+        check_mode(speculate, model)
         self.speculate = speculate  # engine.speculate.MODES: the same answers, drafts checked or not
         # drafts from a smaller model (ChatModel.open_draft), whose session follows the conversation
         self.draft = None if draft is None or speculate == "off" else DraftModel.of(draft, model.head.vocab_size, max_len)
@@ -119,7 +119,7 @@ class Conversation:
         decoder = StreamDecoder(self.tokenizer)
         start = time.perf_counter()
         new_images = [p.image for p in expanded.images if p.start >= turn.reused_tokens]
-        speculator = Speculator.of(self.speculate, self.draft)
+        speculator = Speculator.of(self.speculate, self.draft, self.session)
         turn.speculation = None if speculator is None else speculator.stats
         for token in self.session.generate(prompt[turn.reused_tokens:], params, cancel=cancel, constraint=constraint,
                                            images=new_images, speculate=speculator or "off"):

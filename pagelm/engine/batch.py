@@ -59,9 +59,10 @@ def decode_batch(sessions: Sequence[Session], tokens: Sequence[int]) -> np.ndarr
         afters.append(after)
     hidden = model.network.decode_batch(x, [s.state for s in sessions], positions)
     logits = model.head.logits(hidden.float().cpu().numpy())
-    for s, token, row, after in zip(sessions, ids.tolist(), logits, afters):
+    for i, (s, token, row, after) in enumerate(zip(sessions, ids.tolist(), logits, afters)):
         s.forget_pass()
         s.tokens.append(token)
+        s.held_hidden(hidden[i : i + 1])
         if after is not None:
             s.position_delta = after - len(s.tokens)
         s.logits = row.copy()

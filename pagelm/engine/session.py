@@ -65,6 +65,12 @@ class Session:
         self.logits: np.ndarray | None = None
         self.trail = Trail()  # the last verify pass's per-row recurrent states, for rewind
         self._pass: np.ndarray | None = None  # that pass's logits; None: no pass to rewind
+        # With keep_hidden, the final hidden states of the positions hidden_from on, as they are fed,
+        # until a reader drops them (`drop_hidden`): what a multi-token-prediction layer drafts from.
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None
+        self.hidden_from = 0
+        self.mtp_draft = None  # the drafter on the model's MTP layer following this session (speculate.MtpDraft.of)
 
     def reset(self) -> None:
         """Forget everything fed so far; the state's buffers are reused, not reallocated."""
@@ -76,7 +82,24 @@ class Session:
         self.images = []
         self.position_delta = 0
         self.logits = None
+        self.hidden = None
         self.forget_pass()
+
+    def held_hidden(self, rows: torch.Tensor) -> None:
+        """With keep_hidden, keeps the final hidden states of the rows just fed (the last positions)."""
+        if not self.keep_hidden:
+            return
+        first = len(self.tokens) - rows.shape[0]
+        if self.hidden is None or self.hidden_from + self.hidden.shape[0] != first:
+            self.hidden, self.hidden_from = rows.clone(), first
+        else:
+            self.hidden = torch.cat((self.hidden, rows))
+
+    def drop_hidden(self, before: int) -> None:
+        """Drops the kept hidden states of the positions before `before`."""
+        if self.hidden is not None and before > self.hidden_from:
+            self.hidden = self.hidden[before - self.hidden_from :].clone()
+            self.hidden_from = before
 
     def check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -130,6 +153,7 @@ class Session:
         self.forget_pass()
         hidden = yield from self.model.network.forward_layers(x, self.state, positions)
         self.tokens.extend(ids.tolist())
+        self.held_hidden(hidden)
         self.images.extend(image.key for image in images)
         if positions is not None:
             self.position_delta = after - len(self.tokens)
@@ -163,6 +187,8 @@ class Session:
         self.trail.rewind(self.state, rows)
         del self.tokens[self.state.pos :]  # a token a position, the pass's from the trail's base
         self.logits = self._pass[rows - 1].copy()
+        if self.hidden is not None:
+            self.hidden = self.hidden[: max(len(self.tokens) - self.hidden_from, 0)]
 
     def mark(self) -> Mark:
         with torch.inference_mode():
@@ -183,13 +209,15 @@ class Session:
         self.state.pos = keep
         del self.tokens[keep:]
         self.logits = None
+        self.hidden = None
 
     @property
     def nbytes(self) -> int:
         """Anonymous bytes this session holds: its state (the resident pages of KV caches reserved
         for max_len, the DeltaNet and conv states), its last logits and the recurrent states a
         verify pass kept for rewinding."""
-        return self.state.nbytes + (0 if self.logits is None else self.logits.nbytes) + self.trail.nbytes
+        return (self.state.nbytes + (0 if self.logits is None else self.logits.nbytes) + self.trail.nbytes
+                + (0 if self.hidden is None else self.hidden.nbytes) + (0 if self.mtp_draft is None else self.mtp_draft.nbytes))
 
     def checkpoint(self) -> Checkpoint:
         logits = None if self.logits is None else self.logits.copy()
@@ -202,6 +230,7 @@ class Session:
         self.images = list(checkpoint.images)
         self.position_delta = checkpoint.position_delta
         self.logits = None if checkpoint.logits is None else checkpoint.logits.copy()
+        self.hidden = None
 
     def generate(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
                  cancel: threading.Event | None = None, constraint: Constraint | None = None,
@@ -210,10 +239,10 @@ class Session:
         among its tokens, then yield sampled tokens until a stop token, max_tokens, the context
         end, or `cancel` is set (checked before every step). A stop token is yielded, then
         generation ends. `constraint` (a grammar's matcher) forbids the tokens its grammar does
-        not allow at each step. `speculate`: "off", "auto" or "lookup" (speculate.MODES), or a
+        not allow at each step. `speculate`: "off", "auto", "lookup" or "mtp" (speculate.MODES), or a
         Speculator (whose `stats` count the drafts): drafts checked in verify passes, the same
         tokens and the same session state after them as without."""
-        speculator = Speculator.of(speculate) if isinstance(speculate, str) else speculate
+        speculator = Speculator.of(speculate, session=self) if isinstance(speculate, str) else speculate
         logits = self.prefill(prompt, images) if len(prompt) else self.logits
         if logits is None:
             raise PagelmError("generate needs a prompt or a prefilled session")
@@ -256,8 +285,9 @@ def verify_passes(sessions: Sequence[Session], token_lists: Sequence[Sequence[in
     out, lo = [], 0
     for s, i in zip(sessions, ids):
         s._pass = rows = logits[lo : lo + i.size]
-        lo += i.size
         s.tokens.extend(i.tolist())
+        s.held_hidden(hidden[lo : lo + i.size])
+        lo += i.size
         s.logits = rows[-1].copy()
         out.append(rows)
     return out

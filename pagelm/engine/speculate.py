@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
+import torch
 
 from pagelm.errors import PagelmError
 from pagelm.weights.linear import MAX_GEMV_ROWS
@@ -23,7 +24,9 @@ if TYPE_CHECKING:
     from pagelm.engine.model import Model
     from pagelm.engine.session import Chooser, Mark, Session
 
-MODES = ("auto", "off", "lookup")  # `--speculate`; auto: lookup where the measured step costs say it pays
+# `--speculate`; auto: lookup where the measured step costs say it pays; mtp: the file's own MTP layer
+MODES = ("auto", "off", "lookup", "mtp")
+NO_MTP = "speculate 'mtp': this model file has no multi-token-prediction layer (GGUF nextn_predict_layers, mtp.*)"
 MAX_DRAFTS = MAX_GEMV_ROWS - 1  # a verify pass is the last token chosen and the drafts after it
 
 
@@ -153,6 +156,67 @@ class DraftModel:
             s.back_to(mark, mark.tokens if mark.fixed else held)
 
 
+class MtpDraft:
+    """Drafts from the model file's multi-token-prediction layer (Qwen3.5's MTP, models.qwen35.Qwen35Mtp).
+    The layer reads the session's final hidden state at each position t with the token at t + 1
+    into its own KV cache, then guesses the tokens ahead one by one, each from its own output and
+    the guess before. One a session (`of`), so that its cache follows the session from one
+    generation to the next: pairs the context no longer has are dropped (a rewind, another
+    conversation), the hidden states read are dropped from the session, and where those it needs
+    are gone (a restore) its cache starts over at the first one held (its positions shifted, which
+    rope's relative positions do not see; only a shorter past to attend to)."""
+
+    MOST = 3  # drafts a pass: each costs a layer and an output head, the pass's own draft sources none
+
+    def __init__(self, session: Session):
+        mtp = session.model.network.mtp
+        if mtp is None:
+            raise PagelmError(NO_MTP)
+        self.session, self.mtp = session, mtp
+        self.state = mtp.new_state(session.max_len + MAX_DRAFTS)
+        self.first = 0  # the session's position of the cache's first pair
+        self.tokens: list[int] = []  # the token of each pair in the cache: pair i's is at first + i + 1
+        self._last: torch.Tensor | None = None  # the layer's output for the last pair read
+        session.keep_hidden = True
+
+    @classmethod
+    def of(cls, session: Session) -> MtpDraft:
+        if session.mtp_draft is None:
+            session.mtp_draft = cls(session)
+        return session.mtp_draft
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.nbytes
+
+    @torch.inference_mode()
+    def draft(self, context: Sequence[int], start: int, limit: int) -> list[int]:
+        s, mtp = self.session, self.mtp
+        fed = len(s.tokens)  # the context is the session's tokens and the one chosen after them
+        held = _common_prefix(self.tokens, context[self.first + 1 : fed + 1])
+        hidden_from = fed if s.hidden is None else s.hidden_from
+        if self.first + held < hidden_from:
+            self.first, held = hidden_from, 0
+        if held < len(self.tokens):
+            del self.tokens[held:]
+            self._last = None
+        self.state.pos = len(self.tokens)  # the drafts' pairs of the last call go
+        lo = self.first + held
+        if lo < fed:
+            ids = np.asarray(context[lo + 1 : fed + 1], dtype=np.int64)
+            rows = s.hidden[lo - hidden_from : fed - hidden_from]
+            self._last = mtp.forward(mtp.inputs(s.model.embed(ids), rows), self.state)[-1:]
+            self.tokens += ids.tolist()
+            s.drop_hidden(fed)
+        drafts: list[int] = []
+        last = self._last
+        while last is not None and len(drafts) < limit:
+            drafts.append(int(np.argmax(s.model.head.logits(last[0].numpy()))))
+            if len(drafts) < limit:
+                last = mtp.forward(mtp.inputs(s.model.embed(np.asarray(drafts[-1:], dtype=np.int64)), last), self.state)
+        return drafts
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     if n == 0:
@@ -226,14 +290,20 @@ class Speculator:
         self._misses, self._pause, self._probe = 0, 0, False
 
     @classmethod
-    def of(cls, mode: str, draft: DraftModel | None = None) -> Speculator | None:
-        """The speculator a `--speculate` mode asks for; None for off. With a `draft` model its drafts
-        (whose own cost the step costs do not see: their count adapts to the acceptance alone)."""
-        if mode not in MODES:
-            raise PagelmError(f"speculate {mode!r}: expected one of {', '.join(MODES)}")
+    def of(cls, mode: str, draft: DraftModel | None = None, session: Session | None = None) -> Speculator | None:
+        """The speculator a `--speculate` mode asks for in `session`; None for off. With a `draft`
+        model its drafts, and for mtp the MTP layer's (whose own cost the step costs do not see:
+        their count adapts to the acceptance alone)."""
+        check_mode(mode, None if session is None else session.model)
         if mode == "off":
             return None
-        return cls(draft) if draft is not None else cls(costs=StepCosts() if mode == "auto" else None)
+        if draft is not None:
+            return cls(draft)
+        if mode == "mtp":
+            if session is None:
+                raise PagelmError("speculate 'mtp' drafts for a session: none given")
+            return cls(MtpDraft.of(session), most=MtpDraft.MOST, first=MtpDraft.MOST)
+        return cls(costs=StepCosts() if mode == "auto" else None)
 
     def draft(self, context: Sequence[int], start: int, room: int) -> list[int]:
         """Up to `room` tokens to try after `context`, whose answer begins at `start`."""
@@ -262,6 +332,15 @@ class Speculator:
         self.next = min(2 * self.next, self.most) if accepted == drafted else accepted + 1
         self._misses = min(self._misses + 1, self.MAX_PAUSE.bit_length()) if accepted == 0 else 0
         self._pause = min(2 ** self._misses // 2, self.MAX_PAUSE)
+
+
+def check_mode(mode: str, model: Model | None) -> None:
+    """A clear error for a `--speculate` mode that is not one, or that `model` cannot draft with
+    (mtp: a file without an MTP layer; without a model, mtp is only checked when drafting)."""
+    if mode not in MODES:
+        raise PagelmError(f"speculate {mode!r}: expected one of {', '.join(MODES)}")
+    if mode == "mtp" and model is not None and model.network.mtp is None:
+        raise PagelmError(NO_MTP)
 
 
 def speculative_tokens(session: Session, chooser: Chooser, logits: np.ndarray, max_tokens: int,

@@ -156,6 +156,7 @@ class Decoder:
     sequences may be stepped meanwhile and the result does not change by a bit."""
 
     segment: int
+    mtp = None  # a multi-token-prediction layer where the file has one (Qwen3.5's: models.qwen35.Qwen35Mtp)
 
     def kernel_jobs(self) -> list:
         """Worker jobs (quant.precompile.Job) compiling this network's own one-token kernels where they do not

@@ -2,7 +2,8 @@
 members (llama.cpp's `qwen35`) and the mixtures of experts (`qwen35moe`: Qwen3.5-35B-A3B), whose every
 feed-forward is `models.moe.Experts`: a softmax router, the top-k experts always renormalized (as
 transformers and llama.cpp do; no expert_weights_norm is read) and a shared expert scaled by the
-sigmoid of its gate (ffn_gate_inp_shexp).
+sigmoid of its gate (ffn_gate_inp_shexp). A file's multi-token-prediction layer (`Qwen35Mtp`) drafts
+for speculative decoding.
 
 Owns the qwen35 math in its GGUF conventions (see design/qwen35.md) and the decode state (KV
 caches, conv and recurrent states, checkpoints); never parses files (config values, small
@@ -31,8 +32,8 @@ from pagelm.models.layers import (apply_rope_, attention, causal_conv1d, check_c
 from pagelm.models.token_ops import RopeRows, attend_tokens, cache_views, token_ropes
 from pagelm.models.token_ops import warmup_job as attention_warmup_job
 from pagelm.runtime.pages import ZeroedTensors
-from pagelm.weights.hf import (HFConfig, HFLayout, decoder_hf_config, decoder_metadata, heads_tiled, hf_rope,
-                               layer_period, rope_scaling, shift_norms, tensor_maps)
+from pagelm.weights.hf import (HFConfig, HFLayout, TensorMap, decoder_hf_config, decoder_metadata, heads_tiled,
+                               hf_rope, layer_period, rope_scaling, shift_norms, tensor_maps)
 from pagelm.weights.linear import Linear
 from pagelm.weights.loader import WeightLoader
 
@@ -75,6 +76,10 @@ class Qwen35Config:
     n_experts_used: int = 0
     expert_ffn: int = 0
     shared_ffn: int = 0
+    # multi-token prediction: layers after the n_layers of the trunk (GGUF nextn_predict_layers, which
+    # block_count counts); the first, blk.{n_layers}, is an attention layer whose stem reads a token's
+    # embedding and the trunk's last hidden state (Qwen35Mtp)
+    mtp_layers: int = 0
     expert_norm = True  # the top-k weights renormalized (not a field: qwen35moe always does)
 
     @classmethod
@@ -92,6 +97,10 @@ class Qwen35Config:
         n_value_heads = i("ssm.time_step_rank")
         inner = i("ssm.inner_size")
         sections = f"{arch}.rope.dimension_sections"
+        mtp = i("nextn_predict_layers") if model.has(f"{arch}.nextn_predict_layers") else 0
+        if not 0 <= mtp < i("block_count"):
+            raise ModelFormatError(f"{model.name}: metadata key '{arch}.nextn_predict_layers' is {mtp}, expected 0 up "
+                                   f"to block_count - 1 ({i('block_count') - 1}): the layers after the model's")
         embd = model.dims("token_embd.weight")
         if len(embd) != 2 or embd[0] != hidden:
             raise ModelFormatError(
@@ -104,7 +113,8 @@ class Qwen35Config:
             )
         config = cls(
             hidden=hidden,
-            n_layers=i("block_count"),
+            n_layers=i("block_count") - mtp,
+            mtp_layers=mtp,
             n_heads=i("attention.head_count"),
             n_kv_heads=i("attention.head_count_kv"),
             head_dim=i("attention.key_length"),
@@ -139,7 +149,7 @@ class Qwen35Config:
         where = where or f"{self.arch} config"
         # the counts that must be >= 1: a mixture of experts has its experts' and no dense width
         moe = ("n_experts", "n_experts_used", "expert_ffn", "shared_ffn")
-        skip = ("rope_base", "rms_eps", "rope_sections", "arch", *(("ffn",) if self.is_moe else moe))
+        skip = ("rope_base", "rms_eps", "rope_sections", "arch", "mtp_layers", *(("ffn",) if self.is_moe else moe))
         counts = {name: value for name, value in vars(self).items() if name not in skip}
         check_config(where, counts, (
             (self.n_heads % self.n_kv_heads == 0, f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}"),
@@ -159,7 +169,9 @@ class Qwen35Config:
         return self.arch == MOE_ARCH
 
     def is_attention_layer(self, i: int) -> bool:
-        return i % self.full_attention_interval == self.full_attention_interval - 1
+        """Whether layer i is gated attention: every full_attention_interval-th of the trunk, and the
+        multi-token-prediction layer after it."""
+        return i >= self.n_layers or i % self.full_attention_interval == self.full_attention_interval - 1
 
     @property
     def conv_channels(self) -> int:
@@ -494,6 +506,8 @@ class Qwen35Model(Decoder):
         self.inv_freq = inv_freq(config.rope_base, config.rope_dim, self.device)
         self.rope_axes = mrope_axes(config.rope_sections, config.rope_dim // 2).to(self.device)
         self.token_rope = RopeRows(lambda pos: rope_tables(self.inv_freq, pos, 1))
+        if config.mtp_layers:
+            self.mtp = Qwen35Mtp(self, model)
 
     def new_state(self, max_len: int) -> Qwen35State:
         return Qwen35State(self.config, max_len, self.dtype, self.device)
@@ -597,6 +611,73 @@ class Qwen35Model(Decoder):
         return w.out(per_sequence(mix, spans, [None] * len(spans)), alone)
 
 
+# ---------------------------------------------------------------------------------- multi-token prediction
+# Qwen3.5's MTP layer: from the trunk's final hidden state at position t and the token at t + 1, the
+# hidden state whose logits (through the model's own output head) guess the token at t + 2;
+# speculative decoding drafts with it (engine.speculate.MtpDraft). As the checkpoints carry it
+# (`mtp.*`; llama.cpp's `blk.{n_layers}.nextn.*` after the trunk's layers): a stem,
+# fc(concat(rmsnorm(embedding), rmsnorm(hidden))), embedding first; one gated-attention layer of the
+# trunk's geometry with its own KV cache; a final RMSNorm. The pair (hidden t, token t + 1) sits at
+# position t. Drafting further feeds the layer its own output.
+
+
+class MtpState:
+    """The MTP layer's KV cache for `max_len` positions (pages resident once written); `pos` pairs
+    are in it. Indexed by position alone: going back is setting `pos`."""
+
+    def __init__(self, network: Qwen35Mtp, max_len: int):
+        if max_len < 1:
+            raise PagelmError(f"max_len {max_len} must be >= 1")
+        c = network.config
+        self.pos, self.max_len = 0, max_len
+        self._caches = ZeroedTensors((c.n_kv_heads, max_len, c.head_dim), 2, network.dtype, network.device)
+        self.layers = [KVCache(*self._caches.tensors)]
+
+    @property
+    def nbytes(self) -> int:
+        return self._caches.nbytes
+
+
+class Qwen35Mtp(Decoder):
+    """The MTP layer over a trunk (`Decoder.forward` of stem outputs, `inputs`, to final hidden states)."""
+
+    def __init__(self, trunk: Qwen35Model, model: WeightLoader):
+        c = trunk.config
+        self.trunk, self.config, self.dtype, self.device = trunk, c, trunk.dtype, trunk.device
+        self.segment = trunk.segment
+        p = f"blk.{c.n_layers}."
+        self.embedding_norm = model.tensor(p + "nextn.enorm.weight", (c.hidden,))
+        self.hidden_norm = model.tensor(p + "nextn.hnorm.weight", (c.hidden,))
+        self.stem = model.linear(2 * c.hidden, (p + "nextn.eh_proj.weight", c.hidden))
+        self.layer = load_layer(c, model, c.n_layers)
+        self.norm = model.tensor(p + "nextn.shared_head_norm.weight", (c.hidden,))
+
+    def new_state(self, max_len: int) -> MtpState:
+        return MtpState(self, max_len)
+
+    def inputs(self, embeddings: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The stem's rows (T, hidden) fp32 for the pairs (embeddings[t], hidden[t]): the rows of
+        the tokens at t + 1 and the trunk's final hidden states at t (or the layer's own)."""
+        eps = self.config.rms_eps
+        both = torch.cat((rms_norm(embeddings.float(), self.embedding_norm, eps),
+                          rms_norm(hidden.float(), self.hidden_norm, eps)), dim=1)
+        with torch.inference_mode():
+            return self.stem(both).float()
+
+    def _layers(self, x: torch.Tensor, spans: list[Span], alone: bool) -> Generator:
+        c, layer, trunk = self.config, self.layer, self.trunk
+        h = x.to(device=self.device, dtype=torch.float32, copy=True)
+        ropes = [trunk._rope(s) for s in spans]
+        tokens = token_ropes(ropes) if x.shape[0] == len(spans) else None
+        y = rms_norm(h, layer.attn_norm, c.rms_eps)
+        h += trunk._attention(layer.mixer, y, 0, spans, ropes, tokens, alone)
+        y = rms_norm(h, layer.post_norm, c.rms_eps)
+        h += layer.mlp(y, alone)
+        yield
+        advance(spans)
+        return rms_norm(h, self.norm, c.rms_eps)
+
+
 HF_GLOBALS = {"output_norm.weight": "norm.weight"}
 HF_MLP = {"ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
           "ffn_down.weight": "mlp.down_proj.weight"}
@@ -611,9 +692,14 @@ HF_LAYER = {  # the feed-forward's apart (HF_MLP)
     "ssm_dt.bias": "linear_attn.dt_bias", "ssm_norm.weight": "linear_attn.norm.weight",
     "ssm_out.weight": "linear_attn.out_proj.weight",
 }
+# the multi-token-prediction layer's own tensors, as llama.cpp names them (blk.{n_layers}.nextn.*), and its
+# attention layer's, under mtp.layers.0. (HF_LAYER's names)
+HF_MTP = {"nextn.eh_proj.weight": "mtp.fc.weight", "nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+          "nextn.hnorm.weight": "mtp.pre_fc_norm_hidden.weight", "nextn.shared_head_norm.weight": "mtp.norm.weight"}
+HF_MTP_LAYER = "mtp.layers.0."
 # zero-centred in the HF checkpoint; the DeltaNet output norm (ssm_norm) is not
 HF_SHIFTED_NORMS = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight",
-                    "output_norm.weight")
+                    "output_norm.weight", "nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight")
 
 
 def _a_from_log(values: np.ndarray) -> np.ndarray:
@@ -678,6 +764,15 @@ def hf_layout(config: HFConfig, hf_names: set[str] | None) -> HFLayout:
                                    f"expected a list of counts")
         metadata[f"{arch}.rope.dimension_sections"] = [*sections, 0]
     maps = tensor_maps(config, hf_names, n_layers, HF_GLOBALS, {**HF_LAYER, **feed_forward})
+    if hf_names is not None and HF_MTP["nextn.eh_proj.weight"] in hf_names:
+        # the first multi-token-prediction layer (the one pagelm drafts with) after the trunk, counted as
+        # llama.cpp's converter counts it
+        metadata[f"{arch}.block_count"] += 1
+        metadata[f"{arch}.nextn_predict_layers"] = 1
+        p = f"blk.{n_layers}."
+        maps.update({p + gguf: TensorMap(hf) for gguf, hf in HF_MTP.items()})
+        maps.update({p + gguf: TensorMap(HF_MTP_LAYER + hf) for gguf, hf in {**HF_LAYER, **feed_forward}.items()
+                     if HF_MTP_LAYER + hf in hf_names})
     shift_norms(maps, HF_SHIFTED_NORMS)
     qk = 2 * nk * dk
     per_head = {  # GGUF name suffix -> its order over HF rows (None: as stored)

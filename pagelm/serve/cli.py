@@ -112,8 +112,8 @@ def register(commands) -> None:
                             "1 = one at a time (default 4)")
     serve.add_argument("--speculate", choices=SPECULATE_MODES, default="auto",
                        help="while one request decodes, check tokens guessed from what its prompt and answer repeat "
-                            "several at a time (auto, the default: where the measured step costs say it pays; off); answers stay "
-                            "the same. "
+                            "several at a time (auto, the default: where the measured step costs say it pays; mtp: "
+                            "guessed by the model file's multi-token-prediction layer; off); answers stay the same. "
                             "A request's OpenAI `prediction` is drafted from in any mode")
     add_draft_option(serve)
     serve.add_argument("--queue-size", type=int, default=64,

@@ -50,7 +50,7 @@ from pagelm.chat.model import Prompt
 from pagelm.chat.tokenizer import StreamDecoder, Tokenizer
 from pagelm.engine.model import Model
 from pagelm.engine.session import Chooser, Session, verify_passes
-from pagelm.engine.speculate import DraftModel, Prediction, SpeculationStats, Speculator
+from pagelm.engine.speculate import DraftModel, MtpDraft, Prediction, SpeculationStats, Speculator, check_mode
 from pagelm.errors import PagelmError
 from pagelm.chat.grammar import Grammar
 from pagelm.engine.sampling import SamplingParams
@@ -220,7 +220,7 @@ class Worker:
                  prefill_chunk: int = PREFILL_CHUNK, speculate: str = "off", draft: Model | None = None):
         if parallel < 1:
             raise PagelmError(f"parallel must be >= 1, got {parallel}")
-        Speculator.of(speculate)  # checks the mode
+        check_mode(speculate, model)
         self.speculate = speculate  # for every request; one with a predicted output drafts from it
         self.draft = draft  # a draft model (ChatModel.open_draft): each request's drafts from its own session on it
         self.model, self.tokenizer, self.ctx_len = model, tokenizer, ctx_len
@@ -361,6 +361,8 @@ class Worker:
         session = self._sessions[index]
         if session is None:
             session = self._sessions[index] = self.model.session(self.ctx_len)
+            if self.speculate == "mtp":
+                MtpDraft.of(session)  # from now on the session keeps the hidden states its MTP layer reads
         base = self.cache.lookup(prompt, job.prompt.image_keys) if not job.cancel.is_set() else None
         if base is not None:
             self.cache.restore(base, session)
@@ -464,7 +466,7 @@ class Worker:
         else:
             draft = None if self.draft is None or self.speculate == "off" else \
                 DraftModel.of(self.draft, self.model.head.vocab_size, self.ctx_len)
-            r.speculator = Speculator.of(self.speculate, draft)
+            r.speculator = Speculator.of(self.speculate, draft, r.session)
         r.decoder = StreamDecoder(self.tokenizer)
         r.result.finish_reason = "length"
 

@@ -53,6 +53,12 @@ def _synth_model(args: argparse.Namespace) -> None:
         if ggml_type not in SYNTH_TYPES:
             raise PagelmError(f"--embedding-type {ggml_type.name} is not one pagelm can synthesise")
         shape = replace(shape, embedding_type=ggml_type)
+    if args.mtp:
+        if shape.arch not in ("qwen35", "qwen35moe") or not shape.full:
+            raise PagelmError(f"--mtp: shape '{args.shape}' is not a complete Qwen3.5 (only those have an MTP layer)")
+        if args.format != "gguf":
+            raise PagelmError("--mtp writes the layer as llama.cpp does: GGUF only")
+        shape = replace(shape, mtp_layers=1)
     layer_type = GGMLType[args.layer_type or "Q8_0"]
     if args.mix and args.embedding_only:
         raise PagelmError("--mix types a complete model; with --embedding-only, pick the table's type "
@@ -225,6 +231,9 @@ def register(commands) -> None:
                        help="write only the embedding tables (token_embd, and output when untied)")
     synth.add_argument("--embedding-type", metavar="TYPE",
                        help="override token_embd's type, e.g. Q6_K (as llama.cpp's Q4_K_M writes it)")
+    synth.add_argument("--mtp", action="store_true",
+                       help="Qwen3.5 shapes: add the multi-token-prediction layer (blk.N.nextn.*, as the -MTP-GGUF "
+                            "releases carry it), which --speculate mtp drafts with")
     synth.add_argument("--quiet", action="store_true", help="no progress bar")
     synth.set_defaults(run=_synth)
 

@@ -300,8 +300,10 @@ def plan_model(
         return PlannedTensor(name, (n_in, n_out), ggml_type, normal(gain / math.sqrt(n_in)))
 
     arch = ARCHITECTURES[shape.arch]
-    for i in range(shape.n_layers):
-        plan += arch.layer(shape, i, matrix, residual)
+    if shape.mtp_layers and arch.nextn is None:
+        raise ValueError(f"{shape.arch} has no multi-token-prediction layers")
+    for i in range(shape.n_layers + shape.mtp_layers):
+        plan += (arch.nextn(shape, i, matrix) if i >= shape.n_layers else []) + arch.layer(shape, i, matrix, residual)
     plan += arch.extra(shape, matrix)
     head = output or plan[0]
     logit_std = _TOP_GAP * math.sqrt(2 * math.log(v))
@@ -327,7 +329,8 @@ def model_metadata(shape: Shape, layer_type: GGMLType = GGMLType.Q8_0, seed: int
     a = shape.arch
     keys = {
         "vocab_size": u32(shape.vocab),
-        "block_count": u32(shape.n_layers),
+        "block_count": u32(shape.n_layers + shape.mtp_layers),
+        **({"nextn_predict_layers": u32(shape.mtp_layers)} if shape.mtp_layers else {}),
         "context_length": u32(shape.context_length),
         "embedding_length": u32(shape.hidden),
         **({"feed_forward_length": u32(shape.ffn)} if shape.ffn else {}),  # none in a mixture of experts without a dense one

@@ -99,6 +99,7 @@ class Shape:
     ssm_head_dim: int = 0  # DeltaNet key = value head dim (ssm.state_size)
     conv_kernel: int = 4  # qwen35 ssm_conv1d taps; lfm2 shortconv.l_cache
     full_attention_interval: int = 4  # layer i is full attention when i % interval == interval - 1
+    mtp_layers: int = 0  # qwen35, qwen35moe: multi-token-prediction layers after the trunk (blk.{n_layers}.nextn.*)
     # lfm2: the attention layers (the others are short-convolution layers)
     attention_layers: tuple[int, ...] = ()
     # llama: llama3 rope scaling (factor, low_freq_factor, high_freq_factor, original context), or None
@@ -127,7 +128,7 @@ class Shape:
         return self.n_layers > 0
 
     def is_full_attention(self, layer: int) -> bool:
-        return layer % self.full_attention_interval == self.full_attention_interval - 1
+        return layer >= self.n_layers or layer % self.full_attention_interval == self.full_attention_interval - 1
 
     @property
     def ssm_qkv_channels(self) -> int:
@@ -188,6 +189,14 @@ def _qwen35moe_layer(s: Shape, i: int, matrix: Matrix, residual: float) -> list[
             + [_vector(b + "ffn_gate_inp_shexp.weight", d, normal(1 / math.sqrt(d))),
                matrix(b + "ffn_gate_shexp.weight", d, f), matrix(b + "ffn_up_shexp.weight", d, f),
                matrix(b + "ffn_down_shexp.weight", f, d, residual / _BRANCH_RMS)])
+
+
+def _qwen35_nextn(s: Shape, i: int, matrix: Matrix) -> list[PlannedTensor]:
+    """A multi-token-prediction layer's own tensors (then a qwen35 attention layer's), as llama.cpp
+    writes Qwen3.5's: the stem's projection of [embedding, hidden] and its three norms."""
+    b, d = f"blk.{i}.nextn.", s.hidden
+    return [matrix(b + "eh_proj.weight", 2 * d, d), _vector(b + "enorm.weight", d, norm()),
+            _vector(b + "hnorm.weight", d, norm()), _vector(b + "shared_head_norm.weight", d, norm())]
 
 
 def _qwen35_mixer(s: Shape, i: int, matrix: Matrix, residual: float) -> list[PlannedTensor]:
@@ -396,11 +405,13 @@ class Architecture:
     keys: Callable[[Shape], dict]
     extra: Callable[[Shape, Matrix], list[PlannedTensor]] = _no_extra
     output_norm: str = "output_norm.weight"
+    # a multi-token-prediction layer i's own tensors (before a layer's), where the architecture has one
+    nextn: Callable[[Shape, int, Matrix], list[PlannedTensor]] | None = None
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "qwen35": Architecture(_qwen35_layer, _qwen35_keys),
-    "qwen35moe": Architecture(_qwen35moe_layer, _qwen35moe_keys),
+    "qwen35": Architecture(_qwen35_layer, _qwen35_keys, nextn=_qwen35_nextn),
+    "qwen35moe": Architecture(_qwen35moe_layer, _qwen35moe_keys, nextn=_qwen35_nextn),
     "qwen2": Architecture(_decoder_layer(biases=True), _rope_keys),
     "qwen3": Architecture(_decoder_layer(qk_norms=True), _rope_keys),
     "llama": Architecture(_decoder_layer(), _rope_keys, _llama_extra),

@@ -37,6 +37,16 @@ def test_bench_speculate_drafts_from_a_draft_model(smollm2_gguf, capsys):
     assert float(passes.group(1)) > 2  # the model drafting for itself: its greedy drafts kept
 
 
+def test_bench_speculate_drafts_from_the_mtp_layer(qwen35_mtp_chat_gguf, qwen35_chat_gguf, capsys):
+    code = cli.main(["bench", "speculate", qwen35_mtp_chat_gguf, "--tasks", "chat", "--tokens", "12", "--runs", "1",
+                     "--mtp"])
+    out = capsys.readouterr().out
+    assert code == 0 and "the file's MTP layer" in out and "not compared (MTP drafts)" in out
+    assert "differing answers: 0 of 3" in out
+    assert cli.main(["bench", "speculate", qwen35_chat_gguf, "--tasks", "chat", "--tokens", "4", "--mtp"]) != 0
+    assert "no multi-token-prediction layer" in capsys.readouterr().err
+
+
 def test_bench_speculate_serves_parallel_edits_with_speculation_off_and_on(smollm2_gguf, capsys):
     code = cli.main(["bench", "speculate", smollm2_gguf, "--tasks", "chat", "--tokens", "12", "--runs", "1",
                      "--parallel", "2"])

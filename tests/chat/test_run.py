@@ -110,17 +110,32 @@ def test_speculation_gives_the_same_answer_and_its_stats(smollm2_gguf):
 
     assert SPECULATE_MODES == MODES
     prompt = "Copy this list exactly: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon"
+    answers, drafted, accepted = _answers_with_speculation(smollm2_gguf, prompt, "lookup", 40)
+    assert answers["lookup"] == answers["off"] and drafted >= accepted > 0
+
+
+def _answers_with_speculation(path: str, prompt: str, mode: str, tokens: int) -> tuple[dict, int, int]:
+    """The token ids of `pagelm run` with --speculate `mode` and off, and the drafted and accepted
+    tokens its --stats line reports (none with off)."""
     answers = {}
-    for mode in ("lookup", "off"):
-        result = _run(smollm2_gguf, prompt, "--json", "--stats", "--max-tokens", "40", "--speculate", mode)
-        answers[mode] = json.loads(result.stdout.strip().splitlines()[-1])["token_ids"]
+    for m in (mode, "off"):
+        result = _run(path, prompt, "--json", "--stats", "--max-tokens", str(tokens), "--speculate", m)
+        answers[m] = json.loads(result.stdout.strip().splitlines()[-1])["token_ids"]
         stats = [line for line in result.stderr.splitlines() if line.startswith("[speculation:")]
-        if mode == "off":
-            assert not stats
-        else:
+        assert bool(stats) == (m != "off")
+        if stats:
             drafted, accepted = (int(w) for w in stats[0].split()[1:4:2])
-            assert drafted >= accepted > 0, stats
-    assert answers["lookup"] == answers["off"]
+    return answers, drafted, accepted
+
+
+def test_the_files_mtp_layer_drafts_and_gives_the_same_answer(qwen35_mtp_chat_gguf, qwen35_chat_gguf):
+    prompt = "List the numbers from one to twenty."
+    answers, drafted, accepted = _answers_with_speculation(qwen35_mtp_chat_gguf, prompt, "mtp", 24)
+    assert answers["mtp"] == answers["off"] and len(answers["off"]) == 24
+    assert drafted > 0 and drafted >= accepted
+    refused = subprocess.run([sys.executable, "-m", "pagelm", "run", qwen35_chat_gguf, prompt, "--speculate", "mtp"],
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "no multi-token-prediction layer" in refused.stderr
 
 
 def test_a_draft_model_gives_the_same_answer_and_another_vocabulary_is_refused(smollm2_gguf, qwen35_chat_gguf,

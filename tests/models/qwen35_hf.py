@@ -10,6 +10,7 @@ vector) F32, the shared expert ffn_{gate,up,down}_shexp.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -114,6 +115,51 @@ def build_hf_model(v: Variant, seed: int = 0) -> Qwen3_5ForCausalLM | Qwen3_5Moe
     return model
 
 
+class MtpOracle(torch.nn.Module):
+    """Qwen3.5's multi-token-prediction layer from transformers' own Qwen3.5 parts (transformers loads
+    no `mtp.*`: its classes drop them), put together as vLLM's Qwen3NextMultiTokenPredictor and
+    llama.cpp's nextn graph do: fc(concat(norm(embedding of token t + 1), norm(final hidden state at
+    t))), one gated-attention decoder layer at position t, a final norm; the model's head on top.
+    Its state_dict's names are the checkpoints' without the `mtp.` prefix."""
+
+    def __init__(self, config):
+        from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer, Qwen3_5RMSNorm,
+                                                                    Qwen3_5TextRotaryEmbedding)
+
+        super().__init__()
+        one = copy.deepcopy(config)
+        one.layer_types, one.num_hidden_layers = ["full_attention"], 1
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.pre_fc_norm_embedding = Qwen3_5RMSNorm(hidden, eps)
+        self.pre_fc_norm_hidden = Qwen3_5RMSNorm(hidden, eps)
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers = torch.nn.ModuleList([Qwen3_5DecoderLayer(one, 0)])
+        self.norm = Qwen3_5RMSNorm(hidden, eps)
+        self.rotary = Qwen3_5TextRotaryEmbedding(one)
+
+    @torch.no_grad()
+    def forward(self, embeddings: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Outputs (T, hidden) of pairs t = 0.. (embeddings[t], hidden[t]) at positions 0..T-1, causal."""
+        T = embeddings.shape[0]
+        x = self.fc(torch.cat((self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden)), -1))[None]
+        rope = self.rotary(x, torch.arange(T).view(1, 1, T).expand(3, 1, T))
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        return self.norm(self.layers[0](x, position_embeddings=rope, attention_mask=mask))[0]
+
+
+@torch.no_grad()
+def mtp_tensors(model, seed: int = 1) -> tuple[MtpOracle, dict[str, torch.Tensor]]:
+    """A random MTP layer for `model` (a dense Qwen3.5): the oracle and its tensors by checkpoint name."""
+    oracle = MtpOracle(model.config).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in oracle.named_parameters():
+        if name.endswith("norm.weight"):  # zero-centred
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+    return oracle, {f"mtp.{k}": t.detach().clone() for k, t in oracle.state_dict().items() if "rotary" not in k}
+
+
 def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """(T, vocab) fp32 logits of one sequence, no cache."""
     with torch.no_grad():
@@ -137,15 +183,21 @@ def _reorder_heads(x: torch.Tensor, order: list[int], head: int, dim: int = 0) -
 
 
 def hf_to_gguf(model, path, *, drop_keys: tuple[str, ...] = (), drop_tensors: tuple[str, ...] = (),
-               matrix_type: GGMLType = GGMLType.F32, fused_gate_up: bool = False) -> None:
+               matrix_type: GGMLType = GGMLType.F32, fused_gate_up: bool = False,
+               mtp: dict[str, torch.Tensor] | None = None, nextn: int = 1) -> None:
     """Write `model` as a llama.cpp `qwen35` GGUF (`qwen35moe` for a Qwen3_5MoeForCausalLM): F32 tensors
     (or `matrix_type` for the layer matrices, the experts' 3-D ones and an untied output.weight), a
     tied token_embd and no output.weight where the model ties them. `drop_keys` / `drop_tensors` leave
     metadata keys / tensors out (to test the reader's errors). `fused_gate_up`: each layer's experts' gate
-    and up rows in one ffn_gate_up_exps (transformers' gate_up_proj as it is), as newer llama.cpp writes."""
+    and up rows in one ffn_gate_up_exps (transformers' gate_up_proj as it is), as newer llama.cpp writes.
+    `mtp`: a multi-token-prediction layer's tensors by their checkpoint names (mtp.*, `mtp_tensors`),
+    written after the trunk as llama.cpp writes Qwen3.5's: blk.{layers}.nextn.* and the layer's
+    attention and feed-forward under blk.{layers}., counted in block_count and nextn_predict_layers (`nextn`,
+    which a test may set wrong)."""
     c = model.config
     moe = hasattr(c, "num_experts")
     sd = {k: t.detach().float() for k, t in model.state_dict().items()}
+    sd.update({k: t.detach().float() for k, t in (mtp or {}).items()})
     nk, nv = c.linear_num_key_heads, c.linear_num_value_heads
     dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
     order = _value_head_order(nk, nv)
@@ -186,6 +238,9 @@ def hf_to_gguf(model, path, *, drop_keys: tuple[str, ...] = (), drop_tensors: tu
         a + "full_attention_interval": u32(interval),
         "tokenizer.ggml.model": "none",  # token ids only; llama.cpp loads such a file
     }
+    if mtp:
+        metadata[a + "block_count"] = u32(c.num_hidden_layers + 1)
+        metadata[a + "nextn_predict_layers"] = u32(nextn)
     if moe:  # no feed_forward_length: the config has no dense width
         metadata.update({a + "expert_count": u32(c.num_experts), a + "expert_used_count": u32(c.num_experts_per_tok),
                          a + "expert_feed_forward_length": u32(c.moe_intermediate_size),
@@ -207,8 +262,15 @@ def hf_to_gguf(model, path, *, drop_keys: tuple[str, ...] = (), drop_tensors: tu
     if not c.tie_word_embeddings:
         add("output.weight", sd["lm_head.weight"], matrix=True)
     add("output_norm.weight", sd["model.norm.weight"] + 1.0)
-    for i, kind in enumerate(c.layer_types):
-        hf, p = f"model.layers.{i}.", f"blk.{i}."
+    layers = [(f"model.layers.{i}.", f"blk.{i}.", kind) for i, kind in enumerate(c.layer_types)]
+    if mtp:
+        n = f"blk.{c.num_hidden_layers}."
+        add(n + "nextn.eh_proj.weight", sd["mtp.fc.weight"], matrix=True)
+        add(n + "nextn.enorm.weight", sd["mtp.pre_fc_norm_embedding.weight"] + 1.0)
+        add(n + "nextn.hnorm.weight", sd["mtp.pre_fc_norm_hidden.weight"] + 1.0)
+        add(n + "nextn.shared_head_norm.weight", sd["mtp.norm.weight"] + 1.0)
+        layers.append(("mtp.layers.0.", n, "full_attention"))
+    for hf, p, kind in layers:
         add(p + "attn_norm.weight", sd[hf + "input_layernorm.weight"] + 1.0)
         add(p + "post_attention_norm.weight", sd[hf + "post_attention_layernorm.weight"] + 1.0)
         if moe:

@@ -128,3 +128,28 @@ def test_a_draft_model_drafts_for_requests_decoding_alone_and_together(smollm2_c
         assert drafting.speculation.accepted > drafting.speculation.drafted // 2 > 0
     finally:
         drafting.close()
+
+
+def test_the_mtp_layer_drafts_for_requests_alone_and_together(qwen35_mtp_chat_gguf):
+    """With the prefix cache on, the second round restores each prompt's start: the layer then reads
+    only the hidden states computed after it."""
+    from pagelm.chat.model import ChatModel
+
+    chat = ChatModel.open(qwen35_mtp_chat_gguf)
+    texts = ["Name the planets of the solar system.", "Count from one to ten.", "Write a haiku about rain."]
+    prompts = [chat.chat_prompt([{"role": "user", "content": t}]).tokens for t in texts]
+    params = [GREEDY, SEEDED, SamplingParams(temperature=0.9, seed=1, max_tokens=30)]
+    workers = {mode: Worker(chat.model, chat.tokenizer, ctx_len=256, cache=PrefixCache(8, 1 << 26), speculate=mode,
+                            parallel=3, checkpoint_interval=16) for mode in ("off", "mtp")}
+    try:
+        async def together(worker):
+            return await asyncio.gather(*(_ask(worker, p, q) for p, q in zip(prompts, params)))
+
+        plain = [text for text, _ in asyncio.run(together(workers["off"]))]
+        for _ in range(2):
+            assert [text for text, _ in asyncio.run(together(workers["mtp"]))] == plain
+        assert asyncio.run(_ask(workers["mtp"], prompts[0], GREEDY))[0] == plain[0]
+        assert workers["mtp"].speculation.drafted > 0
+    finally:
+        for worker in workers.values():
+            worker.close()

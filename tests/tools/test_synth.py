@@ -419,3 +419,32 @@ def test_margin_through_pagelm_qwen35_model(tiny_files, shape):
         del net
     assert np.median(gaps) > 2.5, gaps
     assert echoes <= 2  # the tied head does not just repeat the input token
+
+
+def test_an_mtp_layer_follows_the_trunk_as_llama_cpp_names_it(tmp_path):
+    """gguf-py's own names for a NextN layer (blk.N.nextn.*) and key ({arch}.nextn_predict_layers)."""
+    from dataclasses import replace
+
+    shape = SHAPES["qwen3.5-tiny-gqa"]
+    n = shape.n_layers
+    plan = plan_model(replace(shape, mtp_layers=1))
+    trunk = plan_model(shape)
+    nextn = {gguf.TENSOR_NAMES[t].format(bid=n) + ".weight" for t in gguf.TENSOR_NAMES
+             if ".nextn." in gguf.TENSOR_NAMES[t]}
+    added = {t.name for t in plan} - {t.name for t in trunk}
+    assert {name for name in added if ".nextn." in name} <= nextn
+    assert {name.split(".", 2)[2] for name in added} == {
+        "nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight",
+        "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+        "attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight", "ffn_gate.weight",
+        "ffn_up.weight", "ffn_down.weight"}
+    assert {t.name: t.dims for t in plan}[f"blk.{n}.nextn.eh_proj.weight"] == (2 * shape.hidden, shape.hidden)
+    path = str(tmp_path / "mtp.gguf")
+    _pagelm("synth", "--shape", "qwen3.5-tiny-gqa", "--mtp", "--quiet", path)
+    fields = gguf.GGUFReader(path).fields
+    keys = gguf.Keys.LLM
+    assert fields[keys.BLOCK_COUNT.format(arch="qwen35")].contents() == n + 1
+    assert fields[keys.NEXTN_PREDICT_LAYERS.format(arch="qwen35")].contents() == 1
+    refused = subprocess.run([sys.executable, "-m", "pagelm", "synth", "--shape", "qwen3-0.6b", "--mtp", path],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "not a complete Qwen3.5" in refused.stderr
