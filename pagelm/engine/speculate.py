@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from pagelm.engine.model import Model
     from pagelm.engine.session import Chooser, Mark, Session
 
-# `--speculate`; auto: lookup where the measured step costs say it pays; mtp: the file's own MTP layer
+# `--speculate`; auto: lookup (then the file's MTP layer, where it has one) where the measured costs say it
+# pays; mtp: the file's own MTP layer
 MODES = ("auto", "off", "lookup", "mtp")
 NO_MTP = "speculate 'mtp': this model file has no multi-token-prediction layer (GGUF nextn_predict_layers, mtp.*)"
 MAX_DRAFTS = MAX_GEMV_ROWS - 1  # a verify pass is the last token chosen and the drafts after it
@@ -156,6 +157,21 @@ class DraftModel:
             s.back_to(mark, mark.tokens if mark.fixed else held)
 
 
+class FirstOf:
+    """Drafts from the first of its sources that has any (auto on a file with an MTP layer: prompt
+    lookup, whose drafts cost nothing, then the layer)."""
+
+    def __init__(self, *sources):
+        self.sources = sources
+
+    def draft(self, context: Sequence[int], start: int, limit: int) -> list[int]:
+        for source in self.sources:
+            drafts = source.draft(context, start, limit)
+            if drafts:
+                return drafts
+        return []
+
+
 class MtpDraft:
     """Drafts from the model file's multi-token-prediction layer (Qwen3.5's MTP, models.qwen35.Qwen35Mtp).
     The layer reads the session's final hidden state at each position t with the token at t + 1
@@ -166,7 +182,7 @@ class MtpDraft:
     are gone (a restore) its cache starts over at the first one held (its positions shifted, which
     rope's relative positions do not see; only a shorter past to attend to)."""
 
-    MOST = 3  # drafts a pass: each costs a layer and an output head, the pass's own draft sources none
+    MOST = 3  # drafts a call: each costs a layer and an output head, where prompt lookup's cost nothing
 
     def __init__(self, session: Session):
         mtp = session.model.network.mtp
@@ -209,7 +225,7 @@ class MtpDraft:
             self.tokens += ids.tolist()
             s.drop_hidden(fed)
         drafts: list[int] = []
-        last = self._last
+        last, limit = self._last, min(limit, self.MOST)
         while last is not None and len(drafts) < limit:
             drafts.append(int(np.argmax(s.model.head.logits(last[0].numpy()))))
             if len(drafts) < limit:
@@ -235,14 +251,16 @@ class SpeculationStats:
 
 
 class StepCosts:
-    """What a step costs by the rows it feeds, as measured (moving averages): one row's seconds and
-    the seconds each further row adds; and the draft count that pays at a given acceptance rate."""
+    """What a step costs by the rows it feeds, as measured (moving averages): one row's seconds, the
+    seconds each further row adds and those each draft cost its source; and the draft count that
+    pays at a given acceptance rate."""
 
     WEIGHT = 0.2  # of each new measurement in the averages
 
     def __init__(self):
         self.one: float | None = None
         self.per_row: float | None = None
+        self.per_draft: float | None = None  # prompt lookup's: tens of microseconds; an MTP layer's: a layer and the head
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.WEIGHT * (new - old)
@@ -253,6 +271,9 @@ class StepCosts:
         elif self.one is not None:
             self.per_row = self._average(self.per_row, max(seconds - self.one, 0.0) / (rows - 1))
 
+    def observe_drafts(self, drafts: int, seconds: float) -> None:
+        self.per_draft = self._average(self.per_draft, seconds / drafts)
+
     def drafts_that_pay(self, rate: float, most: int) -> int:
         """The draft count up to `most` whose expected tokens per second (each draft kept with
         probability `rate` while the ones before it were) beat one-row steps' by the most; 0 where
@@ -262,7 +283,7 @@ class StepCosts:
         best, best_gain = 0, 1.0
         for k in range(1, most + 1):
             tokens = k + 1 if rate >= 1 else (1 - rate ** (k + 1)) / (1 - rate)
-            gain = tokens * self.one / (self.one + k * self.per_row)
+            gain = tokens * self.one / (self.one + k * (self.per_row + (self.per_draft or 0.0)))
             if gain > best_gain:
                 best, best_gain = k, gain
         return best
@@ -275,9 +296,12 @@ class Speculator:
     that kept nothing, drafting pauses for a while (doubling up to `MAX_PAUSE` steps), so that a
     text that does not repeat costs few passes. With `costs` (auto), the count is also held to what
     pays by the measured step costs and the acceptance seen, and where nothing pays drafting pauses
-    `MAX_PAUSE` steps before trying one draft again."""
+    `MAX_PAUSE` steps before trying one draft again, twice as long after each such probe that kept
+    nothing, up to `MAX_IDLE` (an MTP layer's drafts, each a layer and the output head, that are never
+    kept: 0.83-0.94x plain with a probe every 9 steps on a random-weight file)."""
 
     MAX_PAUSE = 8
+    MAX_IDLE = 64
     RATE_WEIGHT = 0.3  # of each pass in the moving acceptance rate
 
     def __init__(self, source=None, most: int = MAX_DRAFTS, first: int = 4, costs: StepCosts | None = None):
@@ -287,13 +311,14 @@ class Speculator:
         self.most, self.next = most, min(first, most)
         self.stats = SpeculationStats()
         self.costs, self.rate = costs, 0.5  # the moving share of drafts kept
-        self._misses, self._pause, self._probe = 0, 0, False
+        self._misses, self._pause, self._probe, self._idle = 0, 0, False, self.MAX_PAUSE
 
     @classmethod
     def of(cls, mode: str, draft: DraftModel | None = None, session: Session | None = None) -> Speculator | None:
         """The speculator a `--speculate` mode asks for in `session`; None for off. With a `draft`
-        model its drafts, and for mtp the MTP layer's (whose own cost the step costs do not see:
-        their count adapts to the acceptance alone)."""
+        model its drafts, and for mtp the MTP layer's (their count adapts to the acceptance alone:
+        no step costs); auto's from prompt lookup, then the MTP layer where the file has one (their
+        count held to what the step costs and their own say pays)."""
         check_mode(mode, None if session is None else session.model)
         if mode == "off":
             return None
@@ -303,6 +328,8 @@ class Speculator:
             if session is None:
                 raise PagelmError("speculate 'mtp' drafts for a session: none given")
             return cls(MtpDraft.of(session), most=MtpDraft.MOST, first=MtpDraft.MOST)
+        if mode == "auto" and session is not None and session.model.network.mtp is not None:
+            return cls(FirstOf(PromptLookup(), MtpDraft.of(session)), costs=StepCosts())
         return cls(costs=StepCosts() if mode == "auto" else None)
 
     def draft(self, context: Sequence[int], start: int, room: int) -> list[int]:
@@ -314,11 +341,18 @@ class Speculator:
         if self.costs is not None and limit > 0 and not self._probe:
             pays = self.costs.drafts_that_pay(self.rate, self.most)
             if pays == 0:  # pause, then probe with one draft: the rate seen may have changed
-                self._pause, self.next, self._probe = self.MAX_PAUSE, 1, True
+                self._pause, self.next, self._probe = self._idle, 1, True
+                self._idle = min(2 * self._idle, self.MAX_IDLE)
                 return []
             limit = min(limit, pays)
         self._probe = False
-        return self.source.draft(context, start, limit) if limit > 0 else []
+        if limit <= 0:
+            return []
+        began = time.perf_counter()
+        drafts = self.source.draft(context, start, limit)
+        if self.costs is not None and drafts:
+            self.costs.observe_drafts(len(drafts), time.perf_counter() - began)
+        return drafts
 
     def observe(self, rows: int, seconds: float) -> None:
         """A step of this generation fed `rows` rows in `seconds`."""
@@ -331,6 +365,8 @@ class Speculator:
         self.rate += self.RATE_WEIGHT * (accepted / drafted - self.rate)
         self.next = min(2 * self.next, self.most) if accepted == drafted else accepted + 1
         self._misses = min(self._misses + 1, self.MAX_PAUSE.bit_length()) if accepted == 0 else 0
+        if accepted:
+            self._idle = self.MAX_PAUSE
         self._pause = min(2 ** self._misses // 2, self.MAX_PAUSE)
 
 

@@ -361,7 +361,7 @@ class Worker:
         session = self._sessions[index]
         if session is None:
             session = self._sessions[index] = self.model.session(self.ctx_len)
-            if self.speculate == "mtp":
+            if self.speculate in ("auto", "mtp") and self.model.network.mtp is not None:
                 MtpDraft.of(session)  # from now on the session keeps the hidden states its MTP layer reads
         base = self.cache.lookup(prompt, job.prompt.image_keys) if not job.cancel.is_set() else None
         if base is not None:

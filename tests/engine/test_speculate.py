@@ -4,13 +4,14 @@ a pass leaves exactly the state decoding only the kept tokens leaves; and answer
 seeded, are the same with speculation on and off."""
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
 
 import pagelm
 from pagelm.engine.sampling import SamplingParams
-from pagelm.engine.speculate import Prediction, PromptLookup, Speculator, StepCosts
+from pagelm.engine.speculate import FirstOf, Prediction, PromptLookup, Speculator, StepCosts
 from pagelm.errors import PagelmError
 from pagelm.quant import int8dot
 from rows_check import PROMPT, same_state, verify_and_rewind, verify_together
@@ -287,3 +288,65 @@ def test_auto_drafts_only_what_the_measured_step_costs_say_pays():
     assert speculator.rate < 0.5 and not any(speculator.draft([0], 0, 8) for _ in range(Speculator.MAX_PAUSE + 1))
     assert Speculator(Endless(), most=8).draft([0], 0, 8) == [1] * 4  # lookup: no cost model
     assert Speculator.of("auto").costs is not None and Speculator.of("lookup").costs is None
+
+
+def test_auto_counts_what_each_draft_costs_its_source():
+    """An MTP layer's draft costs a layer and the output head: the rows it pays for are fewer."""
+    free, dear = StepCosts(), StepCosts()
+    for costs in (free, dear):
+        costs.observe(1, 0.010)
+        costs.observe(5, 0.014)
+    dear.observe_drafts(2, 0.008)  # 4 ms a draft, 0.4 of a step
+    assert dear.per_draft == 0.004 and free.per_draft is None
+    assert dear.drafts_that_pay(0.7, 8) < free.drafts_that_pay(0.7, 8)
+    assert dear.drafts_that_pay(0.3, 8) == 0 < free.drafts_that_pay(0.3, 8)
+
+    class Slow:
+        def draft(self, context, start, limit):
+            time.sleep(0.002)
+            return [1] * limit
+
+    speculator = Speculator(Slow(), most=4, costs=StepCosts())
+    assert speculator.draft([0], 0, 8) == [1] * 4 and speculator.costs.per_draft >= 0.002 / 4
+
+
+def test_first_of_drafts_from_the_first_source_that_has_any():
+    class Fixed:
+        def __init__(self, tokens):
+            self.tokens, self.calls = tokens, 0
+
+        def draft(self, context, start, limit):
+            self.calls += 1
+            return self.tokens[:limit]
+
+    empty, some, never = Fixed([]), Fixed([5, 6, 7]), Fixed([9])
+    assert FirstOf(empty, some, never).draft([1, 2], 0, 2) == [5, 6] and never.calls == 0
+    assert FirstOf(empty).draft([1, 2], 0, 2) == []
+
+
+def test_auto_probes_ever_less_often_while_its_probes_keep_nothing():
+    class Endless:
+        def draft(self, context, start, limit):
+            return [1] * limit
+
+    costs = StepCosts()
+    costs.observe(1, 0.010)
+    costs.observe(3, 0.040)  # rows as dear as steps: no draft pays
+    speculator = Speculator(Endless(), most=8, costs=costs)
+
+    def gaps(calls: int, accepted: int) -> list[int]:
+        out, since = [], 0
+        for _ in range(calls):
+            since += 1
+            drafts = speculator.draft([0], 0, 8)
+            if drafts:
+                speculator.record(len(drafts), min(accepted, len(drafts)))
+                out.append(since)
+                since = 0
+        return out
+
+    seen = gaps(400, 0)
+    assert seen[0] == Speculator.MAX_PAUSE + 2 and all(a < b for a, b in zip(seen[:4], seen[1:5]))
+    assert max(seen) <= Speculator.MAX_PAUSE + 2 + Speculator.MAX_IDLE and seen[-1] > 2 * Speculator.MAX_PAUSE
+    speculator.rate = 1.0  # a kept probe: back to the shortest pause (rows still too dear to draft more)
+    assert gaps(200, 1)[1] == Speculator.MAX_PAUSE + 2

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from pagelm.engine.load import load_model
 from pagelm.engine.sampling import SamplingParams
-from pagelm.engine.speculate import MtpDraft, Speculator, check_mode
+from pagelm.engine.speculate import FirstOf, MtpDraft, Speculator, check_mode
 from pagelm.errors import ModelFormatError, PagelmError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/models/conftest.py
@@ -159,3 +159,14 @@ def test_clear_errors(trunk_and_mtp, tmp_path):
     hf_to_gguf(hf, too_many, mtp=tensors, nextn=hf.config.num_hidden_layers + 1)
     with pytest.raises(ModelFormatError, match="nextn_predict_layers"):
         load_model(str(too_many), dtype="float32")
+
+
+def test_auto_drafts_from_lookup_then_the_layer_at_what_they_cost(gguf_path):
+    model = load_model(gguf_path, dtype="float32")
+    prompt = [3, 9, 27, 81, 243, 217, 139, 417, 3, 9, 27, 81]
+    params = SamplingParams(max_tokens=40)
+    plain = list(model.session(128).generate(prompt, params))
+    speculator = Speculator.of("auto", session=(session := model.session(128)))
+    assert isinstance(speculator.source, FirstOf) and speculator.source.sources[1] is session.mtp_draft
+    assert list(session.generate(prompt, params, speculate=speculator)) == plain
+    assert speculator.stats.drafted > 0 and speculator.costs.per_draft > 0
