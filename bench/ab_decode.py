@@ -10,7 +10,7 @@ of K rows, as speculation's, rewound to its first). --context: the prompt's toke
 
     git worktree add /tmp/before HEAD~1
     .venv/bin/python bench/ab_decode.py smollm2-135m /tmp/before . [--sequences 4] [--rounds 15] \
-        [--context 1000] [--rows 16]
+        [--context 1000] [--rows 16] [--weights mapped-int8]
 
 MODEL as `pagelm bench batch` takes it (a synthetic shape, a known model, a .gguf path).
 """
@@ -25,12 +25,12 @@ import sys
 import time
 
 
-def worker(model_path: str, sequences: int, steps: int, context: int | None, rows: int) -> None:
+def worker(model_path: str, sequences: int, steps: int, context: int | None, rows: int, weights: str) -> None:
     import numpy as np
 
     import pagelm
 
-    model = pagelm.load(model_path, dtype="bfloat16")
+    model = pagelm.load(model_path, dtype="bfloat16", weights=weights)
     sessions = [model.session(max_len=4096 + (context or 0)) for _ in range(sequences)]
     prompts = [list(range(100 + i, 140 + 3 * i)) if context is None else
                np.random.default_rng(i).integers(100, 20000, context).tolist() for i in range(sequences)]
@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, help="prompt tokens before the steps (default 40 to 46)")
     parser.add_argument("--rows", type=int, default=1, help="rows of each step's verify pass (one sequence; default 1: "
                                                            "decode steps)")
+    parser.add_argument("--weights", default="mapped", help="mapped (default), mapped-int8 or dense")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     from pagelm.weights.linear import MAX_GEMV_ROWS
@@ -71,7 +72,7 @@ def main() -> None:
     if not (1 <= args.rows <= MAX_GEMV_ROWS) or (args.rows > 1 and args.sequences != 1):
         parser.error(f"--rows must be 1 to {MAX_GEMV_ROWS}, and more than 1 only with one sequence")
     if args.worker:
-        worker(args.model, args.sequences, args.steps, args.context, args.rows)
+        worker(args.model, args.sequences, args.steps, args.context, args.rows, args.weights)
         return
     from pagelm.bench.inputs import model_path
 
@@ -81,7 +82,8 @@ def main() -> None:
         env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
         procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), path, tree, "--worker",
                                        "--sequences", str(args.sequences), "--steps", str(args.steps),
-                                       "--rows", str(args.rows), *(() if args.context is None else
+                                       "--rows", str(args.rows), "--weights", args.weights,
+                                       *(() if args.context is None else
                                                                    ("--context", str(args.context)))],
                                       env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
     for tree, p in zip(args.trees, procs):
@@ -102,7 +104,7 @@ def main() -> None:
         p.stdin.close()
         p.wait()
     what = f"verify passes of {args.rows} rows" if args.rows > 1 else f"{args.sequences} sequence(s)"
-    print(f"{path}, {what}, {args.rounds} rounds of {args.steps} steps, ms per step")
+    print(f"{path}, {what}, weights {args.weights}, {args.rounds} rounds of {args.steps} steps, ms per step")
     print("| tree | median | min |\n|---|---:|---:|")
     for tree, values in zip(args.trees, times):
         print(f"| {tree} | {statistics.median(values):.2f} | {min(values):.2f} |")

@@ -5,8 +5,8 @@ the opt-in int8-activation GEMV (weights "mapped-int8": quantizing the row inclu
 on the bf16 and float32 copies (2 threads each, calls alternating), the GB/s of the block bytes
 read by rows_matmul, and rows_dequantize to bf16 in G weights/s. Random blocks: pagelm.quant.encode for the
 types it encodes, random bytes with finite fp16 scales for the others. Prints one markdown table.
-With --x-rows N (2 to 16) rows_matmul and torch multiply N activation rows at once (the batched
-decode's kernels; torch.mm for torch.mv), and the int8 column is left out.
+With --x-rows N (2 to 16) rows_matmul, the int8 GEMV and torch multiply N activation rows at once (the
+batched decode's kernels; torch.mm for torch.mv).
 
     .venv/bin/python bench/matmul.py [--calls 30] [--types Q8_0 Q4_K ...] [--shapes 3584x1024 ...] [--x-rows 4]
 """
@@ -60,11 +60,11 @@ def bench(t: GGMLType, rows: int, width: int, calls: int, x_rows: int = 1) -> st
     x32 = torch.from_numpy(x[0]) if x_rows == 1 else torch.from_numpy(x).T
     xb = x32.to(torch.bfloat16)
     product = torch.mv if x_rows == 1 else torch.mm
-    int8 = int8dot.bound_rows_matmul_int8(data, t, offs, width) if t in int8dot.INT8_TYPES and x_rows == 1 else None
+    int8 = int8dot.bound_rows_matmul_int8(data, t, offs, width) if t in int8dot.INT8_TYPES else None
     ms, int8_ms, bf16_ms, f32_ms = median_ms(
         [
             lambda: rows_matmul(data, t, offs, width, x, out),
-            (lambda: int8(int8dot.Int8Row(x[0]), out, 0)) if int8 else (lambda: None),
+            (lambda: int8(int8dot.Int8Rows(x), out, 0)) if int8 else (lambda: None),
             lambda: product(dense, xb),
             lambda: product(dense32, x32),
         ],

@@ -13,7 +13,10 @@ once a block. Weights whose values are stored with an offset (Q4_0's q - 8, Q6_K
 under Q6_K's scales). Vectors are 256-bit under AVX2 and AVX-512 alike, and the bits are the same.
 (K-quant sub-blocks taken two at a time in 512-bit vectors, same bits, were tried: 5-11 % less CPU time
 on matrices in the caches, but 10 % more on a Llama 3.2 1B q4_k_m decode step, its weights from memory.)
-Layers' rows are addressed by offset, an output head's by stride.
+Layers' rows are addressed by offset, an output head's by stride. A call multiplies up to MAX_GEMV_ROWS
+activation rows, each quantized alone, reading the weights once: each block is multiplied into every
+row's own accumulators in turn, so a row's sums are those of the row multiplied alone, bit for bit
+(a batched decode step's and a verify pass's rows, as the float kernels give them).
 Kernels read the uint8 array they are handed (normally the read-only file map), never copy it.
 """
 
@@ -21,15 +24,16 @@ import llvmlite.binding as llvm
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from pagelm.errors import UnsupportedError
 from pagelm.quant.blockir import I8, I32, V32I8, bytes_at, k4_codes, nibbles16, q5_group
-from pagelm.quant.codegen import F16_TO_F32, wide_vectors, kernel_of
+from pagelm.quant.codegen import F16_TO_F32, kernel_of, stack_f32, wide_vectors
 from pagelm.quant.head import check_table
 from pagelm.quant.matmul import (
+    MAX_GEMV_ROWS,
     ahead_rows,
     chunk_bounds,
     thread_chunks,
@@ -111,15 +115,26 @@ _ACC = types.CPointer(types.float32)
 
 
 @intrinsic
-def _acc8(typingctx):
-    """Eight float32 accumulators on the stack (zeroed)."""
+def _accs(typingctx):
+    """Eight float32 accumulators for each of MAX_GEMV_ROWS rows, on the stack (zeroed)."""
 
     def codegen(context, builder, signature, args):
-        ptr = cgutils.alloca_once(builder, _V8F32)
-        builder.store(ir.Constant(_V8F32, None), ptr)
+        ptr = cgutils.alloca_once(builder, _V8F32, size=MAX_GEMV_ROWS)
+        for i in range(MAX_GEMV_ROWS):
+            builder.store(ir.Constant(_V8F32, None), builder.gep(ptr, [I32(i)]))
         return builder.bitcast(ptr, ir.FloatType().as_pointer())
 
     return _ACC(), codegen
+
+
+@intrinsic
+def _acc_of(typingctx, accs, i):
+    """Row i's eight accumulators among _accs'."""
+
+    def codegen(context, builder, signature, args):
+        return builder.gep(args[0], [builder.mul(args[1], args[1].type(8))])
+
+    return _ACC(accs, i), codegen
 
 
 @intrinsic
@@ -292,35 +307,43 @@ def _quantize(x, xq, xd, xs, xm, kq, kd, k16, k32):
         k32[h] = k16[2 * h] + k16[2 * h + 1]
 
 
-class Int8Row:
-    """One activation row quantized for the int8 kernels: for the 32-value types values (int8), a
-    float32 scale per 32, the int32 sum of the quantized values per 16, and per 32 the sum of the
-    values they stand for; for the K-quants (a row of whole 256-value groups) values with a scale
-    per 256 and the int16 sums of the quantized values per 16 and per 32."""
+class Int8Rows:
+    """Activation rows (n <= MAX_GEMV_ROWS, width) quantized for the int8 kernels, each alone: for
+    the 32-value types values (int8), a float32 scale per 32, the int32 sum of the quantized values
+    per 16, and per 32 the sum of the values they stand for; for the K-quants (rows of whole
+    256-value groups) values with a scale per 256 and the int16 sums of the quantized values per 16
+    and per 32. Row i of each array is activation row i's."""
 
-    __slots__ = ("xq", "xd", "xs", "xm", "kq", "kd", "k16", "k32")
+    __slots__ = ("n", "xq", "xd", "xs", "xm", "kq", "kd", "k16", "k32")
 
     def __init__(self, x: np.ndarray):
-        width = x.shape[0]
+        if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_GEMV_ROWS:
+            raise ValueError(f"int8 activations are 1 to {MAX_GEMV_ROWS} rows (n, width), got shape {x.shape}")
+        n, width = x.shape
         if width % GROUP:
             raise ValueError(f"an int8 activation row must be a whole number of {GROUP}-value groups, got {width}")
-        self.xq = np.empty(width, np.int8)
-        self.xd = np.empty(width // GROUP, np.float32)
-        self.xs = np.empty(width // 16, np.int32)
-        self.xm = np.empty(width // GROUP, np.float32)
+        self.n = n
+        self.xq = np.empty((n, width), np.int8)
+        self.xd = np.empty((n, width // GROUP), np.float32)
+        self.xs = np.empty((n, width // 16), np.int32)
+        self.xm = np.empty((n, width // GROUP), np.float32)
         k_width = width if width % K_GROUP == 0 else 0  # no K-quant row is narrower than its 256-value blocks
-        self.kq = np.empty(k_width, np.int8)
-        self.kd = np.empty(k_width // K_GROUP, np.float32)
-        self.k16 = np.empty(k_width // 16, np.int16)
-        self.k32 = np.empty(k_width // 32, np.int16)
-        _quantize(x, self.xq, self.xd, self.xs, self.xm, self.kq, self.kd, self.k16, self.k32)
+        self.kq = np.empty((n, k_width), np.int8)
+        self.kd = np.empty((n, k_width // K_GROUP), np.float32)
+        self.k16 = np.empty((n, k_width // 16), np.int16)
+        self.k32 = np.empty((n, k_width // 32), np.int16)
+        for i in range(n):
+            _quantize(np.ascontiguousarray(x[i], np.float32), self.xq[i], self.xd[i], self.xs[i], self.xm[i],
+                      self.kq[i], self.kd[i], self.k16[i], self.k32[i])
 
     def dequantized(self, ggml_type=None) -> np.ndarray:
-        """The values the kernels of `ggml_type` (default: the 32-value types') multiply, as float32
-        (for tests and error measurements)."""
+        """The values (n, width) the kernels of `ggml_type` (default: the 32-value types') multiply,
+        as float32 (for tests and error measurements)."""
         if ggml_type is not None and as_ggml_type(ggml_type) in K_TYPES:
-            return (self.kq.reshape(-1, K_GROUP).astype(np.float32) * self.kd[:, None]).reshape(-1)
-        return (self.xq.reshape(-1, GROUP).astype(np.float32) * self.xd[:, None]).reshape(-1)
+            q, d, group = self.kq, self.kd, K_GROUP
+        else:
+            q, d, group = self.xq, self.xd, GROUP
+        return (q.reshape(self.n, -1, group).astype(np.float32) * d[:, :, None]).reshape(self.n, -1)
 
 
 # --- kernels ------------------------------------------------------------------------
@@ -330,51 +353,66 @@ _F32 = np.float32
 
 
 @njit(inline="always")
-def _block(kind, acc, data, o, b, xq, xd, xs, xm, kq, kd, k16, k32, f16):
-    """acc += block b (at byte o) · the activations; returns what the block adds outside acc."""
+def _block(kind, acc, data, o, b, i, xq, xd, xs, xm, kq, kd, k16, k32, f16):
+    """acc += block b (at byte o) · activation row i; returns what the block adds outside acc. (The
+    intrinsics read row i of the 2-D activations at its flat offset.)"""
     if kind == _Q8_0:
-        _dot_q8(data, o + 2, xq, 32 * b, acc, fp16_at(f16, data, o) * xd[b])
+        _dot_q8(data, o + 2, xq, xq.shape[1] * i + 32 * b, acc, fp16_at(f16, data, o) * xd[i, b])
         return _F32(0)
     if kind == _Q4_0 or kind == _Q4_1:
-        s = fp16_at(f16, data, o) * xd[b]
+        s = fp16_at(f16, data, o) * xd[i, b]
         if kind == _Q4_0:
-            _dot_q4(data, o + 2, xq, 32 * b, acc, s)
-            return _F32(-8) * fp16_at(f16, data, o) * xm[b]
-        _dot_q4(data, o + 4, xq, 32 * b, acc, s)
-        return fp16_at(f16, data, o + 2) * xm[b]
+            _dot_q4(data, o + 2, xq, xq.shape[1] * i + 32 * b, acc, s)
+            return _F32(-8) * fp16_at(f16, data, o) * xm[i, b]
+        _dot_q4(data, o + 4, xq, xq.shape[1] * i + 32 * b, acc, s)
+        return fp16_at(f16, data, o + 2) * xm[i, b]
     if kind == _Q5_0 or kind == _Q5_1:
-        s = fp16_at(f16, data, o) * xd[b]
+        s = fp16_at(f16, data, o) * xd[i, b]
         if kind == _Q5_0:
-            _dot_q5(data, o + 6, load_at(data, o + 2, np.uint32), xq, 32 * b, acc, s)
-            return _F32(-16) * fp16_at(f16, data, o) * xm[b]
-        _dot_q5(data, o + 8, load_at(data, o + 4, np.uint32), xq, 32 * b, acc, s)
-        return fp16_at(f16, data, o + 2) * xm[b]
+            _dot_q5(data, o + 6, load_at(data, o + 2, np.uint32), xq, xq.shape[1] * i + 32 * b, acc, s)
+            return _F32(-16) * fp16_at(f16, data, o) * xm[i, b]
+        _dot_q5(data, o + 8, load_at(data, o + 4, np.uint32), xq, xq.shape[1] * i + 32 * b, acc, s)
+        return fp16_at(f16, data, o + 2) * xm[i, b]
     if kind == _Q4_K or kind == _Q5_K:
         d, dmin = fp16_at(f16, data, o), fp16_at(f16, data, o + 2)
-        mins = _dot_k(kind, data, o, kq, K_GROUP * b, k32, 8 * b, acc, d * kd[b])
-        return -dmin * kd[b] * _F32(mins)
-    s = fp16_at(f16, data, o + 208) * kd[b]  # Q6_K
-    return _F32(-32) * s * _F32(_dot_k(kind, data, o, kq, K_GROUP * b, k16, 16 * b, acc, s))
+        mins = _dot_k(kind, data, o, kq, kq.shape[1] * i + K_GROUP * b, k32, k32.shape[1] * i + 8 * b, acc,
+                      d * kd[i, b])
+        return -dmin * kd[i, b] * _F32(mins)
+    s = fp16_at(f16, data, o + 208) * kd[i, b]  # Q6_K
+    return _F32(-32) * s * _F32(_dot_k(kind, data, o, kq, kq.shape[1] * i + K_GROUP * b, k16,
+                                       k16.shape[1] * i + 16 * b, acc, s))
 
 
 def _kernel(kind: int, vb: int, bb: int):
     @kernel_of(GGMLType(kind).name, parallel=True, fastmath={"contract"})
-    def mv(data, offs, stride, rows, xq, xd, xs, xm, kq, kd, k16, k32, f16, out, lo, width, nch):
+    def mv(data, offs, stride, rows, n, xq, xd, xs, xm, kq, kd, k16, k32, f16, out, lo, width, nch):
         nblk = width // vb
         rnb = max(nblk * bb, 1)
         for c in prange(nch):
             wide_vectors()
             r0, r1 = chunk_bounds(c, nch, rows)
-            acc = _acc8()
+            accs = _accs()
+            extra = carray(stack_f32(MAX_GEMV_ROWS), MAX_GEMV_ROWS)
             ahead = ahead_rows(kind, rnb)
             for r in range(r0, r1):
                 row = row_at(offs, stride, r)
                 hint = row_at(offs, stride, r + ahead) if r + ahead < rows else row
-                extra = _F32(0)
+                if n == 1:  # its sum in a register (through memory, Q8_0's one-row GEMV took 2.4x the time)
+                    one = _F32(0)
+                    for b in range(nblk):
+                        hint_block(data, hint, b, bb)
+                        one += _block(kind, accs, data, row + b * bb, b, 0, xq, xd, xs, xm, kq, kd, k16, k32, f16)
+                    out[0, lo + r] = _acc8_take(accs) + one
+                    continue
+                for i in range(n):
+                    extra[i] = _F32(0)
                 for b in range(nblk):
                     hint_block(data, hint, b, bb)
-                    extra += _block(kind, acc, data, row + b * bb, b, xq, xd, xs, xm, kq, kd, k16, k32, f16)
-                out[0, lo + r] = _acc8_take(acc) + extra
+                    for i in range(n):
+                        extra[i] += _block(kind, _acc_of(accs, i), data, row + b * bb, b, i, xq, xd, xs, xm, kq, kd,
+                                           k16, k32, f16)
+                for i in range(n):
+                    out[i, lo + r] = _acc8_take(_acc_of(accs, i)) + extra[i]
 
     return mv
 
@@ -390,9 +428,9 @@ def _bound(data, t, offs, stride: int, rows: int, width: int):
         raise UnsupportedError("int8-activation kernels need a CPU with AVX2")
     mv, offs, data = _KERNELS[t], readonly(offs), readonly(data)
 
-    def run(row: Int8Row, out: np.ndarray, out_lo: int) -> None:
-        mv(data, offs, stride, rows, row.xq, row.xd, row.xs, row.xm, row.kq, row.kd, row.k16, row.k32, F16_TO_F32, out,
-           out_lo, width, thread_chunks(rows))
+    def run(x: Int8Rows, out: np.ndarray, out_lo: int) -> None:
+        mv(data, offs, stride, rows, x.n, x.xq, x.xd, x.xs, x.xm, x.kq, x.kd, x.k16, x.k32, F16_TO_F32, out, out_lo,
+           width, thread_chunks(rows))
 
     return run
 
@@ -401,8 +439,8 @@ _NO_OFFSETS = np.zeros(0, np.int64)
 
 
 def bound_rows_matmul_int8(data: np.ndarray, ggml_type, row_offsets: np.ndarray, width: int):
-    """As matmul.bound_rows_matmul for one activation row already quantized (an Int8Row): a
-    function (row, out, out_lo) writing out[0, out_lo + r] over rows validated by matmul.check_rows."""
+    """As matmul.bound_rows_matmul for activation rows already quantized (an Int8Rows of n): a
+    function (rows, out, out_lo) writing out[:n, out_lo + r] over rows validated by matmul.check_rows."""
     return _bound(data, ggml_type, row_offsets, 0, len(row_offsets), width)
 
 
@@ -418,7 +456,7 @@ def warmup(types=None) -> None:
     """Compiles the kernels of `types` (default: every type), or loads them from numba's cache, on tiny inputs."""
     if not available():
         return
-    row = Int8Row(np.zeros(256, np.float32))
+    row = Int8Rows(np.zeros((1, 256), np.float32))
     for t in _KERNELS:
         if types is not None and t not in types:
             continue

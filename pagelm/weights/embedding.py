@@ -12,7 +12,8 @@ from typing import Callable, Literal
 import numpy as np
 
 from pagelm.errors import PagelmError
-from pagelm.quant.int8dot import INT8_TYPES, Int8Row, bound_table_matmul_int8
+from pagelm.quant.int8dot import INT8_TYPES, Int8Rows, bound_table_matmul_int8
+from pagelm.quant.matmul import MAX_GEMV_ROWS
 from pagelm.weights.mapped import DECODE_CHUNK_ROWS, MappedTensor, table_tensor, tiled_matrices
 
 EmbeddingMode = Literal["mapped", "dense"]
@@ -139,8 +140,8 @@ class OutputHead:
         if out is None:
             out = np.empty(hidden.shape[:-1] + (self.vocab_size,), np.float32)
         rows, outs = hidden.reshape(-1, self.dim), out.reshape(-1, self.vocab_size)
-        for row, logits in zip(rows, outs):  # each state quantized on its own, as alone
-            self._int8(Int8Row(row), logits.reshape(1, -1), 0)
+        for lo in range(0, len(rows), MAX_GEMV_ROWS):  # each state quantized on its own, as alone; the table read once
+            self._int8(Int8Rows(rows[lo : lo + MAX_GEMV_ROWS]), outs[lo : lo + MAX_GEMV_ROWS], 0)
         return out
 
 

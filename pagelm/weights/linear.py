@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagelm.quant.int8dot import INT8_TYPES, Int8Row, bound_rows_matmul_int8
+from pagelm.quant.int8dot import INT8_TYPES, Int8Rows, bound_rows_matmul_int8
 from pagelm.quant.matmul import MAX_GEMV_ROWS, bound_rows_matmul, rows_dequantize
 from pagelm.quant.tiles import ROWS, tile_dequantize, tile_matmul
 from pagelm.quant.types import row_nbytes
@@ -169,7 +169,7 @@ class Scratch:
 class RowGroup:
     """Consecutive output rows of one GGML type in one file: W[out_lo + r] is the row of `width`
     values at data[offsets[r]:], rows the loader validated (matmul.check_rows). With `int8`, a
-    quantized type multiplies one activation row in its int8 form (int8dot) when it is given one."""
+    quantized type multiplies the activation rows in their int8 form (int8dot) when it is given them."""
 
     def __init__(self, ggml_type: int, offsets: np.ndarray, out_lo: int, data: np.ndarray, width: int,
                  int8: bool = False):
@@ -191,11 +191,11 @@ class RowGroup:
     def weight_nbytes(self) -> int:
         return self.rows * row_nbytes(self.ggml_type, self.width)
 
-    def matmul(self, xs: np.ndarray, out: np.ndarray, row: Int8Row | None = None) -> None:
+    def matmul(self, xs: np.ndarray, out: np.ndarray, int8: Int8Rows | None = None) -> None:
         """xs: C-contiguous float32 (n <= MAX_GEMV_ROWS, width); out: float32 (n, operator's rows), its
-        columns of these rows written; row: xs[0] quantized, or None."""
-        if row is not None and self._int8 is not None:
-            self._int8(row, out, self.out_lo)
+        columns of these rows written; int8: xs quantized (each row alone), or None."""
+        if int8 is not None and self._int8 is not None:
+            self._int8(int8, out, self.out_lo)
         else:
             self.product(xs, out)
 
@@ -222,7 +222,7 @@ class TiledPart:
     def weight_nbytes(self) -> int:  # a product reads the whole matrix's groups
         return self.matrix.nbytes
 
-    def matmul(self, xs: np.ndarray, out: np.ndarray, row: Int8Row | None = None) -> None:
+    def matmul(self, xs: np.ndarray, out: np.ndarray, int8: Int8Rows | None = None) -> None:
         self.product(xs, out)
 
     def product(self, xs: np.ndarray, out: np.ndarray) -> None:
@@ -240,7 +240,7 @@ class MappedLinear(Linear):
     """W read in place from the file maps: its rows may come from several tensors (a fused
     projection) of different types and layouts (GGML rows, FastFlowLM tiles), in any order (a row
     permutation), with no copy. Each part (RowGroup, TiledPart) multiplies and dequantizes its rows;
-    one activation row is quantized once for the parts that take it in int8."""
+    the activation rows are quantized once (each alone) for the parts that take them in int8."""
 
     def __init__(self, parts: list, in_features: int, dtype: torch.dtype, scratch: Scratch):
         self.parts, self.scratch = parts, scratch
@@ -265,10 +265,9 @@ class MappedLinear(Linear):
         if out is None:
             out = np.empty((xs.shape[0], self.out_features), np.float32)
         if self._int8 and (alone or xs.shape[0] == 1):  # each row quantized as it would be alone
-            for i in range(xs.shape[0]):
-                row = Int8Row(xs[i])
-                for p in self.parts:
-                    p.matmul(xs[i : i + 1], out[i : i + 1], row)
+            int8 = Int8Rows(xs)
+            for p in self.parts:
+                p.matmul(xs, out, int8)
             return out
         for product in self._products:  # the kernels give each of a few rows its one-row bits
             product(xs, out)

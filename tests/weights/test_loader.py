@@ -108,7 +108,7 @@ def test_int8_mode_quantizes_one_row_for_its_quantized_parts_only(matrices):
     int8 = WeightLoader(GGUFFile.open(path), "mapped-int8", torch.bfloat16).linear(WIDTH, *parts)
     w = np.concatenate([values[name] for name, _ in parts]).astype(np.float64)
     x = torch.randn(1, WIDTH)
-    xq = int8dot.Int8Row(x[0].numpy()).dequantized().astype(np.float64)
+    xq = int8dot.Int8Rows(x[:1].numpy()).dequantized()[0].astype(np.float64)
     x64 = x[0].double().numpy()
     ref = np.concatenate((w[:57] @ xq, w[57:] @ x64))  # the F16 rows take x as it is
     got = int8(x).numpy()[0]
