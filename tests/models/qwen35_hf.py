@@ -123,8 +123,13 @@ class MtpOracle(torch.nn.Module):
     Its state_dict's names are the checkpoints' without the `mtp.` prefix."""
 
     def __init__(self, config):
-        from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer, Qwen3_5RMSNorm,
-                                                                    Qwen3_5TextRotaryEmbedding)
+        if hasattr(config, "num_experts"):  # the MoE members' layer: their experts and shared expert
+            from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+                Qwen3_5MoeDecoderLayer as Qwen3_5DecoderLayer, Qwen3_5MoeRMSNorm as Qwen3_5RMSNorm,
+                Qwen3_5MoeTextRotaryEmbedding as Qwen3_5TextRotaryEmbedding)
+        else:
+            from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer, Qwen3_5RMSNorm,
+                                                                        Qwen3_5TextRotaryEmbedding)
 
         super().__init__()
         one = copy.deepcopy(config)
@@ -149,7 +154,7 @@ class MtpOracle(torch.nn.Module):
 
 @torch.no_grad()
 def mtp_tensors(model, seed: int = 1) -> tuple[MtpOracle, dict[str, torch.Tensor]]:
-    """A random MTP layer for `model` (a dense Qwen3.5): the oracle and its tensors by checkpoint name."""
+    """A random MTP layer for `model` (a Qwen3.5, dense or MoE): the oracle and its tensors by checkpoint name."""
     oracle = MtpOracle(model.config).float().eval()
     gen = torch.Generator().manual_seed(seed)
     for name, p in oracle.named_parameters():

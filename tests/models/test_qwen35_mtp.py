@@ -170,3 +170,24 @@ def test_auto_drafts_from_lookup_then_the_layer_at_what_they_cost(gguf_path):
     assert isinstance(speculator.source, FirstOf) and speculator.source.sources[1] is session.mtp_draft
     assert list(session.generate(prompt, params, speculate=speculator)) == plain
     assert speculator.stats.drafted > 0 and speculator.costs.per_draft > 0
+
+
+def test_a_mixture_of_experts_layer_matches_transformers(tmp_path):
+    """Qwen3.5-35B-A3B's MTP layer has the trunk's experts and shared expert."""
+    from test_qwen35moe import SEED, TINY
+
+    hf = build_hf_model(TINY, seed=SEED)
+    oracle, tensors = mtp_tensors(hf, seed=SEED)
+    path = str(tmp_path / "moe-mtp.gguf")
+    hf_to_gguf(hf, path, mtp=tensors)
+    model = load_model(path, dtype="float32")
+    mtp = model.network.mtp
+    assert model.config.is_moe and model.config.n_layers == TINY.layers
+    ids = torch.randint(0, TINY.vocab, (PROMPT,), generator=torch.Generator().manual_seed(3))
+    hidden = trunk_hidden(hf, ids)
+    embeddings = hf.model.embed_tokens.weight[ids[1:]].detach()
+    want = oracle(embeddings, hidden[:-1])
+    assert relative(mtp.forward(mtp.inputs(embeddings, hidden[:-1]), mtp.new_state(PROMPT)), want) < TOL
+    params = SamplingParams(max_tokens=16)
+    plain = list(model.session(64).generate(ids.tolist(), params))
+    assert list(model.session(64).generate(ids.tolist(), params, speculate="mtp")) == plain
