@@ -69,8 +69,8 @@ def add_draft_option(parser: argparse.ArgumentParser) -> None:
 
 
 def check_draft(args: argparse.Namespace) -> None:
-    if args.speculate == "off":
-        raise PagelmError("--draft drafts tokens to check: it needs --speculate auto or lookup, not off")
+    if args.speculate in ("off", "mtp"):
+        raise PagelmError(f"--draft drafts tokens to check: it needs --speculate auto or lookup, not {args.speculate}")
 
 
 def _open_compiled(args: argparse.Namespace):

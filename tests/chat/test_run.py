@@ -133,9 +133,11 @@ def test_the_files_mtp_layer_drafts_and_gives_the_same_answer(qwen35_mtp_chat_gg
     answers, drafted, accepted = _answers_with_speculation(qwen35_mtp_chat_gguf, prompt, "mtp", 24)
     assert answers["mtp"] == answers["off"] and len(answers["off"]) == 24
     assert drafted > 0 and drafted >= accepted
-    refused = subprocess.run([sys.executable, "-m", "pagelm", "run", qwen35_chat_gguf, prompt, "--speculate", "mtp"],
-                             capture_output=True, text=True, timeout=600)
-    assert refused.returncode == 2 and "no multi-token-prediction layer" in refused.stderr
+    for flags, error in ((("--speculate", "mtp"), "no multi-token-prediction layer"),
+                         (("--speculate", "mtp", "--draft", qwen35_chat_gguf), "not mtp")):
+        refused = subprocess.run([sys.executable, "-m", "pagelm", "run", qwen35_chat_gguf, prompt, *flags],
+                                 capture_output=True, text=True, timeout=600)
+        assert refused.returncode == 2 and error in refused.stderr, refused.stderr
 
 
 def test_a_draft_model_gives_the_same_answer_and_another_vocabulary_is_refused(smollm2_gguf, qwen35_chat_gguf,
