@@ -214,8 +214,8 @@ class Session:
     @property
     def nbytes(self) -> int:
         """Anonymous bytes this session holds: its state (the resident pages of KV caches reserved
-        for max_len, the DeltaNet and conv states), its last logits and the recurrent states a
-        verify pass kept for rewinding."""
+        for max_len, the DeltaNet and conv states), its last logits, the recurrent states a verify
+        pass kept for rewinding, and the hidden states and MTP cache of drafting with an MTP layer."""
         return (self.state.nbytes + (0 if self.logits is None else self.logits.nbytes) + self.trail.nbytes
                 + (0 if self.hidden is None else self.hidden.nbytes) + (0 if self.mtp_draft is None else self.mtp_draft.nbytes))
 
