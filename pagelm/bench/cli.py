@@ -251,8 +251,10 @@ def _peer(args: argparse.Namespace) -> int:
     process of its own, in turn, --runs times: each loads the file, warms up on an 8-token prompt, prefills a
     seeded --prompt-tokens prompt into a --ctx-token context, then decodes --tokens greedy tokens. Prints
     per runtime the medians of the time to the first token, decode tokens per second, and the process's
-    anonymous and file-backed memory after; then pagelm / llama.cpp for each, and how many greedy tokens
-    the two agree on. llama.cpp's turn prints its error when it cannot run (not installed, or the file)."""
+    anonymous and file-backed memory after; then pagelm / llama.cpp for each, how many greedy tokens
+    the two agree on, and each one's first answer from its process's start (load, warmup, prompt). With
+    --cold, the file is evicted from the page cache before each process (a cold start). llama.cpp's turn
+    prints its error when it cannot run (not installed, or the file)."""
     from pagelm.bench.peer import run_peer
     from pagelm.bench.server import progress
 
@@ -260,7 +262,7 @@ def _peer(args: argparse.Namespace) -> int:
         _positive(f"--{flag.replace('_', '-')}", getattr(args, flag))
     ctx = max(args.ctx, args.prompt_tokens + args.tokens)
     report = run_peer(args.model, model_path(args.model, args.models_dir), args.prompt_tokens, args.tokens,
-                      ctx, args.runs, args.threads, args.weights, progress)
+                      ctx, args.runs, args.threads, args.weights, progress, args.cold)
     print(report.markdown())
     return 0
 
@@ -535,6 +537,8 @@ def _add_peer(subcommands, model_help: str) -> None:
     peer.add_argument("--threads", type=int, default=2, help="threads of each runtime (default 2)")
     peer.add_argument("--weights", choices=["mapped", "mapped-int8", "dense"], default="mapped",
                       help="pagelm's weights mode (default mapped; mapped-int8 quantizes decode's activations)")
+    peer.add_argument("--cold", action="store_true",
+                      help="evict the file from the page cache before each process: a cold start")
     _models_dir(peer)
     peer.set_defaults(run=_peer)
 

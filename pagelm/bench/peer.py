@@ -1,6 +1,8 @@
 """`pagelm bench peer`: one sequence of one file as a user runs it, pagelm and llama.cpp each in a
 fresh process of its own, in turn: the time to the first token of a prompt, decode tokens per
-second, and the process's anonymous memory after (what it holds beyond the file's pages).
+second, the process's anonymous memory after (what it holds beyond the file's pages), and the time
+from the process's start to that first token; with `cold`, the file evicted from the page cache
+before each process.
 
 Owns that measurement. Each process loads the file, warms up on a short prompt (kernels loaded,
 pages in), then prefills the measured prompt and decodes greedily with a context of the same size
@@ -10,6 +12,8 @@ in both; the figures come back as one JSON line on stdout.
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import statistics
 import subprocess
 import sys
@@ -32,13 +36,32 @@ def prompt_tokens(n: int) -> list[int]:
     return np.random.default_rng(49).integers(0, PROMPT_VOCAB, n).tolist()
 
 
-def _figures(ttft: float, decode_seconds: float, tokens: list[int]) -> dict:
+def _figures(ttft: float, first_answer: float, decode_seconds: float, tokens: list[int]) -> dict:
     memory = read_memory()
-    return {"ttft_s": ttft, "decode_tps": (len(tokens) - 1) / decode_seconds, "tokens": tokens,
-            "anonymous": memory.anonymous, "file_rss": memory.file_rss, "peak_rss": memory.peak_rss}
+    return {"ttft_s": ttft, "first_answer_s": first_answer, "decode_tps": (len(tokens) - 1) / decode_seconds,
+            "tokens": tokens, "anonymous": memory.anonymous, "file_rss": memory.file_rss, "peak_rss": memory.peak_rss}
 
 
-def run_pagelm(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: int, weights: str) -> dict:
+def evict(path: str) -> float:
+    """Drops the file's pages from the page cache (no process maps it: the last one has exited);
+    returns the fraction still resident (mincore through a fresh map, which faults nothing in)."""
+    from pagelm.bench.pressure import resident_fraction
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as view:
+            array = np.frombuffer(view, np.uint8)
+            try:
+                return resident_fraction(array)
+            finally:
+                del array
+    finally:
+        os.close(fd)
+
+
+def run_pagelm(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: int, weights: str,
+               started: float) -> dict:
     import pagelm
     from pagelm.models.moe import track
 
@@ -50,19 +73,19 @@ def run_pagelm(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: int
     session = model.session(max_len=n_ctx)
     start = time.perf_counter()
     tokens = [int(np.argmax(session.prefill(prompt_tokens(n_prompt))))]
-    ttft = time.perf_counter() - start
+    ttft, first_answer = time.perf_counter() - start, time.perf_counter() - started
     if traffic is not None:
         traffic.reset()
     start = time.perf_counter()
     while len(tokens) < n_tokens:
         tokens.append(int(np.argmax(session.decode(tokens[-1]))))
-    figures = _figures(ttft, time.perf_counter() - start, tokens)
+    figures = _figures(ttft, first_answer, time.perf_counter() - start, tokens)
     if traffic is not None:
         figures.update(expert_bytes=traffic.expert_bytes, expert_bytes_per_token=traffic.per_token)
     return figures
 
 
-def run_llama_cpp(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: int) -> dict:
+def run_llama_cpp(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: int, started: float) -> dict:
     from llama_cpp import llama_cpp as c
 
     model = load_llama_cpp_model(path)
@@ -87,11 +110,11 @@ def run_llama_cpp(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: 
     c.llama_memory_clear(c.llama_get_memory(ctx), True)
     start = time.perf_counter()
     tokens = [decode(prompt_tokens(n_prompt), 0)]
-    ttft = time.perf_counter() - start
+    ttft, first_answer = time.perf_counter() - start, time.perf_counter() - started
     start = time.perf_counter()
     while len(tokens) < n_tokens:
         tokens.append(decode([tokens[-1]], n_prompt + len(tokens) - 1))
-    return _figures(ttft, time.perf_counter() - start, tokens)
+    return _figures(ttft, first_answer, time.perf_counter() - start, tokens)
 
 
 def _in_fresh_process(runtime: str, path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: int,
@@ -112,6 +135,7 @@ class PeerReport:
     tokens: int
     weights: str
     runs: dict[str, list[dict]] = field(default_factory=lambda: {r: [] for r in RUNTIMES})
+    cold: list[float] | None = None  # with the file evicted before each process: the fraction left resident
 
     def median(self, runtime: str, key: str) -> float | None:
         values = [run[key] for run in self.runs[runtime] if "error" not in run]
@@ -144,6 +168,13 @@ class PeerReport:
                          f"TTFT {both[1] / both[0]:.2f}× as fast, anonymous memory "
                          f"{self.median('pagelm', 'anonymous') / self.median('llama.cpp', 'anonymous'):.2f}×")
             lines.append(f"same greedy tokens: {self.same_tokens()} of {self.tokens} before the first difference")
+        answers = {r: self.median(r, "first_answer_s") for r in RUNTIMES}
+        if None not in answers.values():
+            state = "the page cache warm" if self.cold is None else \
+                f"the file evicted before each process ({max(self.cold):.1%} of it resident at most)"
+            lines.append(f"first answer from the process's start (load, warmup, prompt), {state}: pagelm "
+                         f"{answers['pagelm']:.1f} s, llama.cpp {answers['llama.cpp']:.1f} s "
+                         f"({answers['llama.cpp'] / answers['pagelm']:.2f}× as fast)")
         touched = self.median("pagelm", "expert_bytes_per_token") if any(
             "expert_bytes" in run for run in self.runs["pagelm"]) else None
         if touched is not None:
@@ -155,21 +186,25 @@ class PeerReport:
 
 
 def run_peer(name: str, path: str, n_prompt: int, n_tokens: int, n_ctx: int, runs: int, threads: int = 2,
-             weights: str = "mapped", progress=lambda message: None) -> PeerReport:
+             weights: str = "mapped", progress=lambda message: None, cold: bool = False) -> PeerReport:
     """`runs` rounds of a fresh pagelm process then a fresh llama.cpp process on the file at `path`;
-    llama.cpp's turn reports its error when llama-cpp-python is missing or cannot run the file."""
-    report = PeerReport(name, n_prompt, n_tokens, weights)
+    llama.cpp's turn reports its error when llama-cpp-python is missing or cannot run the file.
+    `cold`: the file evicted from the page cache before each process."""
+    report = PeerReport(name, n_prompt, n_tokens, weights, cold=[] if cold else None)
     for run in range(runs):
         for runtime in RUNTIMES:
             progress(f"{name}: {runtime}, run {run + 1}/{runs}")
+            if cold:
+                report.cold.append(evict(path))
             report.runs[runtime].append(_in_fresh_process(runtime, path, n_prompt, n_tokens, n_ctx, threads, weights))
     return report
 
 
 if __name__ == "__main__":  # one runtime's turn, in the process run_peer started
+    process_start = time.perf_counter()  # this module's imports are numpy's and pagelm's light ones
     runtime, model_file, weights_mode, *numbers = sys.argv[1:]
     if runtime == "pagelm":
-        figures = run_pagelm(model_file, *map(int, numbers), weights_mode)
+        figures = run_pagelm(model_file, *map(int, numbers), weights_mode, process_start)
     else:
-        figures = run_llama_cpp(model_file, *map(int, numbers))
+        figures = run_llama_cpp(model_file, *map(int, numbers), process_start)
     print(json.dumps(figures))

@@ -1,10 +1,11 @@
 """`pagelm bench pressure`: what a model pays when memory pressure has dropped its file from
-the page cache, and what the prefetch hint (MADV_WILLNEED on the prompt's embedding rows) saves.
+the page cache, and what the prefetch hints save (MADV_WILLNEED on the prompt's embedding rows; in a
+mixture of experts also on each layer's routed experts before a prefill's products).
 
 Runs in process on `pagelm.load(..., embedding="mapped")`. Evicting the file: MADV_DONTNEED on
 the model's own map, then posix_fadvise(DONTNEED) (the fadvise alone evicts nothing while pages
-are mapped). The hint is switched off by wrapping the model's embedding, not by editing the
-engine. Owns that experiment only.
+are mapped). The hints are switched off by wrapping the model's embedding and by taking the
+mixtures' expert pages away, not by editing the engine. Owns that experiment only.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pagelm.bench.inputs import display_name
 from pagelm.bench.report import Panel, bar_chart, markdown_table
 from pagelm.bench.server import progress
 from pagelm.errors import PagelmError
+from pagelm.models.moe import mixtures
 
 CONDITIONS = ("warm, hint on", "warm, hint off", "cold, hint on", "cold, hint off")
 
@@ -82,6 +84,7 @@ class PressureReport:
     ttft: dict[str, list[float]] = field(default_factory=lambda: {c: [] for c in CONDITIONS})
     embedding_s: dict[str, list[float]] = field(default_factory=lambda: {c: [] for c in CONDITIONS})
     resident_after_evict: list[float] = field(default_factory=list)
+    expert_hints: int = 0  # mixtures of experts whose routed experts' hints switch with the embedding's
 
     def median(self, what: dict, condition: str) -> float:
         return statistics.median(what[condition])
@@ -103,6 +106,8 @@ class PressureReport:
                      f"{e('warm, hint off') - e('warm, hint on'):+.1f} ms")
         lines.append("token_embd pages still in the page cache after each eviction (mincore): "
                      + ", ".join(f"{100 * r:.1f} %" for r in self.resident_after_evict))
+        if self.expert_hints:
+            lines.append(f"the hint switches the routed experts' too, in all {self.expert_hints} mixtures of experts")
         return lines
 
     def markdown(self) -> str:
@@ -138,7 +143,8 @@ def run_pressure(name: str, path: str, n_runs: int, prompt_tokens: int, weights:
     vocab = embedding.vocab_size
     ids = np.random.default_rng(0).choice(vocab, size=min(prompt_tokens, vocab), replace=False).tolist()
     session = model.session(len(ids) + 8)
-    report = PressureReport(display_name(name), len(ids), n_runs)
+    hinted = [(experts, experts.pages) for experts in mixtures(model.network) if experts.pages is not None]
+    report = PressureReport(display_name(name), len(ids), n_runs, expert_hints=len(hinted))
 
     def first_token(condition: str | None) -> None:
         session.reset()
@@ -154,6 +160,8 @@ def run_pressure(name: str, path: str, n_runs: int, prompt_tokens: int, weights:
         for hint in ("hint off", "hint on"):
             progress(f"pressure {report.model}: run {run}/{n_runs}, {hint}")
             embedding.hint = hint == "hint on"
+            for experts, pages in hinted:
+                experts.pages = pages if embedding.hint else None
             first_token(f"warm, {hint}")
             evict(model.file)
             report.resident_after_evict.append(resident_fraction(embedding.tensor.raw))

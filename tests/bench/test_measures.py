@@ -38,3 +38,15 @@ def test_hint_switch_skips_only_the_prefetch():
     embedding.prefetch([3])
     assert inner.prefetched == [[1, 2]]
     assert embedding.lookup([4]) == [4] and embedding.rows == "bf16" and embedding.vocab_size == 10
+
+
+def test_pressure_switches_a_mixtures_expert_hints_with_the_embeddings(qwen3moe_tiny_gguf):
+    import pagelm
+    from pagelm.bench.pressure import run_pressure
+    from pagelm.models import moe
+
+    report = run_pressure("qwen3moe-tiny", qwen3moe_tiny_gguf, 1, 16)
+    n_mixtures = len(moe.mixtures(pagelm.load(qwen3moe_tiny_gguf).network))
+    assert report.expert_hints == n_mixtures > 0
+    assert f"the hint switches the routed experts' too, in all {n_mixtures} mixtures of experts" in report.markdown()
+    assert all(len(times) == 1 and times[0] > 0 for times in report.ttft.values())

@@ -35,3 +35,17 @@ def test_the_fresh_process_decodes_what_pagelm_decodes(smollm2_gguf):
         tokens.append(int(np.argmax(session.decode(tokens[-1]))))
     assert run["tokens"] == tokens
     assert run["ttft_s"] > 0 and run["decode_tps"] > 0 and run["anonymous"] > 0
+
+
+def test_bench_peer_cold_evicts_the_file_before_each_process(smollm2_gguf, capsys):
+    """The first answer from each process's start, the file evicted before it (pages other processes of
+    the suite map stay resident: the fraction is reported, not assumed)."""
+    code = cli.main(["bench", "peer", smollm2_gguf, "--prompt-tokens", "20", "--tokens", "4", "--ctx", "64",
+                     "--runs", "1", "--threads", "1", "--cold"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    first = re.search(r"^first answer from the process's start \(load, warmup, prompt\), the file evicted before each "
+                      r"process \(([\d.]+)% of it resident at most\): pagelm ([\d.]+) s", out, re.M)
+    assert first or re.search(r"^llama\.cpp: \S.*$", out, re.M), out
+    if first:
+        assert 0 <= float(first.group(1)) <= 100 and float(first.group(2)) > 0
