@@ -104,7 +104,7 @@ def main() -> None:
         p.stdin.close()
         p.wait()
     what = f"verify passes of {args.rows} rows" if args.rows > 1 else f"{args.sequences} sequence(s)"
-    print(f"{path}, {what}, weights {args.weights}, {args.rounds} rounds of {args.steps} steps, ms per step")
+    print(f"{path}, {what}, {args.rounds} rounds of {args.steps} steps, weights {args.weights}, ms per step")
     print("| tree | median | min |\n|---|---:|---:|")
     for tree, values in zip(args.trees, times):
         print(f"| {tree} | {statistics.median(values):.2f} | {min(values):.2f} |")

@@ -16,4 +16,4 @@ def test_ab_decode_times_each_tree(qwen35_chat_gguf):
     rows = re.findall(rf"^\| {re.escape(ROOT)} \| (\d+\.\d\d) \| (\d+\.\d\d) \|$", run.stdout, re.M)
     assert len(rows) == 2, run.stdout  # the same tree twice: two workers, two rows (the host's noise)
     assert all(float(median) >= float(low) > 0 for median, low in rows)
-    assert "2 sequence(s), 2 rounds of 2 steps" in run.stdout
+    assert "2 sequence(s), 2 rounds of 2 steps, weights mapped" in run.stdout
