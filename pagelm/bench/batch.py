@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagelm.runtime import heap
-from pagelm.bench.fma_peak import fma_peak_gflops
 from pagelm.bench.report import Panel, bar_chart, markdown_table
 from pagelm.measure.memory import MIB, read_memory
 
@@ -272,6 +271,7 @@ def run_batch(name: str, path: str, sizes: list[int], tokens: int, runs: int, th
     checked sequence by sequence against decoding alone; when llama.cpp is installed, its figure for
     each size right after pagelm's, so that a shared host's slow stretch falls on both."""
     import pagelm
+    from pagelm.bench.fma_peak import fma_peak_gflops  # here: bench peer's llama.cpp child imports no numba
     from pagelm.models import token_layers
     from pagelm.weights import linear
 

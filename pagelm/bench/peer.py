@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import mmap
-import os
 import statistics
 import subprocess
 import sys
@@ -45,23 +44,19 @@ def _figures(ttft: float, first_answer: float, decode_seconds: float, tokens: li
 def evict(path: str) -> float:
     """Drops the file's pages from the page cache (no process maps it: the last one has exited);
     returns the fraction still resident (mincore through a fresh map, which faults nothing in)."""
-    from pagelm.bench.pressure import resident_fraction
+    from pagelm.bench.pressure import drop_cached, resident_fraction
 
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as view:
-            array = np.frombuffer(view, np.uint8)
-            try:
-                return resident_fraction(array)
-            finally:
-                del array
-    finally:
-        os.close(fd)
+    drop_cached(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as view:
+        array = np.frombuffer(view, np.uint8)
+        try:
+            return resident_fraction(array)
+        finally:
+            del array
 
 
 def run_pagelm(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: int, weights: str,
-               started: float) -> dict:
+               launched: float) -> dict:
     import pagelm
     from pagelm.models.moe import track
 
@@ -73,7 +68,7 @@ def run_pagelm(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: int
     session = model.session(max_len=n_ctx)
     start = time.perf_counter()
     tokens = [int(np.argmax(session.prefill(prompt_tokens(n_prompt))))]
-    ttft, first_answer = time.perf_counter() - start, time.perf_counter() - started
+    ttft, first_answer = time.perf_counter() - start, time.time() - launched
     if traffic is not None:
         traffic.reset()
     start = time.perf_counter()
@@ -85,7 +80,7 @@ def run_pagelm(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: int
     return figures
 
 
-def run_llama_cpp(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: int, started: float) -> dict:
+def run_llama_cpp(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: int, launched: float) -> dict:
     from llama_cpp import llama_cpp as c
 
     model = load_llama_cpp_model(path)
@@ -110,7 +105,7 @@ def run_llama_cpp(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: 
     c.llama_memory_clear(c.llama_get_memory(ctx), True)
     start = time.perf_counter()
     tokens = [decode(prompt_tokens(n_prompt), 0)]
-    ttft, first_answer = time.perf_counter() - start, time.perf_counter() - started
+    ttft, first_answer = time.perf_counter() - start, time.time() - launched
     start = time.perf_counter()
     while len(tokens) < n_tokens:
         tokens.append(decode([tokens[-1]], n_prompt + len(tokens) - 1))
@@ -120,7 +115,7 @@ def run_llama_cpp(path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: 
 def _in_fresh_process(runtime: str, path: str, n_prompt: int, n_tokens: int, n_ctx: int, threads: int,
                       weights: str) -> dict:
     command = [sys.executable, "-m", "pagelm.bench.peer", runtime, path, weights,
-               *map(str, (n_prompt, n_tokens, n_ctx, threads))]
+               *map(str, (n_prompt, n_tokens, n_ctx, threads)), repr(time.time())]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines()
@@ -200,11 +195,10 @@ def run_peer(name: str, path: str, n_prompt: int, n_tokens: int, n_ctx: int, run
     return report
 
 
-if __name__ == "__main__":  # one runtime's turn, in the process run_peer started
-    process_start = time.perf_counter()  # this module's imports are numpy's and pagelm's light ones
-    runtime, model_file, weights_mode, *numbers = sys.argv[1:]
+if __name__ == "__main__":  # one runtime's turn, in the process run_peer started at wall time `launched`
+    runtime, model_file, weights_mode, *numbers, launched = sys.argv[1:]
     if runtime == "pagelm":
-        figures = run_pagelm(model_file, *map(int, numbers), weights_mode, process_start)
+        figures = run_pagelm(model_file, *map(int, numbers), weights_mode, float(launched))
     else:
-        figures = run_llama_cpp(model_file, *map(int, numbers), process_start)
+        figures = run_llama_cpp(model_file, *map(int, numbers), float(launched))
     print(json.dumps(figures))

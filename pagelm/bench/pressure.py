@@ -56,7 +56,12 @@ class HintSwitchEmbedding:
 def evict(file) -> None:
     """Drop the model file's pages from this process and from the page cache."""
     file.mmap.madvise(mmap.MADV_DONTNEED)
-    fd = os.open(file.path, os.O_RDONLY)
+    drop_cached(file.path)
+
+
+def drop_cached(path: str) -> None:
+    """posix_fadvise(DONTNEED) over the whole file: its pages leave the page cache unless a process maps them."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
