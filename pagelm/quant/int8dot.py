@@ -397,7 +397,7 @@ def _kernel(kind: int, vb: int, bb: int):
             for r in range(r0, r1):
                 row = row_at(offs, stride, r)
                 hint = row_at(offs, stride, r + ahead) if r + ahead < rows else row
-                if n == 1:  # its sum in a register (through memory, Q8_0's one-row GEMV took 2.4x the time)
+                if n == 1:  # its sum in a register: through memory, as several rows keep theirs, Q8_0's GEMV slowed most
                     one = _F32(0)
                     for b in range(nblk):
                         hint_block(data, hint, b, bb)
