@@ -8,7 +8,8 @@ the logits, then a softmax over those k. Two activations: SiLU-gated (`silu_glu`
 clamped SwiGLU (`ClampedSwiglu`). Only routed experts are multiplied, each once per call over the
 rows routed to it: in a decode step of several sequences (`alone`) those rows take the few-row
 kernels, each row's bits its own, and every row sums its experts in its own top-k order, so that a
-sequence's bits never depend on the others in the step. In a prefill, once routed, the experts' pages are
+sequence's bits never depend on the others in the step. Decode rows over mapped weights run in numpy
+between the kernels (`rows`); a prefill's in torch. In a prefill, once routed, the experts' pages are
 hinted to the OS (`pages`) before their products read them.
 """
 
@@ -18,9 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagelm.quant.int8dot import Int8Rows
 from pagelm.weights.linear import MAX_GEMV_ROWS, Linear
 from pagelm.weights.mapped import ExpertPages
 
@@ -118,6 +121,8 @@ class Experts:
         rows y (n, hidden): each expert once over the rows routed to it (the rows gathered by expert,
         a product per expert, put back in row order), then each row's experts added in its top-k order;
         then the shared expert's output times the sigmoid of its gate, where there is one."""
+        if (alone or y.shape[0] == 1) and self.takes_rows:
+            return torch.from_numpy(self.rows(y.to(torch.float32).contiguous().numpy()))
         logits = self.router(y, alone)
         n_routed = len(self.gate_up)
         weights, chosen = self.route(logits[:, :n_routed])
@@ -133,11 +138,8 @@ class Experts:
         for e, count in zip(routed, counts.tolist()):
             done[lo : lo + count] = self._expert(e, _padded(rows[lo : lo + count]), alone)[:count]
             lo += count
-        if self.traffic is not None and (alone or n == 1):  # a decode step's
-            read = sum(self.expert_nbytes[e] for e in routed)
-            if self.shared is not None:
-                read += self.shared[0].weight_nbytes + self.shared[1].weight_nbytes
-            self.traffic.bytes, self.traffic.rows = self.traffic.bytes + read, self.traffic.rows + n
+        if alone or n == 1:
+            self._count(routed, n)
         outs = done[torch.argsort(slots)].view(n, k, -1).mul_(weights[:, :, None])
         total = outs[:, 0].clone()
         for j in range(1, k):
@@ -146,6 +148,59 @@ class Experts:
             gate = _each_row(torch.sigmoid, logits[:, n_routed:].float(), alone=alone)
             total += _gated(*self.shared, y, alone).float().mul_(gate)
         return total
+
+    @cached_property
+    def takes_rows(self) -> bool:
+        """Whether decode rows take `rows`: every operator's few-row products are float32 (mapped weights)."""
+        ops = [self.router, *self.gate_up, *self.down, *(self.shared or ())]
+        return all(op.few_rows_dtype is torch.float32 for op in ops)
+
+    def rows(self, y: np.ndarray) -> np.ndarray:
+        """__call__ of decode rows y (float32 (n, hidden), C-contiguous), each row alone, in numpy between
+        the kernels, without torch's dispatch around each of a layer's ~25 products: the same grouping by
+        expert and the same operations in the same order. With int8 products, y is quantized once for
+        the router and every expert of a row."""
+        n_routed = len(self.gate_up)
+        int8 = Int8Rows(y) if self.gate_up[0].takes_int8 else None  # y's int8 form, for every product of y
+        logits = torch.from_numpy(self.router.rows(y, True, int8=int8))
+        weights, chosen = self.route(logits[:, :n_routed])
+        n, k = chosen.shape
+        chosen = chosen.numpy()
+        outs = np.empty((n, k, y.shape[1]), np.float32)
+        if n == 1:
+            routed = chosen[0].tolist()
+            for j, e in enumerate(routed):
+                outs[0, j] = self._expert_rows(e, y, int8)[0]
+        else:
+            flat = outs.reshape(n * k, -1)
+            slots = np.argsort(chosen.reshape(-1), kind="stable")  # the slots grouped by expert
+            routed, starts = np.unique(chosen.reshape(-1)[slots], return_index=True)
+            routed = routed.tolist()
+            for e, group in zip(routed, np.split(slots, starts[1:])):
+                flat[group] = self._expert_rows(e, np.ascontiguousarray(y[group // k]))
+        self._count(routed, n)
+        outs *= weights.numpy()[:, :, None]
+        total = outs[:, 0].copy()
+        for j in range(1, k):
+            total += outs[:, j]
+        if self.shared is not None:
+            gate = _each_row(torch.sigmoid, logits[:, n_routed:], alone=True).numpy()
+            total += _gated_rows(*self.shared, y, int8=int8) * gate
+        return total
+
+    def _expert_rows(self, e: int, y: np.ndarray, int8: Int8Rows | None = None) -> np.ndarray:
+        bias = None if self.gate_up_bias is None else self.gate_up_bias[e].numpy()
+        out = _gated_rows(self.gate_up[e], self.down[e], y, self.activation, bias, int8)
+        return out if self.down_bias is None else out + self.down_bias[e].numpy()
+
+    def _count(self, routed: list[int], n: int) -> None:
+        """A decode call's expert bytes and rows into `traffic`, where counted."""
+        if self.traffic is None:
+            return
+        read = sum(self.expert_nbytes[e] for e in routed)
+        if self.shared is not None:
+            read += self.shared[0].weight_nbytes + self.shared[1].weight_nbytes
+        self.traffic.bytes, self.traffic.rows = self.traffic.bytes + read, self.traffic.rows + n
 
     def _expert(self, e: int, y: torch.Tensor, alone: bool) -> torch.Tensor:
         bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
@@ -180,6 +235,16 @@ def _gated(gate_up: Linear, down: Linear, y: torch.Tensor, alone: bool, activati
         both = both.float() + bias
     gate, up = both.chunk(2, -1)
     return down(_each_row(activation, gate, up, alone=alone), alone)
+
+
+def _gated_rows(gate_up: Linear, down: Linear, y: np.ndarray, activation=silu_glu,
+                bias: np.ndarray | None = None, int8: Int8Rows | None = None) -> np.ndarray:
+    """_gated of decode rows y in numpy (float32, C-contiguous), each row alone; int8: Int8Rows(y) or None."""
+    both = gate_up.rows(y, True, int8=int8)
+    if bias is not None:
+        both += bias
+    gate, up = torch.from_numpy(both).chunk(2, -1)
+    return down.rows(_each_row(activation, gate, up, alone=True).numpy(), True)
 
 
 def mixtures(network) -> list[Experts]:

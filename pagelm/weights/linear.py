@@ -70,16 +70,20 @@ class Linear:
     def __call__(self, x: torch.Tensor, alone: bool = False) -> torch.Tensor:
         raise NotImplementedError
 
-    def rows(self, xs: np.ndarray, alone: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+    def rows(self, xs: np.ndarray, alone: bool = False, out: np.ndarray | None = None,
+             int8: Int8Rows | None = None) -> np.ndarray:
         """A decode step's product in numpy: xs float32 C-contiguous (n <= MAX_GEMV_ROWS, in_features);
         the float32 values of self(xs) (its result widened where `dtype` is narrower), without torch's
         dispatch where the operator computes in numpy; written into `out` (float32 (n, out_features),
-        C-contiguous) when given, which is returned."""
+        C-contiguous) when given, which is returned. `int8`: Int8Rows(xs), for an operator that
+        `takes_int8`, made once for the products of one xs."""
         result = as_float32(self(torch.from_numpy(xs), alone))
         if out is None:
             return result
         out[:] = result
         return out
+
+    takes_int8 = False  # decode rows are multiplied in their int8 form (mapped-int8)
 
     @property
     def nbytes(self) -> int:
@@ -261,11 +265,12 @@ class MappedLinear(Linear):
             xs = x.to(torch.float32).contiguous().numpy()
         return torch.from_numpy(self.rows(xs, alone))
 
-    def rows(self, xs: np.ndarray, alone: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+    def rows(self, xs: np.ndarray, alone: bool = False, out: np.ndarray | None = None,
+             int8: Int8Rows | None = None) -> np.ndarray:
         if out is None:
             out = np.empty((xs.shape[0], self.out_features), np.float32)
         if self._int8 and (alone or xs.shape[0] == 1):  # each row quantized as it would be alone
-            int8 = Int8Rows(xs)
+            int8 = int8 or Int8Rows(xs)
             for p in self.parts:
                 p.matmul(xs, out, int8)
             return out
@@ -274,6 +279,10 @@ class MappedLinear(Linear):
         return out
 
     few_rows_dtype = torch.float32
+
+    @property
+    def takes_int8(self) -> bool:
+        return self._int8
 
     @property
     def weight_nbytes(self) -> int:
