@@ -20,6 +20,8 @@ row's own accumulators in turn, so a row's sums are those of the row multiplied 
 Kernels read the uint8 array they are handed (normally the read-only file map), never copy it.
 """
 
+import functools
+
 import llvmlite.binding as llvm
 import numba
 import numpy as np
@@ -55,8 +57,11 @@ INT8_TYPES = frozenset(GGMLType(k) for k in (_Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, 
 K_TYPES = frozenset(GGMLType(k) for k in (_Q4_K, _Q5_K, _Q6_K))  # activations in 256-value groups
 
 
+@functools.cache
 def available() -> bool:
-    """The kernels use AVX2 instructions directly; elsewhere weights="mapped-int8" is refused."""
+    """The kernels use AVX2 instructions directly; elsewhere weights="mapped-int8" is refused. Asked once
+    a process: llvmlite reads the host's features anew at each call, and a loader binds an int8 product
+    for every row group (thousands in a mixture of experts)."""
     return "+avx2" in llvm.get_host_cpu_features().flatten().split(",")
 
 
