@@ -404,7 +404,7 @@ def values32(typingctx, kind, data, at, qh, d, m, w):
             elif t in (_Q4_0_T, _Q4_1_T):
                 q, signed = nibbles16(context, builder, arrty, data, at), t == _Q4_0_T
             elif t == _MXFP4_T:
-                q, signed = mxfp4_codes(builder, nibbles16(context, builder, arrty, data, at)), True
+                q, signed = _mxfp4_codes(builder, nibbles16(context, builder, arrty, data, at)), True
             else:
                 q, signed = q5_group(context, builder, arrty, data, at, qh), t == _Q5_0_T
             if t == _Q4_0_T:
@@ -420,7 +420,7 @@ def values32(typingctx, kind, data, at, qh, d, m, w):
     return types.void(kind, data, at, qh, d, m, w), codegen
 
 
-def mxfp4_codes(builder, q):
+def _mxfp4_codes(builder, q):
     """MXFP4's code of each 4-bit value of byte vector q: its magnitude from the low 3 bits (0-4 as
     they are, 5 -> 6, 6 -> 8, 7 -> 12), negative where bit 3 is set."""
     n = q.type.count

@@ -8,9 +8,7 @@ AVX-512 VNNI, a 32-value block's in one `vpdpbusd`: no pair sum can saturate `vp
 lanes are the same). A 32-value block's scales are applied to the eight int32 lanes in float; a K-quant
 block's sub-block scales are integers, applied in the `vpmaddwd` (which LLVM fuses with its add to
 `vpdpwssd` under VNNI), so that its 256 products are summed exactly in int32 lanes and scaled in float
-once a block. Signed weights (Q8_0's bytes; MXFP4's codes, twice the E2M1 values, -12..12, times a power of two
-per block) are multiplied by their magnitudes, the activations taking their signs.
-Weights whose values are stored with an offset (Q4_0's q - 8, Q6_K's q - 32) or a minimum
+once a block. Weights whose values are stored with an offset (Q4_0's q - 8, Q6_K's q - 32) or a minimum
 (Q4_1, Q5_1, the K-quants) take it through the sums of the quantized activations (per 32 values; per 16
 under Q6_K's scales). Vectors are 256-bit under AVX2 and AVX-512 alike, and the bits are the same.
 (K-quant sub-blocks taken two at a time in 512-bit vectors, same bits, were tried: 5-11 % less CPU time
@@ -33,7 +31,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from pagelm.errors import UnsupportedError
-from pagelm.quant.blockir import I8, I32, V32I8, bytes_at, k4_codes, mxfp4_codes, nibbles16, q5_group
+from pagelm.quant.blockir import I8, I32, V32I8, bytes_at, k4_codes, nibbles16, q5_group
 from pagelm.quant.codegen import F16_TO_F32, kernel_of, stack_f32, wide_vectors
 from pagelm.quant.head import check_table
 from pagelm.quant.matmul import (
@@ -44,7 +42,6 @@ from pagelm.quant.matmul import (
     fp16_at,
     hint_block,
     load_at,
-    mxfp4_scale_of,
     row_at,
     readonly,
 )
@@ -55,8 +52,8 @@ K_GROUP = 256  # the same for the K-quants
 
 _T = GGMLType
 _Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1 = int(_T.Q8_0), int(_T.Q4_0), int(_T.Q4_1), int(_T.Q5_0), int(_T.Q5_1)
-_Q4_K, _Q5_K, _Q6_K, _MXFP4 = int(_T.Q4_K), int(_T.Q5_K), int(_T.Q6_K), int(_T.MXFP4)
-INT8_TYPES = frozenset(GGMLType(k) for k in (_Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q4_K, _Q5_K, _Q6_K, _MXFP4))
+_Q4_K, _Q5_K, _Q6_K = int(_T.Q4_K), int(_T.Q5_K), int(_T.Q6_K)
+INT8_TYPES = frozenset(GGMLType(k) for k in (_Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q4_K, _Q5_K, _Q6_K))
 K_TYPES = frozenset(GGMLType(k) for k in (_Q4_K, _Q5_K, _Q6_K))  # activations in 256-value groups
 
 
@@ -162,31 +159,16 @@ def _acc8_take(typingctx, acc):
     return types.float32(acc), codegen
 
 
-def _signed_dot(builder, acc, w, x, scale):
-    """acc += scale * w·x of signed weight bytes w (|w| times x signed as w: vpdpbusd's unsigned operand)."""
-    magnitude = _call(builder, "llvm.abs.v32i8", V32I8, w, ir.Constant(ir.IntType(1), 0))
-    _accumulate(builder, acc, magnitude, _call(builder, "llvm.x86.avx2.psign.b", V32I8, x, w), scale)
-
-
 @intrinsic
 def _dot_q8(typingctx, data, at, xq, xat, acc, scale):
     """acc += scale * w·x over 32 signed weight bytes at data[at] and xq[xat:] (|w| times x signed as w)."""
 
     def codegen(context, builder, signature, args):
         w = bytes_at(context, builder, signature.args[0], args[0], args[1])
-        _signed_dot(builder, args[4], w, bytes_at(context, builder, signature.args[2], args[2], args[3]), args[5])
-        return context.get_dummy_value()
-
-    return types.void(data, at, xq, xat, acc, scale), codegen
-
-
-@intrinsic
-def _dot_mxfp4(typingctx, data, at, xq, xat, acc, scale):
-    """acc += scale * c·x, c the 32 codes (-12..12: twice the E2M1 values) of the 16 bytes at data[at]."""
-
-    def codegen(context, builder, signature, args):
-        w = mxfp4_codes(builder, nibbles16(context, builder, signature.args[0], args[0], args[1]))
-        _signed_dot(builder, args[4], w, bytes_at(context, builder, signature.args[2], args[2], args[3]), args[5])
+        x = bytes_at(context, builder, signature.args[2], args[2], args[3])
+        magnitude = _call(builder, "llvm.abs.v32i8", V32I8, w, ir.Constant(ir.IntType(1), 0))
+        signed_x = _call(builder, "llvm.x86.avx2.psign.b", V32I8, x, w)
+        _accumulate(builder, args[4], magnitude, signed_x, args[5])
         return context.get_dummy_value()
 
     return types.void(data, at, xq, xat, acc, scale), codegen
@@ -381,9 +363,6 @@ def _block(kind, acc, data, o, b, i, xq, xd, xs, xm, kq, kd, k16, k32, f16):
     intrinsics read row i of the 2-D activations at its flat offset.)"""
     if kind == _Q8_0:
         _dot_q8(data, o + 2, xq, xq.shape[1] * i + 32 * b, acc, fp16_at(f16, data, o) * xd[i, b])
-        return _F32(0)
-    if kind == _MXFP4:
-        _dot_mxfp4(data, o + 1, xq, xq.shape[1] * i + 32 * b, acc, mxfp4_scale_of(np.uint32(data[o])) * xd[i, b])
         return _F32(0)
     if kind == _Q4_0 or kind == _Q4_1:
         s = fp16_at(f16, data, o) * xd[i, b]

@@ -154,7 +154,7 @@ def fp16_at(f16, data, at):
 
 
 @njit(inline="always")
-def mxfp4_scale_of(e):
+def _mxfp4_scale(e):
     """codecs.mxfp4_scale of one E8M0 byte: 2^(e - 128)."""
     return u32_as_f32(np.uint32(0x00200000) << e if e < 2 else np.uint32(e - 1) << 23)
 
@@ -183,7 +183,7 @@ def _prep(kind, data, o, g, f16):
         s, m = fp16_at(f16, data, o) * np.float32(sc), fp16_at(f16, data, o + 2) * np.float32(mn)
         return s, m, s, m
     if kind == _MXFP4:
-        d = mxfp4_scale_of(np.uint32(_u8(data, o)))
+        d = _mxfp4_scale(np.uint32(_u8(data, o)))
         return d, zero, d, zero
     if kind == _Q6_K:
         d = fp16_at(f16, data, o + 208)
@@ -409,7 +409,7 @@ def _unpack(kind, data, o, f16, w, q6, s6):
         else:
             values32(kind, data, qh + 4, load_at(data, qh, np.uint32), fp16_at(f16, data, o), m, w)
     elif kind == _MXFP4:  # under AVX-512 each value picked from the block's 16
-        d = mxfp4_scale_of(np.uint32(_u8(data, o)))
+        d = _mxfp4_scale(np.uint32(_u8(data, o)))
         if AVX512:
             q4_floats(kind, data, o + 1, d, np.float32(0), w)
         else:
