@@ -165,20 +165,17 @@ class Experts:
         logits = torch.from_numpy(self.router.rows(y, True, int8=int8))
         weights, chosen = self.route(logits[:, :n_routed])
         n, k = chosen.shape
-        chosen = chosen.numpy()
+        groups: dict[int, list[int]] = {}  # each routed expert's slots t·k + j (row t's j-th expert), in order
+        for slot, e in enumerate(chosen.reshape(-1).tolist()):
+            groups.setdefault(e, []).append(slot)
         outs = np.empty((n, k, y.shape[1]), np.float32)
-        if n == 1:
-            routed = chosen[0].tolist()
-            for j, e in enumerate(routed):
-                outs[0, j] = self._expert_rows(e, y, int8)[0]
-        else:
-            flat = outs.reshape(n * k, -1)
-            slots = np.argsort(chosen.reshape(-1), kind="stable")  # the slots grouped by expert
-            routed, starts = np.unique(chosen.reshape(-1)[slots], return_index=True)
-            routed = routed.tolist()
-            for e, group in zip(routed, np.split(slots, starts[1:])):
-                flat[group] = self._expert_rows(e, np.ascontiguousarray(y[group // k]))
-        self._count(routed, n)
+        for e, slots in groups.items():
+            rows = [slot // k for slot in slots]
+            x = y[rows[0] : rows[0] + 1] if len(rows) == 1 else y[rows]
+            out = self._expert_rows(e, x, int8 if n == 1 else None)
+            for i, (t, slot) in enumerate(zip(rows, slots)):
+                outs[t, slot - k * t] = out[i]
+        self._count(list(groups), n)
         outs *= weights.numpy()[:, :, None]
         total = outs[:, 0].copy()
         for j in range(1, k):
