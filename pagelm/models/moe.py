@@ -160,11 +160,14 @@ class Experts:
         the kernels, without torch's dispatch around each of a layer's ~25 products: the same grouping by
         expert and the same operations in the same order. With int8 products, y is quantized once for
         the router and every expert of a row."""
-        n_routed = len(self.gate_up)
-        int8 = Int8Rows(y) if self.gate_up[0].takes_int8 else None  # y's int8 form, for every product of y
+        n_routed, n = len(self.gate_up), y.shape[0]
+        # y's int8 form, made once for the products of all of y: the router's, the shared expert's, and with
+        # one row its experts' (several rows go to each expert in groups of their own)
+        users = [self.router, *self.gate_up[:1 if n == 1 else 0], *(self.shared or ())[:1]]
+        int8 = Int8Rows(y) if any(op.takes_int8 for op in users) else None
         logits = torch.from_numpy(self.router.rows(y, True, int8=int8))
         weights, chosen = self.route(logits[:, :n_routed])
-        n, k = chosen.shape
+        k = chosen.shape[1]
         groups: dict[int, list[int]] = {}  # each routed expert's slots t·k + j (row t's j-th expert), in order
         for slot, e in enumerate(chosen.reshape(-1).tolist()):
             groups.setdefault(e, []).append(slot)
